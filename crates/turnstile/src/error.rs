@@ -1,0 +1,132 @@
+//! The crate's one error type.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+use crate::lock::LossReason;
+
+/// What went wrong, in terms a caller can act on.
+///
+/// Match on [`Error::kind`] to decide what to do; the driver's own error, when
+/// there is one, is kept as [`std::error::Error::source`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// A lock name (or resource name) is empty, too long or contains a control character.
+    InvalidName,
+    /// An option is out of range: a zero TTL, a drift allowance larger than the TTL, and so on.
+    InvalidOptions,
+    /// A store URL could not be parsed, or names a scheme this build does not know.
+    InvalidUrl,
+    /// The store URL is valid but support for it was not compiled in (a cargo feature is off).
+    UnsupportedStore,
+    /// The store could not be reached or did not answer in time. Usually worth retrying.
+    StoreUnavailable,
+    /// The store answered with an error or with data Turnstile did not expect.
+    Store,
+    /// `acquire` waited as long as it was allowed to and the lock was still held.
+    AcquireTimeout,
+    /// The lock was lost while the protected work was running (see [`Error::loss_reason`]).
+    LockLost,
+    /// A fencing token was rejected or cannot be represented by the protected store.
+    Fencing,
+}
+
+impl ErrorKind {
+    fn describe(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidName => "invalid name",
+            ErrorKind::InvalidOptions => "invalid options",
+            ErrorKind::InvalidUrl => "invalid store URL",
+            ErrorKind::UnsupportedStore => "unsupported store",
+            ErrorKind::StoreUnavailable => "store unavailable",
+            ErrorKind::Store => "store error",
+            ErrorKind::AcquireTimeout => "lock not acquired in time",
+            ErrorKind::LockLost => "lock lost",
+            ErrorKind::Fencing => "fencing error",
+        }
+    }
+}
+
+/// The error type of every fallible Turnstile operation.
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    loss: Option<LossReason>,
+    source: Option<Box<dyn StdError + Send + Sync + 'static>>,
+}
+
+/// `Result` with Turnstile's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Makes an error of `kind` with a message that says what to do about it.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error {
+            kind,
+            message: message.into(),
+            loss: None,
+            source: None,
+        }
+    }
+
+    /// Attaches the underlying error (a driver's, an I/O error) as the source.
+    pub fn with_source(mut self, source: impl StdError + Send + Sync + 'static) -> Self {
+        self.source = Some(Box::new(source));
+        self
+    }
+
+    pub(crate) fn lost(reason: LossReason) -> Self {
+        let mut error = Error::new(ErrorKind::LockLost, format!("the lock was lost: {reason}"));
+        error.loss = Some(reason);
+        error
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// For [`ErrorKind::LockLost`], why ownership could no longer be assumed.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.loss
+    }
+
+    /// Whether trying the same call again later can succeed without any change by the caller:
+    /// the store was unreachable, or the lock was busy.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self.kind,
+            ErrorKind::StoreUnavailable | ErrorKind::AcquireTimeout
+        )
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind.describe(), self.message)?;
+        if let Some(source) = &self.source {
+            write!(f, " ({source})")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Error")
+            .field("kind", &self.kind)
+            .field("message", &self.message)
+            .field("loss", &self.loss)
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl StdError for Error {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_deref()
+            .map(|source| source as &(dyn StdError + 'static))
+    }
+}

@@ -1,0 +1,221 @@
+//! The storage-engine trait: only the atomic primitives.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::{LockName, LossReason, OwnerId};
+use crate::error::Result;
+use crate::fence::FencingToken;
+
+/// A boxed, sendable future: what [`LockBackend`] methods return, so the trait stays
+/// object-safe and a store can be chosen at run time from a URL.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A storage engine for locks.
+///
+/// An engine implements the atomic primitives and nothing else; each must be a single
+/// atomic step in the store. Waiting, the local queue, renewal and loss detection are
+/// written once in [`Locker`](super::Locker) and [`LockGuard`](super::LockGuard).
+///
+/// Contracts every engine keeps (the conformance suite checks them):
+/// - `try_acquire` succeeds for exactly one of any number of concurrent callers while
+///   the lock is free, and issues a [`FencingToken`] larger than every token issued
+///   before for that name.
+/// - `extend` and `release` act only when `owner` holds the lock; `extend` never
+///   re-creates a lock that has expired or was released.
+/// - Expiry is decided by one clock for all clients (the store's, or the host's for a
+///   store that lives on one host), never by each client's own clock.
+pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
+    /// Takes the lock for `owner` for `ttl` if it is free (never held, released or expired).
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<TryAcquire>>;
+
+    /// Resets the lease of a lock `owner` holds to `ttl` from now.
+    fn extend<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<ExtendOutcome>>;
+
+    /// Releases the lock if `owner` holds it, and wakes waiters.
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+    ) -> BoxFuture<'a, Result<ReleaseOutcome>>;
+
+    /// The current holder, if the lock is held.
+    fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>>;
+
+    /// An operator's forced release, whoever holds the lock. Returns what was held.
+    fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>>;
+
+    /// Starts listening for releases of `name`. The watch is registered before the
+    /// future completes, so a release that happens after it returns is never missed.
+    fn watch_releases<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<ReleaseWatch>>;
+
+    /// A short description of the store for messages (its URL without a password).
+    fn describe(&self) -> String;
+}
+
+/// The answer to [`LockBackend::try_acquire`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TryAcquire {
+    /// The lock is ours, with this fencing token.
+    Acquired {
+        /// The acquisition's fencing token.
+        token: FencingToken,
+    },
+    /// Someone else holds it.
+    Held {
+        /// The holder's remaining lease, when the store knows it: when to check again
+        /// if no release notification arrives.
+        remaining_ttl: Option<Duration>,
+    },
+}
+
+/// The answer to [`LockBackend::extend`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ExtendOutcome {
+    /// The lease now runs for the full TTL again.
+    Extended,
+    /// The lock is no longer ours.
+    Lost(LossReason),
+}
+
+/// What a release found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReleaseOutcome {
+    /// We held the lock and it is now free.
+    Released,
+    /// Our lease had already expired (or been broken); nobody else holds it under our name.
+    AlreadyExpired,
+    /// Our lease had expired and another acquisition holds the lock now; it was left alone.
+    HeldByOther,
+}
+
+impl fmt::Display for ReleaseOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReleaseOutcome::Released => "released",
+            ReleaseOutcome::AlreadyExpired => "had already expired",
+            ReleaseOutcome::HeldByOther => "held by another owner",
+        })
+    }
+}
+
+/// A held lock as the store sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockInfo {
+    /// The holder's owner id (32 hex digits).
+    pub owner: String,
+    /// The holder's fencing token.
+    pub fencing_token: FencingToken,
+    /// How long the lease has left, by the store's clock.
+    pub remaining_ttl: Option<Duration>,
+}
+
+/// A subscription to release notifications for one lock name.
+///
+/// Dropping it unsubscribes. An engine without cross-process notifications sets a poll
+/// backoff: waiters then re-check at growing intervals between `min` and `max`.
+pub struct ReleaseWatch {
+    receiver: Option<watch::Receiver<u64>>,
+    poll: Option<(Duration, Duration)>,
+    next_poll: Duration,
+    _subscription: Option<Box<dyn Send + Sync>>,
+}
+
+impl fmt::Debug for ReleaseWatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReleaseWatch")
+            .field("notified", &self.receiver.is_some())
+            .field("poll", &self.poll)
+            .finish()
+    }
+}
+
+impl ReleaseWatch {
+    /// A watch fed by `receiver` (each change is a release); `subscription` is dropped
+    /// with the watch and should unsubscribe.
+    pub fn new(receiver: watch::Receiver<u64>, subscription: impl Send + Sync + 'static) -> Self {
+        ReleaseWatch {
+            receiver: Some(receiver),
+            poll: None,
+            next_poll: Duration::ZERO,
+            _subscription: Some(Box::new(subscription)),
+        }
+    }
+
+    /// A watch with no notifications at all: waiters only poll.
+    pub fn polling(min: Duration, max: Duration) -> Self {
+        ReleaseWatch {
+            receiver: None,
+            poll: Some((min, max)),
+            next_poll: min,
+            _subscription: None,
+        }
+    }
+
+    /// Adds polling between `min` and `max` (doubling) for releases the notifications
+    /// cannot see, such as those by other processes.
+    pub fn with_poll(mut self, min: Duration, max: Duration) -> Self {
+        self.poll = Some((min, max));
+        self.next_poll = min;
+        self
+    }
+
+    /// Whether the notification source is gone (the connection carrying it dropped);
+    /// the waiter should subscribe again.
+    pub fn is_closed(&self) -> bool {
+        self.receiver
+            .as_ref()
+            .is_some_and(|receiver| receiver.has_changed().is_err())
+    }
+
+    /// Waits until a release is announced or `limit` passes, whichever is first, and
+    /// no longer than the poll interval. Returns `true` if a release was announced.
+    pub(crate) async fn wait(&mut self, limit: Duration) -> bool {
+        let limit = match self.poll {
+            Some((_, max)) => {
+                let interval = self.next_poll.min(limit);
+                self.next_poll = (self.next_poll * 2).min(max);
+                interval
+            }
+            None => limit,
+        };
+        let notified = async {
+            match self.receiver.as_mut() {
+                Some(receiver) => {
+                    if receiver.changed().await.is_err() {
+                        // The source closed; fall back to the timer alone.
+                        std::future::pending::<()>().await;
+                    }
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        let announced = tokio::select! {
+            () = notified => true,
+            () = tokio::time::sleep(limit) => false,
+        };
+        if announced {
+            if let Some((min, _)) = self.poll {
+                self.next_poll = min;
+            }
+        }
+        announced
+    }
+}

@@ -1,0 +1,342 @@
+//! Acquiring: the local queue, waiting for release notifications, timeouts.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{
+    LockBackend, LockGuard, LockInfo, LockName, LockOptions, OwnerId, ReleaseWatch, TryAcquire,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fence::FencingToken;
+
+/// How long a waiter sleeps before checking again when the store does not say how long
+/// the holder's lease has left.
+const DEFAULT_RECHECK: Duration = Duration::from_secs(1);
+
+/// Hands out locks kept in one store.
+///
+/// Cheap to clone; clones share the store connection and the local queue. Inside one
+/// process, at most one waiter per lock name contends with the store at a time; the
+/// others queue locally, first come first served, so a release wakes one waiter, not a
+/// herd.
+///
+/// ```
+/// # #[cfg(feature = "sqlite")]
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> turnstile::Result<()> {
+/// use std::time::Duration;
+/// use turnstile::lock::{Locker, LockOptions};
+///
+/// let dir = tempfile::tempdir().unwrap();
+/// let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+/// let locker = Locker::connect(&url).await?;
+///
+/// let options = LockOptions::new().ttl(Duration::from_secs(10));
+/// let guard = locker.acquire("invoice:42", &options).await?;
+/// println!("holding with fencing token {}", guard.fencing_token());
+/// guard.release().await?;
+/// # Ok(())
+/// # }
+/// # #[cfg(not(feature = "sqlite"))]
+/// # fn main() {}
+/// ```
+#[derive(Clone)]
+pub struct Locker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    backend: Arc<dyn LockBackend>,
+    queues: Mutex<Queues>,
+}
+
+#[derive(Default)]
+struct Queues {
+    by_name: HashMap<LockName, Weak<LocalQueue>>,
+    /// Table size after the last sweep of dead entries; the next sweep runs when the
+    /// table has doubled, so sweeping costs O(1) per acquire on average.
+    swept_at: usize,
+}
+
+/// The per-name local queue. Whoever holds `contender` is the one waiter talking to
+/// the store; it keeps the release subscription here so that the next contender can
+/// reuse it instead of subscribing again.
+#[derive(Default)]
+struct LocalQueue {
+    contender: tokio::sync::Mutex<Option<ReleaseWatch>>,
+}
+
+impl fmt::Debug for Locker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Locker")
+            .field("store", &self.inner.backend.describe())
+            .finish()
+    }
+}
+
+impl Locker {
+    /// A locker over `backend`.
+    pub fn new(backend: impl LockBackend) -> Self {
+        Locker::from_arc(Arc::new(backend))
+    }
+
+    /// A locker over a shared backend.
+    pub fn from_arc(backend: Arc<dyn LockBackend>) -> Self {
+        Locker {
+            inner: Arc::new(Inner {
+                backend,
+                queues: Mutex::default(),
+            }),
+        }
+    }
+
+    /// Opens the store a URL names (`sqlite://PATH`, `redis://…`, `rediss://…`); see
+    /// [`crate::store::connect`].
+    pub async fn connect(url: &str) -> Result<Self> {
+        crate::store::connect(url).await.map(Locker::from_arc)
+    }
+
+    /// The store.
+    pub fn backend(&self) -> &Arc<dyn LockBackend> {
+        &self.inner.backend
+    }
+
+    fn queue(&self, name: &LockName) -> Arc<LocalQueue> {
+        let mut queues = self.inner.queues.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(queue) = queues.by_name.get(name).and_then(Weak::upgrade) {
+            return queue;
+        }
+        if queues.by_name.len() >= 2 * queues.swept_at.max(32) {
+            queues.by_name.retain(|_, queue| queue.strong_count() > 0);
+            queues.swept_at = queues.by_name.len();
+        }
+        let queue = Arc::new(LocalQueue::default());
+        queues.by_name.insert(name.clone(), Arc::downgrade(&queue));
+        queue
+    }
+
+    /// Tries once to take the lock; `Ok(None)` if someone else holds it.
+    pub async fn try_acquire<N>(&self, name: N, options: &LockOptions) -> Result<Option<LockGuard>>
+    where
+        N: TryInto<LockName, Error = Error>,
+    {
+        options.validate()?;
+        let name = name.try_into()?;
+        let owner = OwnerId::random();
+        match self.attempt(&name, &owner, options).await? {
+            Attempt::Acquired(guard) => Ok(Some(guard)),
+            Attempt::Held { .. } => Ok(None),
+        }
+    }
+
+    /// Takes the lock, waiting up to the options' wait bound.
+    ///
+    /// The wait is driven by release notifications from the store, with a re-check when
+    /// the holder's lease would run out in case a notification is lost; it is not a
+    /// sleep-retry loop. Dropping the returned future at any point is safe: a request
+    /// already sent that turns out to have taken the lock is released in the background.
+    ///
+    /// Errors: [`ErrorKind::AcquireTimeout`] when the wait bound passes; store errors
+    /// are returned at once rather than retried.
+    pub async fn acquire<N>(&self, name: N, options: &LockOptions) -> Result<LockGuard>
+    where
+        N: TryInto<LockName, Error = Error>,
+    {
+        options.validate()?;
+        let name = name.try_into()?;
+        let deadline = options.get_wait().map(|wait| Instant::now() + wait);
+        let timed_out = || {
+            Error::new(
+                ErrorKind::AcquireTimeout,
+                format!(
+                    "lock {name:?} is still held after waiting {:?}",
+                    options.get_wait().unwrap_or_default()
+                ),
+            )
+        };
+
+        let queue = self.queue(&name);
+        let mut contender = match deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, queue.contender.lock())
+                .await
+                .map_err(|_| timed_out())?,
+            None => queue.contender.lock().await,
+        };
+        let owner = OwnerId::random();
+        loop {
+            let remaining_ttl = match self.attempt(&name, &owner, options).await? {
+                Attempt::Acquired(guard) => return Ok(guard),
+                Attempt::Held { remaining_ttl } => remaining_ttl,
+            };
+            let now = Instant::now();
+            if deadline.is_some_and(|deadline| deadline <= now) {
+                return Err(timed_out());
+            }
+            // Subscribe on the first refusal (the uncontended path never does), then
+            // try again at once: a release between our attempt and the subscription
+            // would otherwise go unnoticed until the re-check.
+            if contender.as_ref().is_none_or(ReleaseWatch::is_closed) {
+                *contender = Some(self.inner.backend.watch_releases(&name).await?);
+                continue;
+            }
+            let recheck = remaining_ttl
+                .map(|ttl| ttl + Duration::from_millis(1))
+                .unwrap_or(DEFAULT_RECHECK);
+            let limit = match deadline {
+                Some(deadline) => recheck.min(deadline - now),
+                None => recheck,
+            };
+            if let Some(watch) = contender.as_mut() {
+                watch.wait(limit).await;
+            }
+        }
+    }
+
+    /// One try at the store. If this future is dropped while the request is in flight,
+    /// a background release undoes a possible success.
+    async fn attempt(
+        &self,
+        name: &LockName,
+        owner: &OwnerId,
+        options: &LockOptions,
+    ) -> Result<Attempt> {
+        let backend = &self.inner.backend;
+        let sent = Instant::now();
+        let undo = UndoOnDrop {
+            backend: Arc::clone(backend),
+            name,
+            owner,
+            armed: true,
+        };
+        let answer = backend.try_acquire(name, owner, options.get_ttl()).await;
+        undo.disarm();
+        match answer? {
+            TryAcquire::Acquired { token } => Ok(Attempt::Acquired(LockGuard::start(
+                Arc::clone(backend),
+                name.clone(),
+                owner.clone(),
+                token,
+                sent,
+                options,
+            ))),
+            TryAcquire::Held { remaining_ttl } => Ok(Attempt::Held { remaining_ttl }),
+        }
+    }
+
+    /// Runs `work` while holding the lock, and releases it afterwards.
+    ///
+    /// `work` gets the fencing token. If the lock is lost while `work` runs, `work` is
+    /// cancelled (dropped at its next await point) and the result is an error of kind
+    /// [`ErrorKind::LockLost`].
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> turnstile::Result<()> {
+    /// use turnstile::lock::{Locker, LockOptions};
+    ///
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    /// let locker = Locker::connect(&url).await?;
+    /// let total = locker
+    ///     .with_lock("nightly-report", &LockOptions::new(), |token| async move {
+    ///         // ... write the report, passing `token` to the store ...
+    ///         token.get() > 0
+    ///     })
+    ///     .await?;
+    /// assert!(total);
+    /// # Ok(())
+    /// # }
+    /// # #[cfg(not(feature = "sqlite"))]
+    /// # fn main() {}
+    /// ```
+    pub async fn with_lock<N, F, Fut, T>(
+        &self,
+        name: N,
+        options: &LockOptions,
+        work: F,
+    ) -> Result<T>
+    where
+        N: TryInto<LockName, Error = Error>,
+        F: FnOnce(FencingToken) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let guard = self.acquire(name, options).await?;
+        let lost = guard.lost();
+        let outcome = tokio::select! {
+            biased;
+            reason = lost => Err(Error::lost(reason)),
+            value = work(guard.fencing_token()) => Ok(value),
+        };
+        match outcome {
+            Ok(value) => {
+                // The work finished while the lock was certainly held; a failure to
+                // release now only means the lease runs out on its own.
+                let _ = guard.release().await;
+                Ok(value)
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// The current holder of `name`, if any.
+    pub async fn status<N>(&self, name: N) -> Result<Option<LockInfo>>
+    where
+        N: TryInto<LockName, Error = Error>,
+    {
+        let name = name.try_into()?;
+        self.inner.backend.inspect(&name).await
+    }
+
+    /// An operator's forced release, whoever holds the lock. Returns what was held.
+    ///
+    /// The holder is not told directly: its watchdog notices at the next renewal and its
+    /// lost signal fires then. Writes it makes in between are what fencing tokens stop.
+    pub async fn force_release<N>(&self, name: N) -> Result<Option<LockInfo>>
+    where
+        N: TryInto<LockName, Error = Error>,
+    {
+        let name = name.try_into()?;
+        self.inner.backend.force_release(&name).await
+    }
+}
+
+enum Attempt {
+    Acquired(LockGuard),
+    Held { remaining_ttl: Option<Duration> },
+}
+
+struct UndoOnDrop<'a> {
+    backend: Arc<dyn LockBackend>,
+    name: &'a LockName,
+    owner: &'a OwnerId,
+    armed: bool,
+}
+
+impl UndoOnDrop<'_> {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for UndoOnDrop<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let backend = Arc::clone(&self.backend);
+            let name = self.name.clone();
+            let owner = self.owner.clone();
+            // Releasing a lock this owner never got is a no-op in every store.
+            runtime.spawn(async move {
+                let _ = backend.release(&name, &owner).await;
+            });
+        }
+    }
+}

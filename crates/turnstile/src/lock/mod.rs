@@ -1,0 +1,393 @@
+//! Distributed locks with fencing tokens.
+//!
+//! A [`Locker`] hands out [`LockGuard`]s for named locks kept in a shared store (a
+//! [`LockBackend`]). The store implements only the atomic primitives; waiting, the
+//! local queue, watchdog renewal and lost-lock detection live here, once, for every
+//! engine.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::error::{Error, ErrorKind, Result};
+
+mod backend;
+mod guard;
+mod locker;
+mod signals;
+
+#[cfg(feature = "redis")]
+pub mod redis;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+pub use backend::{
+    BoxFuture, ExtendOutcome, LockBackend, LockInfo, ReleaseOutcome, ReleaseWatch, TryAcquire,
+};
+pub use guard::{LockGuard, LostSignal};
+pub use locker::Locker;
+pub use signals::ReleaseSignals;
+
+/// The longest lock name accepted, in bytes.
+pub const MAX_NAME_LEN: usize = 512;
+
+/// A validated lock name: 1 to [`MAX_NAME_LEN`] bytes of UTF-8 without control characters.
+///
+/// Names are what operators see in `turnstile lock status`, so anything printable is
+/// allowed (`order:123`, `reports/daily`, `日次集計`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LockName(String);
+
+impl LockName {
+    /// Validates `name`.
+    ///
+    /// ```
+    /// use turnstile::lock::LockName;
+    /// assert!(LockName::new("order:123").is_ok());
+    /// assert!(LockName::new("").is_err());
+    /// ```
+    pub fn new(name: impl Into<String>) -> Result<Self> {
+        let name = name.into();
+        if name.is_empty() {
+            return Err(Error::new(
+                ErrorKind::InvalidName,
+                "a lock name must not be empty",
+            ));
+        }
+        if name.len() > MAX_NAME_LEN {
+            return Err(Error::new(
+                ErrorKind::InvalidName,
+                format!(
+                    "a lock name is at most {MAX_NAME_LEN} bytes; this one has {} (hash long identifiers first)",
+                    name.len()
+                ),
+            ));
+        }
+        if let Some(bad) = name.chars().find(|c| c.is_control()) {
+            return Err(Error::new(
+                ErrorKind::InvalidName,
+                format!("a lock name must not contain control characters; found {bad:?}"),
+            ));
+        }
+        Ok(LockName(name))
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for LockName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl TryFrom<&str> for LockName {
+    type Error = Error;
+    fn try_from(name: &str) -> Result<Self> {
+        LockName::new(name)
+    }
+}
+
+impl TryFrom<String> for LockName {
+    type Error = Error;
+    fn try_from(name: String) -> Result<Self> {
+        LockName::new(name)
+    }
+}
+
+impl TryFrom<&String> for LockName {
+    type Error = Error;
+    fn try_from(name: &String) -> Result<Self> {
+        LockName::new(name.as_str())
+    }
+}
+
+impl TryFrom<&LockName> for LockName {
+    type Error = Error;
+    fn try_from(name: &LockName) -> Result<Self> {
+        Ok(name.clone())
+    }
+}
+
+/// Identifies one acquisition: 128 random bits, fresh for every acquire.
+///
+/// Ownership belongs to the acquisition, never to a thread or a task, so a guard can
+/// move between tasks and only the acquisition that took the lock can extend or
+/// release it.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct OwnerId(u128);
+
+impl OwnerId {
+    /// A fresh random owner id.
+    pub fn random() -> Self {
+        OwnerId(rand::random())
+    }
+
+    /// The id as 32 lowercase hex digits, the form stores keep.
+    pub fn to_hex(&self) -> String {
+        format!("{:032x}", self.0)
+    }
+}
+
+impl fmt::Debug for OwnerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "OwnerId({:032x})", self.0)
+    }
+}
+
+impl fmt::Display for OwnerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// How a lock is taken and kept.
+///
+/// ```
+/// use std::time::Duration;
+/// use turnstile::lock::LockOptions;
+///
+/// let options = LockOptions::new()
+///     .ttl(Duration::from_secs(10))
+///     .wait(Duration::from_secs(2))
+///     .max_hold(Duration::from_secs(300));
+/// assert_eq!(options.get_ttl(), Duration::from_secs(10));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockOptions {
+    ttl: Duration,
+    wait: Option<Duration>,
+    max_hold: Option<Duration>,
+    watchdog: bool,
+    drift: Option<Duration>,
+}
+
+impl Default for LockOptions {
+    fn default() -> Self {
+        LockOptions {
+            ttl: Duration::from_secs(30),
+            wait: Some(Duration::from_secs(10)),
+            max_hold: None,
+            watchdog: true,
+            drift: None,
+        }
+    }
+}
+
+impl LockOptions {
+    /// Defaults: TTL 30 s, wait up to 10 s, no cap on hold time, watchdog on.
+    pub fn new() -> Self {
+        LockOptions::default()
+    }
+
+    /// The lease length. A holder that crashes frees the lock after at most this long;
+    /// while the guard lives the watchdog renews the lease every TTL/3.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// How long [`Locker::acquire`] waits for a held lock before giving up with
+    /// [`ErrorKind::AcquireTimeout`]. `Duration::ZERO` tries once.
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// Wait as long as it takes.
+    pub fn wait_forever(mut self) -> Self {
+        self.wait = None;
+        self
+    }
+
+    /// Cap on how long one acquisition may be held in total, renewals included. When it
+    /// is reached the watchdog stops renewing and the lost signal fires.
+    pub fn max_hold(mut self, max_hold: Duration) -> Self {
+        self.max_hold = Some(max_hold);
+        self
+    }
+
+    /// Turns the watchdog on (the default) or off. Without it the lease simply runs out
+    /// after one TTL, and the lost signal fires when the local validity deadline passes.
+    pub fn watchdog(mut self, on: bool) -> Self {
+        self.watchdog = on;
+        self
+    }
+
+    /// Allowance for clock rate differences between this host and the store, taken off
+    /// every lease when computing the local validity deadline. Defaults to 1% of the
+    /// TTL plus 2 ms.
+    pub fn clock_drift(mut self, drift: Duration) -> Self {
+        self.drift = Some(drift);
+        self
+    }
+
+    /// The lease length.
+    pub fn get_ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// How long `acquire` waits; `None` is forever.
+    pub fn get_wait(&self) -> Option<Duration> {
+        self.wait
+    }
+
+    /// The cap on total hold time, if any.
+    pub fn get_max_hold(&self) -> Option<Duration> {
+        self.max_hold
+    }
+
+    /// Whether the watchdog renews the lease.
+    pub fn get_watchdog(&self) -> bool {
+        self.watchdog
+    }
+
+    /// The drift allowance in force.
+    pub fn get_clock_drift(&self) -> Duration {
+        self.drift
+            .unwrap_or(self.ttl / 100 + Duration::from_millis(2))
+    }
+
+    /// Checks the options, with an error that says what to change.
+    pub fn validate(&self) -> Result<()> {
+        if self.ttl.is_zero() {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                "the lock TTL must be greater than zero",
+            ));
+        }
+        if self.ttl < Duration::from_millis(10) {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "the lock TTL must be at least 10ms (stores count in milliseconds); got {:?}",
+                    self.ttl
+                ),
+            ));
+        }
+        if self.ttl > Duration::from_secs(365 * 24 * 3600) {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!("the lock TTL must be at most a year; got {:?}", self.ttl),
+            ));
+        }
+        if self.get_clock_drift() >= self.ttl {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "the clock drift allowance ({:?}) must be smaller than the TTL ({:?})",
+                    self.get_clock_drift(),
+                    self.ttl
+                ),
+            ));
+        }
+        if self.max_hold.is_some_and(|cap| cap.is_zero()) {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                "the cap on hold time must be greater than zero",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a held lock can no longer be assumed to be held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// A renewal found the lock held by another acquisition.
+    TakenOver,
+    /// A renewal found no lock at all: the lease had expired in the store or an
+    /// operator broke it.
+    Expired,
+    /// Renewals kept failing (store unreachable or too slow) until the local validity
+    /// deadline passed.
+    RenewalFailed,
+    /// The watchdog is off and the lease's local validity deadline passed.
+    LeaseElapsed,
+    /// The cap on total hold time was reached.
+    MaxHoldReached,
+}
+
+impl fmt::Display for LossReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LossReason::TakenOver => "another owner holds the lock",
+            LossReason::Expired => "the lease expired in the store (or was broken)",
+            LossReason::RenewalFailed => "renewals failed until the local validity deadline passed",
+            LossReason::LeaseElapsed => "the lease ran out (watchdog off)",
+            LossReason::MaxHoldReached => "the cap on hold time was reached",
+        })
+    }
+}
+
+/// Duration as whole milliseconds for a store, rounded up so a lease is never shorter
+/// than asked.
+pub(crate) fn ceil_millis(duration: Duration) -> u64 {
+    let millis = duration.as_millis();
+    let rounded = if duration.as_nanos() % 1_000_000 == 0 {
+        millis
+    } else {
+        millis + 1
+    };
+    u64::try_from(rounded).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_validated() {
+        assert_eq!(
+            LockName::new("").unwrap_err().kind(),
+            ErrorKind::InvalidName
+        );
+        assert_eq!(
+            LockName::new("a\nb").unwrap_err().kind(),
+            ErrorKind::InvalidName
+        );
+        assert_eq!(
+            LockName::new("x".repeat(MAX_NAME_LEN + 1))
+                .unwrap_err()
+                .kind(),
+            ErrorKind::InvalidName
+        );
+        assert!(LockName::new("x".repeat(MAX_NAME_LEN)).is_ok());
+        assert!(LockName::new("注文:123/{tag}").is_ok());
+    }
+
+    #[test]
+    fn options_are_validated() {
+        assert!(LockOptions::new().validate().is_ok());
+        for bad in [
+            LockOptions::new().ttl(Duration::ZERO),
+            LockOptions::new().ttl(Duration::from_millis(5)),
+            LockOptions::new()
+                .ttl(Duration::from_secs(1))
+                .clock_drift(Duration::from_secs(1)),
+            LockOptions::new().max_hold(Duration::ZERO),
+        ] {
+            assert_eq!(
+                bad.validate().unwrap_err().kind(),
+                ErrorKind::InvalidOptions
+            );
+        }
+    }
+
+    #[test]
+    fn owner_ids_are_unique_and_hex() {
+        let a = OwnerId::random();
+        let b = OwnerId::random();
+        assert_ne!(a, b);
+        assert_eq!(a.to_hex().len(), 32);
+    }
+
+    #[test]
+    fn millis_round_up() {
+        assert_eq!(ceil_millis(Duration::from_micros(1500)), 2);
+        assert_eq!(ceil_millis(Duration::from_millis(3)), 3);
+    }
+}

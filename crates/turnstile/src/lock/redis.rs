@@ -1,0 +1,616 @@
+//! The Redis engine: one atomic server-side script per operation.
+//!
+//! # Keys
+//! A lock named `NAME` under the prefix `P` (default `turnstile`) uses:
+//! - `P:{NAME}:lock` — a string `OWNER:TOKEN` with a millisecond expiry (the lease);
+//! - `P:{NAME}:fence` — the last fencing token issued for `NAME`, kept for the fence
+//!   retention (default 7 days) after the last acquisition;
+//! - the Pub/Sub channel `P:{NAME}:released`, announced on every release.
+//!
+//! The `{NAME}` hash tag puts all keys of one lock in one Redis Cluster slot, so every
+//! script touches a single slot.
+//!
+//! # Guarantees
+//! - **Atomicity**: acquire, extend, release, inspect and break are each one Lua script
+//!   (called by SHA, reloaded on `NOSCRIPT`); Redis runs a script alone.
+//! - **Expiry** is decided by the Redis server's clock (`PX`), never the client's.
+//!   Holders measure their own validity on their monotonic clock from the moment the
+//!   request was sent, minus a drift allowance.
+//! - **Fencing tokens** are `max(last + 1, server TIME in µs since the Unix epoch)`.
+//!   They stay strictly increasing across a restart that lost every key (no
+//!   persistence) **provided the server's wall clock does not step back** across the
+//!   restart by more than the restart took — true of an NTP-disciplined host. After a
+//!   failover the new primary's clock must likewise be ahead of the last token the old
+//!   primary issued; with synchronised clocks it is, since a failover takes far longer
+//!   than clock skew. The same assumption covers fence keys that aged out of retention.
+//! - **Restart or failover without persistence**: held locks vanish (the note's "single
+//!   Redis fails" row). A second holder can then acquire while the first still works;
+//!   the first holder's next renewal finds no lock and its lost signal fires (within
+//!   TTL/3), and its writes are refused by fenced stores because the second holder's
+//!   token is larger. Redis replication is asynchronous, so a failover can lose an
+//!   acquisition in the same way: **Redis locks are best-effort under failover**. Use
+//!   fencing where correctness matters.
+//! - **Partition**: a holder cut off from Redis cannot renew; its lost signal fires at
+//!   its local validity deadline, which is before the server-side lease ends (by the
+//!   drift allowance), so while clocks run at similar rates it stops before another
+//!   holder can start.
+//! - **Waiting**: waiters subscribe to the release channel and are woken by the
+//!   release script's `PUBLISH`; if a message is lost (connection drop) they re-check
+//!   when the holder's lease would run out. Expiry itself sends no message, so a waiter
+//!   behind a crashed holder wakes at the holder's remaining TTL.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink};
+use redis::{Client, Script, Value};
+
+use super::{
+    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
+    ReleaseSignals, ReleaseWatch, TryAcquire, ceil_millis,
+};
+use crate::error::{Error, ErrorKind, Result};
+
+const ACQUIRE: &str = r"
+local pttl = redis.call('PTTL', KEYS[1])
+if pttl ~= -2 then
+  return {0, pttl}
+end
+local now = redis.call('TIME')
+local token = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+if last >= token then
+  token = last + 1
+end
+local text = string.format('%.0f', token)
+redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text, 'PX', ARGV[2])
+return {1, text}
+";
+
+const EXTEND: &str = r"
+local value = redis.call('GET', KEYS[1])
+if not value then
+  return 0
+end
+if string.sub(value, 1, 33) ~= ARGV[1] .. ':' then
+  return -1
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+";
+
+const RELEASE: &str = r"
+local value = redis.call('GET', KEYS[1])
+if not value then
+  return 0
+end
+if string.sub(value, 1, 33) ~= ARGV[1] .. ':' then
+  return -1
+end
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[2], 'released')
+return 1
+";
+
+const INSPECT: &str = r"
+local value = redis.call('GET', KEYS[1])
+if not value then
+  return false
+end
+return {value, redis.call('PTTL', KEYS[1])}
+";
+
+const BREAK: &str = r"
+local value = redis.call('GET', KEYS[1])
+if not value then
+  return false
+end
+local pttl = redis.call('PTTL', KEYS[1])
+redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[1], 'broken')
+return {value, pttl}
+";
+
+/// Settings of a [`RedisLockStore`].
+#[derive(Debug, Clone)]
+pub struct RedisLockConfig {
+    prefix: String,
+    fence_retention: Duration,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+}
+
+impl Default for RedisLockConfig {
+    fn default() -> Self {
+        RedisLockConfig {
+            prefix: "turnstile".to_owned(),
+            fence_retention: Duration::from_secs(7 * 24 * 3600),
+            connect_timeout: Duration::from_secs(3),
+            response_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+impl RedisLockConfig {
+    /// Defaults: prefix `turnstile`, fence retention 7 days, 3 s connect and response
+    /// timeouts.
+    pub fn new() -> Self {
+        RedisLockConfig::default()
+    }
+
+    /// The first part of every key; lets several applications share one Redis.
+    /// Must be non-empty, printable, and free of `{` and `}` (they would break the
+    /// hash tag).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// How long the last issued fencing token is kept after the last acquisition of a
+    /// name. After that, new tokens rely on the server clock alone (see the module docs).
+    pub fn fence_retention(mut self, retention: Duration) -> Self {
+        self.fence_retention = retention;
+        self
+    }
+
+    /// How long to wait for a connection.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long to wait for each reply.
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        let prefix = &self.prefix;
+        if prefix.is_empty()
+            || prefix.len() > 128
+            || prefix.contains(['{', '}'])
+            || prefix.chars().any(char::is_control)
+        {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "the Redis key prefix {prefix:?} must be 1 to 128 printable characters without '{{' or '}}'"
+                ),
+            ));
+        }
+        if self.fence_retention < Duration::from_secs(1) {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                "the fence retention must be at least one second",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Locks in Redis (single node; the key layout is Cluster-ready).
+#[derive(Clone)]
+pub struct RedisLockStore {
+    connection: ConnectionManager,
+    config: RedisLockConfig,
+    scripts: Arc<Scripts>,
+    notifier: Arc<Notifier>,
+    url: String,
+}
+
+struct Scripts {
+    acquire: Script,
+    extend: Script,
+    release: Script,
+    inspect: Script,
+    force: Script,
+}
+
+impl std::fmt::Debug for RedisLockStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisLockStore")
+            .field("url", &self.url)
+            .field("prefix", &self.config.prefix)
+            .finish()
+    }
+}
+
+/// Maps a driver error: connection trouble is [`ErrorKind::StoreUnavailable`].
+pub(crate) fn map_error(error: redis::RedisError, context: &str) -> Error {
+    let kind = if error.is_io_error()
+        || error.is_timeout()
+        || error.is_connection_refusal()
+        || error.is_connection_dropped()
+    {
+        ErrorKind::StoreUnavailable
+    } else {
+        ErrorKind::Store
+    };
+    Error::new(kind, context.to_owned()).with_source(error)
+}
+
+/// Opens a client for a `redis://` or `rediss://` URL, checking it first.
+pub(crate) fn open_client(url: &str) -> Result<Client> {
+    if url.starts_with("rediss://") && !cfg!(feature = "redis-tls") {
+        return Err(Error::new(
+            ErrorKind::UnsupportedStore,
+            format!(
+                "{} needs TLS: build turnstile with the `redis-tls` feature",
+                crate::store::redact(url)
+            ),
+        ));
+    }
+    Client::open(url).map_err(|error| {
+        Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "{} is not a valid Redis URL (expected redis://[user:password@]host[:port][/db])",
+                crate::store::redact(url)
+            ),
+        )
+        .with_source(error)
+    })
+}
+
+/// Connects a multiplexed, self-reconnecting connection within `connect_timeout`.
+pub(crate) async fn connect_manager(
+    client: Client,
+    url: &str,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+) -> Result<ConnectionManager> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(connect_timeout))
+        .set_response_timeout(Some(response_timeout))
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_millis(500));
+    let unavailable = || {
+        Error::new(
+            ErrorKind::StoreUnavailable,
+            format!(
+                "cannot reach Redis at {} within {connect_timeout:?}; is it running?",
+                crate::store::redact(url)
+            ),
+        )
+    };
+    match tokio::time::timeout(
+        connect_timeout * 2,
+        client.get_connection_manager_with_config(config),
+    )
+    .await
+    {
+        Ok(Ok(connection)) => Ok(connection),
+        Ok(Err(error))
+            if error.is_io_error() || error.is_timeout() || error.is_connection_refusal() =>
+        {
+            Err(unavailable().with_source(error))
+        }
+        Ok(Err(error)) => Err(map_error(
+            error,
+            &format!("cannot connect to Redis at {}", crate::store::redact(url)),
+        )),
+        Err(_) => Err(unavailable()),
+    }
+}
+
+impl RedisLockStore {
+    /// Connects with default settings.
+    pub async fn connect(url: &str) -> Result<Self> {
+        RedisLockStore::connect_with(url, RedisLockConfig::default()).await
+    }
+
+    /// Connects with `config`. Fails within about the connect timeout if Redis is not
+    /// reachable.
+    pub async fn connect_with(url: &str, config: RedisLockConfig) -> Result<Self> {
+        config.validate()?;
+        let client = open_client(url)?;
+        let connection = connect_manager(
+            client.clone(),
+            url,
+            config.connect_timeout,
+            config.response_timeout,
+        )
+        .await?;
+        let scripts = Scripts {
+            acquire: Script::new(ACQUIRE),
+            extend: Script::new(EXTEND),
+            release: Script::new(RELEASE),
+            inspect: Script::new(INSPECT),
+            force: Script::new(BREAK),
+        };
+        let mut store = RedisLockStore {
+            connection,
+            notifier: Notifier::new(client, config.connect_timeout),
+            config,
+            scripts: Arc::new(scripts),
+            url: crate::store::redact(url),
+        };
+        store.load_scripts().await?;
+        Ok(store)
+    }
+
+    /// Loads every script once so the first calls go straight to `EVALSHA`.
+    async fn load_scripts(&mut self) -> Result<()> {
+        let scripts = Arc::clone(&self.scripts);
+        for script in [
+            &scripts.acquire,
+            &scripts.extend,
+            &scripts.release,
+            &scripts.inspect,
+            &scripts.force,
+        ] {
+            script
+                .load_async(&mut self.connection)
+                .await
+                .map_err(|error| map_error(error, "cannot load the lock scripts"))?;
+        }
+        Ok(())
+    }
+
+    /// The multiplexed connection, to share with the application.
+    pub fn connection(&self) -> &ConnectionManager {
+        &self.connection
+    }
+
+    /// The key prefix in use.
+    pub fn prefix(&self) -> &str {
+        &self.config.prefix
+    }
+
+    /// The key holding the lease of `name`.
+    pub fn lock_key(&self, name: &LockName) -> String {
+        format!("{}:{{{}}}:lock", self.config.prefix, name)
+    }
+
+    /// The key holding the last fencing token issued for `name`.
+    pub fn fence_key(&self, name: &LockName) -> String {
+        format!("{}:{{{}}}:fence", self.config.prefix, name)
+    }
+
+    /// The Pub/Sub channel announcing releases of `name`.
+    pub fn release_channel(&self, name: &LockName) -> String {
+        format!("{}:{{{}}}:released", self.config.prefix, name)
+    }
+}
+
+fn parse_holder(value: Value) -> Result<Option<LockInfo>> {
+    let Value::Array(items) = value else {
+        return Ok(None);
+    };
+    let bad = || Error::new(ErrorKind::Store, "unexpected reply from the lock script");
+    let [stored, pttl] = <[Value; 2]>::try_from(items).map_err(|_| bad())?;
+    let stored: String = redis::from_redis_value(stored).map_err(|e| bad().with_source(e))?;
+    let pttl: i64 = redis::from_redis_value(pttl).map_err(|e| bad().with_source(e))?;
+    let (owner, token) = stored.split_once(':').ok_or_else(bad)?;
+    Ok(Some(LockInfo {
+        owner: owner.to_owned(),
+        fencing_token: token.parse()?,
+        remaining_ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
+    }))
+}
+
+impl LockBackend for RedisLockStore {
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<TryAcquire>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let (acquired, detail): (i64, Value) = self
+                .scripts
+                .acquire
+                .key(self.lock_key(name))
+                .key(self.fence_key(name))
+                .arg(owner.to_hex())
+                .arg(ceil_millis(ttl))
+                .arg(ceil_millis(self.config.fence_retention))
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot acquire the lock"))?;
+            if acquired == 1 {
+                let token: String = redis::from_redis_value(detail).map_err(|error| {
+                    Error::new(ErrorKind::Store, "unexpected fencing token").with_source(error)
+                })?;
+                return Ok(TryAcquire::Acquired {
+                    token: token.parse()?,
+                });
+            }
+            let pttl: i64 = redis::from_redis_value(detail).map_err(|error| {
+                Error::new(ErrorKind::Store, "unexpected lease length").with_source(error)
+            })?;
+            Ok(TryAcquire::Held {
+                remaining_ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
+            })
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<ExtendOutcome>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let answer: i64 = self
+                .scripts
+                .extend
+                .key(self.lock_key(name))
+                .arg(owner.to_hex())
+                .arg(ceil_millis(ttl))
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot extend the lock"))?;
+            Ok(match answer {
+                1 => ExtendOutcome::Extended,
+                -1 => ExtendOutcome::Lost(LossReason::TakenOver),
+                _ => ExtendOutcome::Lost(LossReason::Expired),
+            })
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+    ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let answer: i64 = self
+                .scripts
+                .release
+                .key(self.lock_key(name))
+                .arg(owner.to_hex())
+                .arg(self.release_channel(name))
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot release the lock"))?;
+            Ok(match answer {
+                1 => ReleaseOutcome::Released,
+                -1 => ReleaseOutcome::HeldByOther,
+                _ => ReleaseOutcome::AlreadyExpired,
+            })
+        })
+    }
+
+    fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let answer: Value = self
+                .scripts
+                .inspect
+                .key(self.lock_key(name))
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot read the lock"))?;
+            parse_holder(answer)
+        })
+    }
+
+    fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let answer: Value = self
+                .scripts
+                .force
+                .key(self.lock_key(name))
+                .arg(self.release_channel(name))
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot break the lock"))?;
+            parse_holder(answer)
+        })
+    }
+
+    fn watch_releases<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<ReleaseWatch>> {
+        Box::pin(async move { self.notifier.watch(self.release_channel(name)).await })
+    }
+
+    fn describe(&self) -> String {
+        self.url.clone()
+    }
+}
+
+/// One Pub/Sub connection per store, shared by every waiter, reconnected on demand.
+struct Notifier {
+    client: Client,
+    connect_timeout: Duration,
+    signals: ReleaseSignals,
+    sink: tokio::sync::Mutex<Option<(u64, PubSubSink)>>,
+    generation: std::sync::atomic::AtomicU64,
+}
+
+impl Notifier {
+    fn new(client: Client, connect_timeout: Duration) -> Arc<Notifier> {
+        Arc::new_cyclic(|weak: &Weak<Notifier>| {
+            let weak = weak.clone();
+            Notifier {
+                client,
+                connect_timeout,
+                signals: ReleaseSignals::with_idle_hook(move |channel| {
+                    if let (Some(notifier), Ok(runtime)) =
+                        (weak.upgrade(), tokio::runtime::Handle::try_current())
+                    {
+                        let channel = channel.to_owned();
+                        runtime.spawn(async move { notifier.unsubscribe(channel).await });
+                    }
+                }),
+                sink: tokio::sync::Mutex::new(None),
+                generation: std::sync::atomic::AtomicU64::new(0),
+            }
+        })
+    }
+
+    async fn watch(self: &Arc<Self>, channel: String) -> Result<ReleaseWatch> {
+        let mut sink = self.sink.lock().await;
+        if sink.is_none() {
+            *sink = Some(self.connect().await?);
+        }
+        let (watch, first) = self.signals.watch(&channel);
+        if first {
+            let Some((_, live)) = sink.as_mut() else {
+                unreachable!("connected above");
+            };
+            if let Err(error) = live.subscribe(&channel).await {
+                *sink = None;
+                return Err(map_error(error, "cannot subscribe to lock releases"));
+            }
+        }
+        Ok(watch)
+    }
+
+    async fn unsubscribe(&self, channel: String) {
+        let mut sink = self.sink.lock().await;
+        // Someone may have started watching again since the last watch was dropped.
+        if self.signals.is_watched(&channel) {
+            return;
+        }
+        if let Some((_, live)) = sink.as_mut() {
+            if live.unsubscribe(&channel).await.is_err() {
+                *sink = None;
+            }
+        }
+    }
+
+    async fn connect(self: &Arc<Self>) -> Result<(u64, PubSubSink)> {
+        let pubsub = tokio::time::timeout(self.connect_timeout, self.client.get_async_pubsub())
+            .await
+            .map_err(|_| {
+                Error::new(
+                    ErrorKind::StoreUnavailable,
+                    "timed out opening the Redis Pub/Sub connection",
+                )
+            })?
+            .map_err(|error| map_error(error, "cannot open the Redis Pub/Sub connection"))?;
+        let (sink, mut stream) = pubsub.split();
+        let generation = self
+            .generation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        let notifier = Arc::downgrade(self);
+        let signals = self.signals.clone();
+        tokio::spawn(async move {
+            while let Some(message) = stream.next().await {
+                signals.notify(message.get_channel_name());
+            }
+            // The connection is gone: forget it, then close every watch so waiters
+            // subscribe again on a new connection.
+            if let Some(notifier) = notifier.upgrade() {
+                let mut sink = notifier.sink.lock().await;
+                if sink
+                    .as_ref()
+                    .is_some_and(|(current, _)| *current == generation)
+                {
+                    *sink = None;
+                    signals.close_all();
+                }
+            }
+        });
+        Ok((generation, sink))
+    }
+}

@@ -1,0 +1,407 @@
+//! The embedded SQLite engine: no server, works across processes on one host.
+//!
+//! Locks live in one table of a SQLite database file opened in WAL mode with a busy
+//! timeout, so any number of processes on the host (and tasks in each) can share it.
+//!
+//! # Guarantees
+//! - **Atomicity**: acquire is one `INSERT … ON CONFLICT DO UPDATE … WHERE expired`
+//!   statement; SQLite serialises writers, so exactly one contender wins.
+//! - **Expiry** is decided by the host's wall clock (`SystemTime`), which every process
+//!   on the host shares. A wall-clock step forward can end leases early; a step back
+//!   lengthens them. Holders measure their own validity on the monotonic clock.
+//! - **Fencing tokens** are `max(last + 1, now in µs since the Unix epoch)`, kept in the
+//!   lock's row, which is never deleted. They survive process crashes and restarts;
+//!   because they are floored by the clock they stay increasing even if the last
+//!   commits were lost to a power cut (`synchronous = NORMAL`), provided the wall clock
+//!   did not step back across the crash.
+//! - **Waiting**: waiters in the same process are woken directly by a release; waiters
+//!   in other processes re-check with a backoff from 2 ms doubling to 50 ms (SQLite
+//!   has no cross-process notification), capped by the holder's remaining lease.
+//! - **Partition / failover**: not applicable — the store is a local file. A holder is
+//!   only cut off if the file becomes unwritable; its renewals then fail and the lost
+//!   signal fires at the validity deadline.
+//! - The file must be on a local filesystem: WAL needs shared memory and network
+//!   filesystems break SQLite's locking.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use sqlx::Row;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+use super::{
+    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
+    ReleaseSignals, ReleaseWatch, TryAcquire, ceil_millis,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fence::FencingToken;
+
+const CREATE_LOCKS: &str = "CREATE TABLE IF NOT EXISTS turnstile_locks (
+    name TEXT PRIMARY KEY NOT NULL,
+    owner TEXT,
+    token INTEGER NOT NULL,
+    expires_at_ms INTEGER NOT NULL
+) WITHOUT ROWID";
+
+const ACQUIRE: &str = "INSERT INTO turnstile_locks (name, owner, token, expires_at_ms)
+VALUES (?1, ?2, ?3, ?4)
+ON CONFLICT (name) DO UPDATE SET
+    owner = excluded.owner,
+    token = max(turnstile_locks.token + 1, excluded.token),
+    expires_at_ms = excluded.expires_at_ms
+WHERE turnstile_locks.owner IS NULL OR turnstile_locks.expires_at_ms <= ?5
+RETURNING token";
+
+/// The first and the longest interval between re-checks by a waiter that no
+/// notification can reach (one in another process).
+const POLL_MIN: Duration = Duration::from_millis(2);
+const POLL_MAX: Duration = Duration::from_millis(50);
+
+/// Locks in a SQLite database file.
+#[derive(Debug, Clone)]
+pub struct SqliteLockStore {
+    pool: SqlitePool,
+    path: PathBuf,
+    signals: ReleaseSignals,
+}
+
+impl SqliteLockStore {
+    /// Opens (creating if needed) the database at `path` and its tables.
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            if !parent.is_dir() {
+                return Err(Error::new(
+                    ErrorKind::InvalidUrl,
+                    format!(
+                        "the directory {} for the SQLite lock store does not exist; create it first",
+                        parent.display()
+                    ),
+                ));
+            }
+        }
+        let options = SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options)
+            .await
+            .map_err(|error| {
+                map_error(
+                    error,
+                    &format!("cannot open SQLite database {}", path.display()),
+                )
+            })?;
+        let store = SqliteLockStore {
+            pool,
+            path,
+            signals: ReleaseSignals::new(),
+        };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Opens the store named by `sqlite://PATH` (relative) or `sqlite:///absolute/path`.
+    pub async fn open_url(url: &str) -> Result<Self> {
+        let path = parse_url(url)?;
+        SqliteLockStore::open(path).await
+    }
+
+    /// Creates the tables if they are missing. Harmless to run again or concurrently.
+    pub async fn migrate(&self) -> Result<()> {
+        sqlx::query(CREATE_LOCKS)
+            .execute(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot create the lock table"))?;
+        crate::fence::sqlite::create_table(&self.pool).await
+    }
+
+    /// The connection pool, to share with the application (for fenced writes in the
+    /// same database, say).
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    async fn holder(&self, name: &LockName, now_ms: i64) -> Result<Option<LockInfo>> {
+        let row = sqlx::query(
+            "SELECT owner, token, expires_at_ms FROM turnstile_locks
+             WHERE name = ?1 AND owner IS NOT NULL AND expires_at_ms > ?2",
+        )
+        .bind(name.as_str())
+        .bind(now_ms)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|error| map_error(error, "cannot read the lock"))?;
+        row.map(|row| lock_info(&row, now_ms)).transpose()
+    }
+}
+
+fn lock_info(row: &sqlx::sqlite::SqliteRow, now_ms: i64) -> Result<LockInfo> {
+    let owner: Option<String> = row
+        .try_get("owner")
+        .map_err(|e| map_error(e, "bad lock row"))?;
+    let token: i64 = row
+        .try_get("token")
+        .map_err(|e| map_error(e, "bad lock row"))?;
+    let expires_at_ms: i64 = row
+        .try_get("expires_at_ms")
+        .map_err(|e| map_error(e, "bad lock row"))?;
+    Ok(LockInfo {
+        owner: owner.unwrap_or_default(),
+        fencing_token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
+        remaining_ttl: Some(Duration::from_millis(
+            u64::try_from(expires_at_ms.saturating_sub(now_ms)).unwrap_or(0),
+        )),
+    })
+}
+
+/// Parses `sqlite://PATH`. Also accepts `sqlite:PATH` the way sqlx does.
+pub(crate) fn parse_url(url: &str) -> Result<PathBuf> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidUrl,
+                format!("{url:?} is not a sqlite:// URL"),
+            )
+        })?;
+    let path = rest.split('?').next().unwrap_or_default();
+    if path.is_empty() || path == ":memory:" {
+        return Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "{url:?} names no file; use sqlite://PATH (relative) or sqlite:///absolute/path \
+                 (an in-memory database cannot be shared between processes)"
+            ),
+        ));
+    }
+    Ok(PathBuf::from(path))
+}
+
+/// Milliseconds and microseconds since the Unix epoch on the host's wall clock.
+pub(crate) fn wall_clock() -> (i64, i64) {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    (
+        i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX),
+        i64::try_from(since_epoch.as_micros()).unwrap_or(i64::MAX),
+    )
+}
+
+pub(crate) fn map_error(error: sqlx::Error, context: &str) -> Error {
+    let kind = match &error {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
+            ErrorKind::StoreUnavailable
+        }
+        sqlx::Error::Database(db)
+            if db.message().contains("locked") || db.message().contains("busy") =>
+        {
+            ErrorKind::StoreUnavailable
+        }
+        _ => ErrorKind::Store,
+    };
+    Error::new(kind, context.to_owned()).with_source(error)
+}
+
+fn millis_i64(duration: Duration) -> i64 {
+    i64::try_from(ceil_millis(duration)).unwrap_or(i64::MAX)
+}
+
+impl LockBackend for SqliteLockStore {
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<TryAcquire>> {
+        Box::pin(async move {
+            let (now_ms, now_us) = wall_clock();
+            let token: Option<i64> = sqlx::query_scalar(ACQUIRE)
+                .bind(name.as_str())
+                .bind(owner.to_hex())
+                .bind(now_us)
+                .bind(now_ms.saturating_add(millis_i64(ttl)))
+                .bind(now_ms)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|error| map_error(error, "cannot acquire the lock"))?;
+            match token {
+                Some(token) => Ok(TryAcquire::Acquired {
+                    token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
+                }),
+                None => {
+                    let holder = self.holder(name, now_ms).await?;
+                    Ok(TryAcquire::Held {
+                        remaining_ttl: holder.and_then(|info| info.remaining_ttl),
+                    })
+                }
+            }
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<ExtendOutcome>> {
+        Box::pin(async move {
+            let (now_ms, _) = wall_clock();
+            let updated = sqlx::query(
+                "UPDATE turnstile_locks SET expires_at_ms = ?3
+                 WHERE name = ?1 AND owner = ?2 AND expires_at_ms > ?4",
+            )
+            .bind(name.as_str())
+            .bind(owner.to_hex())
+            .bind(now_ms.saturating_add(millis_i64(ttl)))
+            .bind(now_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot extend the lock"))?
+            .rows_affected();
+            if updated == 1 {
+                return Ok(ExtendOutcome::Extended);
+            }
+            let holder = self.holder(name, now_ms).await?;
+            Ok(ExtendOutcome::Lost(match holder {
+                Some(info) if info.owner != owner.to_hex() => LossReason::TakenOver,
+                _ => LossReason::Expired,
+            }))
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+    ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
+        Box::pin(async move {
+            let (now_ms, _) = wall_clock();
+            let owner_hex = owner.to_hex();
+            // Each step is atomic on its own, and once the row is not ours it never
+            // becomes ours again, so the steps cannot report a wrong outcome.
+            let live = sqlx::query(
+                "UPDATE turnstile_locks SET owner = NULL, expires_at_ms = 0
+                 WHERE name = ?1 AND owner = ?2 AND expires_at_ms > ?3",
+            )
+            .bind(name.as_str())
+            .bind(&owner_hex)
+            .bind(now_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot release the lock"))?
+            .rows_affected();
+            if live == 1 {
+                self.signals.notify(name.as_str());
+                return Ok(ReleaseOutcome::Released);
+            }
+            let expired_ours = sqlx::query(
+                "UPDATE turnstile_locks SET owner = NULL, expires_at_ms = 0
+                 WHERE name = ?1 AND owner = ?2",
+            )
+            .bind(name.as_str())
+            .bind(&owner_hex)
+            .execute(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot release the lock"))?
+            .rows_affected();
+            if expired_ours == 1 {
+                self.signals.notify(name.as_str());
+                return Ok(ReleaseOutcome::AlreadyExpired);
+            }
+            Ok(match self.holder(name, now_ms).await? {
+                Some(_) => ReleaseOutcome::HeldByOther,
+                None => ReleaseOutcome::AlreadyExpired,
+            })
+        })
+    }
+
+    fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
+        Box::pin(async move { self.holder(name, wall_clock().0).await })
+    }
+
+    fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
+        Box::pin(async move {
+            let (now_ms, _) = wall_clock();
+            let mut transaction = self
+                .pool
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(|error| map_error(error, "cannot start a transaction"))?;
+            let row = sqlx::query(
+                "SELECT owner, token, expires_at_ms FROM turnstile_locks
+                 WHERE name = ?1 AND owner IS NOT NULL AND expires_at_ms > ?2",
+            )
+            .bind(name.as_str())
+            .bind(now_ms)
+            .fetch_optional(&mut *transaction)
+            .await
+            .map_err(|error| map_error(error, "cannot read the lock"))?;
+            let held = row.map(|row| lock_info(&row, now_ms)).transpose()?;
+            if held.is_some() {
+                sqlx::query(
+                    "UPDATE turnstile_locks SET owner = NULL, expires_at_ms = 0 WHERE name = ?1",
+                )
+                .bind(name.as_str())
+                .execute(&mut *transaction)
+                .await
+                .map_err(|error| map_error(error, "cannot break the lock"))?;
+            }
+            transaction
+                .commit()
+                .await
+                .map_err(|error| map_error(error, "cannot break the lock"))?;
+            if held.is_some() {
+                self.signals.notify(name.as_str());
+            }
+            Ok(held)
+        })
+    }
+
+    fn watch_releases<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<ReleaseWatch>> {
+        Box::pin(async move {
+            let (watch, _) = self.signals.watch(name.as_str());
+            Ok(watch.with_poll(POLL_MIN, POLL_MAX))
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("sqlite://{}", self.path.display())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_name_files() {
+        assert_eq!(
+            parse_url("sqlite:///tmp/x.db").unwrap(),
+            PathBuf::from("/tmp/x.db")
+        );
+        assert_eq!(parse_url("sqlite://x.db").unwrap(), PathBuf::from("x.db"));
+        assert_eq!(
+            parse_url("sqlite://").unwrap_err().kind(),
+            ErrorKind::InvalidUrl
+        );
+        assert_eq!(
+            parse_url("sqlite::memory:").unwrap_err().kind(),
+            ErrorKind::InvalidUrl
+        );
+    }
+}

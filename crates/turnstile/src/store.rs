@@ -1,0 +1,118 @@
+//! Opening a store from a URL, the way the `turnstile` command does.
+
+use std::sync::Arc;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::lock::LockBackend;
+
+/// The URL schemes this build understands, for error messages.
+pub const SCHEMES: &[&str] = &[
+    "sqlite://PATH",
+    "redis://HOST[:PORT][/DB]",
+    "rediss://HOST[:PORT][/DB]",
+];
+
+/// Opens the lock store a URL names.
+///
+/// | URL | engine | cargo feature |
+/// |---|---|---|
+/// | `sqlite://PATH` (relative) or `sqlite:///abs/path` | [`SqliteLockStore`](crate::lock::sqlite::SqliteLockStore) | `sqlite` (default) |
+/// | `redis://[user:pass@]host[:port][/db]` | [`RedisLockStore`](crate::lock::redis::RedisLockStore) | `redis` |
+/// | `rediss://…` (TLS) | the same | `redis-tls` |
+///
+/// Errors: [`ErrorKind::InvalidUrl`] for a malformed URL or unknown scheme,
+/// [`ErrorKind::UnsupportedStore`] when the engine's feature is off,
+/// [`ErrorKind::StoreUnavailable`] when the store cannot be reached within a few seconds.
+pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>> {
+    let url = url.trim();
+    let Some((scheme, _)) = url.split_once("://") else {
+        return Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "{url:?} is not a store URL; expected one of {}",
+                SCHEMES.join(", ")
+            ),
+        ));
+    };
+    match scheme.to_ascii_lowercase().as_str() {
+        "sqlite" => open_sqlite(url).await,
+        "redis" | "rediss" | "redis+unix" | "unix" => open_redis(url).await,
+        other => Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "unknown store scheme {other:?} in {url:?}; expected one of {}",
+                SCHEMES.join(", ")
+            ),
+        )),
+    }
+}
+
+#[cfg(feature = "sqlite")]
+async fn open_sqlite(url: &str) -> Result<Arc<dyn LockBackend>> {
+    let store = crate::lock::sqlite::SqliteLockStore::open_url(url).await?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "sqlite"))]
+async fn open_sqlite(url: &str) -> Result<Arc<dyn LockBackend>> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!("{url:?} needs SQLite support: build turnstile with the `sqlite` feature"),
+    ))
+}
+
+#[cfg(feature = "redis")]
+async fn open_redis(url: &str) -> Result<Arc<dyn LockBackend>> {
+    let store = crate::lock::redis::RedisLockStore::connect(url).await?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn open_redis(url: &str) -> Result<Arc<dyn LockBackend>> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!("{url:?} needs Redis support: build turnstile with the `redis` feature"),
+    ))
+}
+
+/// Removes the password from a URL for messages and logs.
+pub(crate) fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (authority, path) = match rest.find('/') {
+        Some(at) => rest.split_at(at),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((credentials, host)) => {
+            let user = credentials.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{host}{path}")
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact("redis://u:secret@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact("redis://h:1"), "redis://h:1");
+        assert_eq!(redact("sqlite:///tmp/a"), "sqlite:///tmp/a");
+    }
+
+    #[tokio::test]
+    async fn bad_urls_are_refused_with_the_kind_that_says_why() {
+        for (url, kind) in [
+            ("", ErrorKind::InvalidUrl),
+            ("localhost:6379", ErrorKind::InvalidUrl),
+            ("mongodb://localhost", ErrorKind::InvalidUrl),
+        ] {
+            let error = connect(url).await.unwrap_err();
+            assert_eq!(error.kind(), kind, "{url}: {error}");
+        }
+    }
+}
