@@ -291,6 +291,10 @@ async fn keep(
                 return;
             }
             () = sleep_until(valid_until) => {
+                if held.valid_until() > valid_until {
+                    // Renewed meanwhile by an explicit `extend`.
+                    continue;
+                }
                 held.mark_lost(if watchdog { LossReason::RenewalFailed } else { LossReason::LeaseElapsed });
                 return;
             }

@@ -1,0 +1,519 @@
+//! The conformance suite every lock engine must pass, written once.
+//!
+//! An engine's test file implements [`TestStore`] (how to open another independent
+//! client of the same store — a stand-in for another process) and invokes
+//! `conformance_tests!(make_store)`.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use turnstile::ErrorKind;
+use turnstile::lock::{
+    ExtendOutcome, LockName, LockOptions, Locker, LossReason, OwnerId, ReleaseOutcome,
+};
+
+/// A store under test.
+pub trait TestStore: Send + Sync + 'static {
+    /// A new client with its own connections, as another process would have.
+    fn locker(&self) -> Pin<Box<dyn Future<Output = Locker> + Send + '_>>;
+}
+
+fn name(label: &str) -> String {
+    turnstile_test_support::unique_name(label)
+}
+
+fn options(ttl_ms: u64) -> LockOptions {
+    LockOptions::new()
+        .ttl(Duration::from_millis(ttl_ms))
+        .wait(Duration::from_secs(10))
+}
+
+/// Many tasks in several clients run a read-modify-write that loses updates whenever
+/// two of them are inside at once.
+pub async fn mutual_exclusion_under_contention(store: impl TestStore) {
+    let lock = name("mutex");
+    let counter = Arc::new(AtomicU64::new(0));
+    let inside = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let locker = store.locker().await;
+        for _ in 0..4 {
+            let (locker, lock) = (locker.clone(), lock.clone());
+            let (counter, inside, overlaps) = (counter.clone(), inside.clone(), overlaps.clone());
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..5 {
+                    let guard = locker
+                        .acquire(&lock, &options(5_000).wait(Duration::from_secs(30)))
+                        .await
+                        .unwrap();
+                    if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+                        overlaps.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let seen = counter.load(Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    counter.store(seen + 1, Ordering::SeqCst);
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "two holders were inside at once"
+    );
+    assert_eq!(counter.load(Ordering::SeqCst), 60, "updates were lost");
+}
+
+/// A holder that vanishes without releasing frees the lock when its TTL runs out.
+pub async fn expiry_frees_a_crashed_holder(store: impl TestStore) {
+    let lock = name("crash");
+    let crashed = store.locker().await;
+    let guard = crashed
+        .acquire(&lock, &options(300).watchdog(false))
+        .await
+        .unwrap();
+    // A crash: no release, no renewals, the client is gone.
+    std::mem::forget(guard);
+    drop(crashed);
+    let other = store.locker().await;
+    assert!(
+        other
+            .try_acquire(&lock, &options(300))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let started = Instant::now();
+    let guard = other.acquire(&lock, &options(5_000)).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "waited {:?}",
+        started.elapsed()
+    );
+    guard.release().await.unwrap();
+}
+
+/// Only the acquisition that holds the lock can extend or release it.
+pub async fn a_non_owner_cannot_release_or_extend(store: impl TestStore) {
+    let lock = LockName::new(name("owner")).unwrap();
+    let locker = store.locker().await;
+    let guard = locker.acquire(&lock, &options(5_000)).await.unwrap();
+    let stranger = OwnerId::random();
+    let backend = store.locker().await.backend().clone();
+    assert_eq!(
+        backend.release(&lock, &stranger).await.unwrap(),
+        ReleaseOutcome::HeldByOther
+    );
+    assert_eq!(
+        backend
+            .extend(&lock, &stranger, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        ExtendOutcome::Lost(LossReason::TakenOver)
+    );
+    let status = locker.status(&lock).await.unwrap().expect("still held");
+    assert_eq!(status.fencing_token, guard.fencing_token());
+    assert_eq!(status.owner, guard.owner().to_hex());
+    assert!(!guard.is_lost());
+    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+    assert!(locker.status(&lock).await.unwrap().is_none());
+}
+
+/// Releasing after the lease ran out says so, and never frees another holder's lock.
+pub async fn release_after_expiry_reports_it(store: impl TestStore) {
+    let lock = name("late");
+    let locker = store.locker().await;
+    let guard = locker
+        .acquire(&lock, &options(100).watchdog(false))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(
+        guard.release().await.unwrap(),
+        ReleaseOutcome::AlreadyExpired
+    );
+
+    let late = locker
+        .acquire(&lock, &options(100).watchdog(false))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let other = store.locker().await;
+    let current = other.acquire(&lock, &options(5_000)).await.unwrap();
+    assert_eq!(late.release().await.unwrap(), ReleaseOutcome::HeldByOther);
+    let status = other
+        .status(&lock)
+        .await
+        .unwrap()
+        .expect("the new holder keeps it");
+    assert_eq!(status.fencing_token, current.fencing_token());
+    current.release().await.unwrap();
+}
+
+/// An explicit extend keeps the lock past its first lease.
+pub async fn extend_works(store: impl TestStore) {
+    let lock = name("extend");
+    let locker = store.locker().await;
+    let guard = locker
+        .acquire(&lock, &options(400).watchdog(false))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    guard.extend().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // 500 ms after acquiring with a 400 ms TTL: held only thanks to the extension.
+    let status = locker
+        .status(&lock)
+        .await
+        .unwrap()
+        .expect("extended lease still held");
+    assert_eq!(status.fencing_token, guard.fencing_token());
+    assert!(!guard.is_lost());
+    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+}
+
+/// The watchdog keeps a lock for many TTLs while the guard lives, and stops with it.
+pub async fn watchdog_keeps_the_lock_past_several_ttls(store: impl TestStore) {
+    let lock = name("watchdog");
+    let locker = store.locker().await;
+    let other = store.locker().await;
+    let guard = locker.acquire(&lock, &options(200)).await.unwrap();
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(
+            other
+                .try_acquire(&lock, &options(200))
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+    assert!(!guard.is_lost(), "lost: {:?}", guard.loss_reason());
+    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+    // Released: the watchdog must not bring it back.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(other.status(&lock).await.unwrap().is_none());
+}
+
+/// When the lock is taken away (an operator breaks it, someone else takes it), the
+/// holder's lost signal fires.
+pub async fn lost_signal_fires_when_the_lock_is_taken_away(store: impl TestStore) {
+    let lock = name("taken");
+    let locker = store.locker().await;
+    // The first renewal comes after TTL/3 = 1 s, long after the break and the takeover.
+    let guard = locker.acquire(&lock, &options(3_000)).await.unwrap();
+    let operator = store.locker().await;
+    let broken = operator
+        .force_release(&lock)
+        .await
+        .unwrap()
+        .expect("it was held");
+    assert_eq!(broken.fencing_token, guard.fencing_token());
+    let thief = operator.acquire(&lock, &options(5_000)).await.unwrap();
+    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
+        .await
+        .expect("the lost signal did not fire");
+    assert_eq!(reason, LossReason::TakenOver);
+    assert!(guard.lost_token().is_cancelled());
+    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::HeldByOther);
+    thief.release().await.unwrap();
+}
+
+/// Every acquisition gets a token larger than all before it, whoever acquires.
+pub async fn tokens_strictly_increase(store: impl TestStore) {
+    let lock = name("tokens");
+    let lockers = [store.locker().await, store.locker().await];
+    let mut last = 0;
+    for round in 0..20 {
+        let guard = lockers[round % 2]
+            .acquire(&lock, &options(5_000))
+            .await
+            .unwrap();
+        let token = guard.fencing_token().get();
+        assert!(token > last, "token {token} after {last}");
+        last = token;
+        guard.release().await.unwrap();
+    }
+}
+
+/// A waiter wakes promptly when the holder releases, long before the holder's TTL.
+pub async fn a_waiter_wakes_promptly_after_release(store: impl TestStore) {
+    let lock = name("wake");
+    let holder = store.locker().await;
+    let guard = holder.acquire(&lock, &options(30_000)).await.unwrap();
+    let waiter = store.locker().await;
+    let waiting = {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            let guard = waiter
+                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+                .await
+                .unwrap();
+            let woke = Instant::now();
+            guard.release().await.unwrap();
+            woke
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = Instant::now();
+    guard.release().await.unwrap();
+    let woke = waiting.await.unwrap();
+    // The holder's TTL is 30 s; a wake-up within a couple of seconds can only come from
+    // a release notification (or, across processes on SQLite, the short poll).
+    assert!(
+        woke - released < Duration::from_secs(2),
+        "woke {:?} after release",
+        woke - released
+    );
+}
+
+/// Waiters dropped mid-wait leave no holder and no queue behind.
+pub async fn cancelled_waiters_leave_nothing_behind(store: impl TestStore) {
+    let lock = name("cancel");
+    let locker = store.locker().await;
+    let guard = locker.acquire(&lock, &options(5_000)).await.unwrap();
+    let mut waiters = Vec::new();
+    for _ in 0..5 {
+        let (locker, lock) = (locker.clone(), lock.clone());
+        waiters.push(tokio::spawn(async move {
+            locker
+                .acquire(&lock, &options(5_000).wait(Duration::from_secs(30)))
+                .await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for waiter in &waiters {
+        waiter.abort();
+    }
+    for waiter in waiters {
+        assert!(waiter.await.unwrap_err().is_cancelled());
+    }
+    // Timed-out waiters are cancelled waiters too.
+    let error = locker
+        .acquire(&lock, &options(5_000).wait(Duration::from_millis(100)))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
+    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        locker.status(&lock).await.unwrap().is_none(),
+        "a cancelled waiter took the lock"
+    );
+    let next = locker
+        .acquire(&lock, &options(5_000).wait(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    next.release().await.unwrap();
+}
+
+/// `acquire` gives up after its wait bound with a distinct error.
+pub async fn acquire_times_out(store: impl TestStore) {
+    let lock = name("timeout");
+    let locker = store.locker().await;
+    let guard = locker.acquire(&lock, &options(5_000)).await.unwrap();
+    let other = store.locker().await;
+    let started = Instant::now();
+    let error = other
+        .acquire(&lock, &options(5_000).wait(Duration::from_millis(300)))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
+    assert!(error.is_retryable());
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    let error = other
+        .acquire(&lock, &options(5_000).wait(Duration::ZERO))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
+    guard.release().await.unwrap();
+}
+
+/// `with_lock` cancels the work when the lock is lost and says so.
+pub async fn with_lock_cancels_work_when_the_lock_is_lost(store: impl TestStore) {
+    let lock = name("with");
+    let locker = store.locker().await;
+    let operator = store.locker().await;
+    let breaker = {
+        let lock = lock.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            operator.force_release(&lock).await.unwrap()
+        })
+    };
+    let finished = Arc::new(AtomicUsize::new(0));
+    let flag = finished.clone();
+    let error = locker
+        .with_lock(&lock, &options(300), |_token| async move {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            flag.fetch_add(1, Ordering::SeqCst);
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::LockLost);
+    assert_eq!(error.loss_reason(), Some(LossReason::Expired));
+    assert_eq!(finished.load(Ordering::SeqCst), 0);
+    assert!(breaker.await.unwrap().is_some());
+
+    let value = locker
+        .with_lock(&lock, &options(5_000), |token| async move { token.get() })
+        .await
+        .unwrap();
+    assert!(value > 0);
+    assert!(
+        locker.status(&lock).await.unwrap().is_none(),
+        "with_lock released"
+    );
+}
+
+/// The cap on hold time fires the lost signal even though renewals succeed.
+pub async fn max_hold_fires_the_lost_signal(store: impl TestStore) {
+    let lock = name("cap");
+    let locker = store.locker().await;
+    let guard = locker
+        .acquire(&lock, &options(200).max_hold(Duration::from_millis(500)))
+        .await
+        .unwrap();
+    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
+        .await
+        .expect("no signal");
+    assert_eq!(reason, LossReason::MaxHoldReached);
+    guard.release().await.unwrap();
+}
+
+/// Without the watchdog the lost signal fires when the lease's local deadline passes,
+/// before the store could give the lock to anyone else.
+pub async fn lease_without_watchdog_signals_at_its_deadline(store: impl TestStore) {
+    let lock = name("lease");
+    let locker = store.locker().await;
+    let guard = locker
+        .acquire(&lock, &options(300).watchdog(false))
+        .await
+        .unwrap();
+    let deadline = guard.valid_until();
+    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
+        .await
+        .expect("no signal");
+    assert_eq!(reason, LossReason::LeaseElapsed);
+    assert!(Instant::now() >= deadline);
+    guard.release().await.unwrap();
+}
+
+/// Bad input gets a specific error, never a panic.
+pub async fn bad_input_is_refused(store: impl TestStore) {
+    let locker = store.locker().await;
+    let error = locker.acquire("", &LockOptions::new()).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidName);
+    let error = locker
+        .acquire("x".repeat(10_000), &LockOptions::new())
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidName);
+    let error = locker
+        .acquire(name("ttl"), &LockOptions::new().ttl(Duration::ZERO))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidOptions);
+}
+
+/// A guard moves between tasks: ownership is the acquisition's, not the task's.
+pub async fn a_guard_can_move_between_tasks(store: impl TestStore) {
+    let lock = name("move");
+    let locker = store.locker().await;
+    let guard = locker.acquire(&lock, &options(5_000)).await.unwrap();
+    let outcome = tokio::spawn(async move { guard.release().await.unwrap() })
+        .await
+        .unwrap();
+    assert_eq!(outcome, ReleaseOutcome::Released);
+}
+
+/// Dropping a guard releases in the background.
+pub async fn dropping_a_guard_releases_it(store: impl TestStore) {
+    let lock = name("drop");
+    let locker = store.locker().await;
+    drop(locker.acquire(&lock, &options(30_000)).await.unwrap());
+    let other = store.locker().await;
+    let guard = other
+        .acquire(&lock, &options(30_000).wait(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    guard.release().await.unwrap();
+}
+
+/// Tasks of one client queue locally and all get their turns.
+pub async fn local_waiters_take_turns(store: impl TestStore) {
+    let lock = name("turns");
+    let locker = store.locker().await;
+    let turns = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for worker in 0..4 {
+        let (locker, lock, turns) = (locker.clone(), lock.clone(), turns.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..5 {
+                let guard = locker.acquire(&lock, &options(5_000)).await.unwrap();
+                turns.lock().unwrap().push(worker);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                guard.release().await.unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let turns = turns.lock().unwrap();
+    assert_eq!(turns.len(), 20);
+    for worker in 0..4 {
+        assert_eq!(turns.iter().filter(|w| **w == worker).count(), 5);
+    }
+}
+
+/// Generates one `#[tokio::test]` per conformance check for the store `$make` builds.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:expr) => {
+        $crate::conformance_tests!(@each $make;
+            mutual_exclusion_under_contention,
+            expiry_frees_a_crashed_holder,
+            a_non_owner_cannot_release_or_extend,
+            release_after_expiry_reports_it,
+            extend_works,
+            watchdog_keeps_the_lock_past_several_ttls,
+            lost_signal_fires_when_the_lock_is_taken_away,
+            tokens_strictly_increase,
+            a_waiter_wakes_promptly_after_release,
+            cancelled_waiters_leave_nothing_behind,
+            acquire_times_out,
+            with_lock_cancels_work_when_the_lock_is_lost,
+            max_hold_fires_the_lost_signal,
+            lease_without_watchdog_signals_at_its_deadline,
+            bad_input_is_refused,
+            a_guard_can_move_between_tasks,
+            dropping_a_guard_releases_it,
+            local_waiters_take_turns,
+        );
+    };
+    (@each $make:expr; $($check:ident),* $(,)?) => {
+        mod conformance_checks {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $check() {
+                    conformance::$check($make().await).await;
+                }
+            )*
+        }
+    };
+}

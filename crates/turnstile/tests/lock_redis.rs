@@ -1,0 +1,254 @@
+//! The Redis engine: the conformance suite against a real redis-server, plus faults.
+
+mod conformance;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use conformance::TestStore;
+use turnstile::ErrorKind;
+use turnstile::fence::FenceOutcome;
+use turnstile::fence::redis::RedisFencedStore;
+use turnstile::lock::redis::{RedisLockConfig, RedisLockStore};
+use turnstile::lock::{LockName, LockOptions, Locker, LossReason, ReleaseOutcome};
+use turnstile_test_support::{RedisServer, shared_redis, unique_name};
+
+/// Clients of one Redis server under a key prefix of their own.
+struct RedisPrefix {
+    url: String,
+    prefix: String,
+}
+
+impl TestStore for RedisPrefix {
+    fn locker(&self) -> Pin<Box<dyn Future<Output = Locker> + Send + '_>> {
+        Box::pin(async move { Locker::new(connect(&self.url, &self.prefix).await) })
+    }
+}
+
+async fn connect(url: &str, prefix: &str) -> RedisLockStore {
+    RedisLockStore::connect_with(url, RedisLockConfig::new().prefix(prefix))
+        .await
+        .unwrap()
+}
+
+async fn shared() -> RedisPrefix {
+    RedisPrefix {
+        url: shared_redis().url(),
+        prefix: unique_name("t"),
+    }
+}
+
+conformance_tests!(super::shared);
+
+fn short_lease() -> LockOptions {
+    LockOptions::new()
+        .ttl(Duration::from_millis(600))
+        .wait(Duration::from_secs(5))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_server_fires_the_lost_signal() {
+    let server = RedisServer::spawn();
+    let locker = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let guard = locker.acquire("job", &short_lease()).await.unwrap();
+    server.kill();
+    let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("the lost signal did not fire");
+    assert_eq!(reason, LossReason::RenewalFailed);
+    // It fired no later than the local validity deadline allows.
+    assert!(tokio::time::Instant::now() >= guard.valid_until());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pausing_the_server_fires_the_lost_signal_at_the_deadline() {
+    let server = RedisServer::spawn();
+    let locker = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let guard = locker.acquire("job", &short_lease()).await.unwrap();
+    server.pause();
+    let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost()).await;
+    server.resume();
+    assert_eq!(
+        reason.expect("the lost signal did not fire"),
+        LossReason::RenewalFailed
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_that_loses_all_data_frees_the_lock_and_tokens_keep_increasing() {
+    let server = RedisServer::spawn();
+    let locker = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let guard = locker
+        .acquire("job", &LockOptions::new().ttl(Duration::from_secs(3)))
+        .await
+        .unwrap();
+    let before = guard.fencing_token();
+    server.restart();
+    // The restarted server knows nothing: another client can take the lock, and its
+    // token is still larger than every token issued before the restart.
+    let other = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let taken = other.acquire("job", &short_lease()).await.unwrap();
+    assert!(
+        taken.fencing_token() > before,
+        "{} after {}",
+        taken.fencing_token(),
+        before
+    );
+    // The old holder's watchdog (reconnecting) finds another owner.
+    let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("no signal");
+    assert!(
+        matches!(reason, LossReason::TakenOver | LossReason::RenewalFailed),
+        "{reason:?}"
+    );
+    taken.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unreachable_server_is_reported_within_seconds() {
+    let port = turnstile_test_support::free_port();
+    let started = std::time::Instant::now();
+    let error = Locker::connect(&format!("redis://127.0.0.1:{port}"))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
+    assert!(started.elapsed() < Duration::from_secs(8));
+    let error = Locker::connect("redis://no host/").await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidUrl, "{error}");
+}
+
+#[tokio::test]
+async fn scripts_are_reloaded_after_a_script_flush() {
+    let store = shared().await;
+    let locker = store.locker().await;
+    let client = redis::Client::open(store.url.as_str()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let guard = locker
+        .acquire("after-flush", &LockOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+}
+
+#[tokio::test]
+async fn all_keys_of_a_lock_share_one_cluster_slot() {
+    let server = RedisServer::spawn_with_args(&["--cluster-enabled", "yes"]);
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let store = RedisLockStore::connect(&shared_redis().url())
+        .await
+        .unwrap();
+    for name in ["order:123", "a}b", "{x}", "注文"] {
+        let name = LockName::new(name).unwrap();
+        let mut slots = Vec::new();
+        for key in [
+            store.lock_key(&name),
+            store.fence_key(&name),
+            store.release_channel(&name),
+        ] {
+            let slot: i64 = redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(&key)
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+            slots.push(slot);
+        }
+        assert!(
+            slots.windows(2).all(|pair| pair[0] == pair[1]),
+            "{name}: {slots:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn bad_prefixes_are_refused() {
+    let error =
+        RedisLockStore::connect_with(&shared_redis().url(), RedisLockConfig::new().prefix("a{b"))
+            .await
+            .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidOptions);
+}
+
+/// The notes' paused-holder scenario, stopped by a fenced Redis write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_holders_late_write_is_rejected() {
+    let store = shared().await;
+    let locker = store.locker().await;
+    let fenced = RedisFencedStore::connect(&store.url).await.unwrap();
+    let resource = unique_name("account");
+    let short = LockOptions::new()
+        .ttl(Duration::from_millis(200))
+        .watchdog(false);
+
+    let a = locker.acquire(&resource, &short).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // A is paused past its TTL.
+    let b = store
+        .locker()
+        .await
+        .acquire(&resource, &short)
+        .await
+        .unwrap();
+    assert!(b.fencing_token() > a.fencing_token());
+    assert_eq!(
+        fenced
+            .write(&resource, b.fencing_token(), b"from B")
+            .await
+            .unwrap(),
+        FenceOutcome::Applied
+    );
+    assert_eq!(
+        fenced
+            .write(&resource, a.fencing_token(), b"from A")
+            .await
+            .unwrap(),
+        FenceOutcome::Rejected {
+            highest_seen: b.fencing_token()
+        }
+    );
+    assert_eq!(
+        fenced.read(&resource).await.unwrap().as_deref(),
+        Some(&b"from B"[..])
+    );
+    assert_eq!(a.release().await.unwrap(), ReleaseOutcome::HeldByOther);
+    b.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn fenced_writes_compare_large_tokens_exactly() {
+    let store = shared().await;
+    let fenced = RedisFencedStore::connect(&store.url).await.unwrap();
+    let resource = unique_name("big");
+    use turnstile::FencingToken;
+    // Adjacent values above 2^53, where a float comparison would call them equal.
+    let high = FencingToken::new(u64::MAX - 1);
+    let higher = FencingToken::new(u64::MAX);
+    assert!(
+        fenced
+            .write(&resource, higher, b"1")
+            .await
+            .unwrap()
+            .is_applied()
+    );
+    assert!(
+        !fenced
+            .write(&resource, high, b"2")
+            .await
+            .unwrap()
+            .is_applied()
+    );
+    assert!(
+        fenced
+            .write(&resource, FencingToken::new(9), b"3")
+            .await
+            .unwrap()
+            != FenceOutcome::Applied
+    );
+}
