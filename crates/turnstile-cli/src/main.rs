@@ -1,1 +1,306 @@
-fn main() {}
+//! The `turnstile` command: run a command under a distributed lock, inspect and break
+//! locks, benchmark a store.
+
+mod bench;
+mod exec;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use turnstile::lock::Locker;
+use turnstile::{Error, ErrorKind};
+
+/// Exit codes of `turnstile` itself (a command run by `lock exec` passes its own through).
+pub(crate) mod exit {
+    /// Bad input: an invalid name, duration, URL or missing command.
+    pub(crate) const USAGE: u8 = 64;
+    /// The store could not be reached, or this build does not support it.
+    pub(crate) const UNAVAILABLE: u8 = 69;
+    /// The store answered with an error, or something else went wrong inside turnstile.
+    pub(crate) const SOFTWARE: u8 = 70;
+    /// The lock was not acquired within the wait (or at once, with `--no-wait`).
+    pub(crate) const NOT_ACQUIRED: u8 = 75;
+    /// The lock was lost while the command ran; the command was terminated.
+    pub(crate) const LOST: u8 = 76;
+    /// The command was found but could not be executed.
+    pub(crate) const CANNOT_EXECUTE: u8 = 126;
+    /// The command was not found.
+    pub(crate) const NOT_FOUND: u8 = 127;
+}
+
+/// Keeps a fleet of servers from doing the same work twice.
+#[derive(Parser, Debug)]
+#[command(name = "turnstile", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Distributed locks.
+    #[command(subcommand)]
+    Lock(LockCommand),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum LockCommand {
+    /// Run a command while holding a lock, renewing it; stop the command if the lock is lost.
+    ///
+    /// The command gets TURNSTILE_FENCING_TOKEN and TURNSTILE_LOCK_NAME in its
+    /// environment. Exit status: the command's own; 75 if the lock was not acquired in
+    /// time; 76 if the lock was lost and the command terminated (SIGTERM, then SIGKILL
+    /// after --kill-after); 64 bad input; 69 store unavailable; 126/127 command not
+    /// executable / not found.
+    Exec(ExecArgs),
+    /// Show whether a lock is held, by whom, with which fencing token and how long is left.
+    Status(StatusArgs),
+    /// Force-release a lock whoever holds it (an operator's tool); says what it broke.
+    Break(StatusArgs),
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// The lock workload (v1): uncontended cycles, then contended critical sections.
+    Lock(bench::BenchArgs),
+}
+
+/// Where the locks live.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct StoreArgs {
+    /// Store URL: sqlite://PATH, redis://HOST[:PORT][/DB], rediss://… Default: the
+    /// TURNSTILE_STORE environment variable, else an SQLite file in the per-user state
+    /// directory ($XDG_STATE_HOME/turnstile/locks.sqlite3, or
+    /// ~/.local/state/turnstile/locks.sqlite3).
+    #[arg(long, env = "TURNSTILE_STORE", value_name = "URL")]
+    store: Option<String>,
+}
+
+#[derive(Args, Debug)]
+struct ExecArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+    /// Lease length; the lock is renewed every TTL/3 while the command runs.
+    #[arg(long, default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    ttl: Duration,
+    /// How long to wait for the lock (default: as long as it takes).
+    #[arg(long, value_parser = parse_wait, value_name = "DURATION", conflicts_with = "no_wait")]
+    wait: Option<Duration>,
+    /// Fail at once (exit 75) if the lock is held.
+    #[arg(long)]
+    no_wait: bool,
+    /// Treat the lock as lost after this long in total, even if renewals succeed.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    max_hold: Option<Duration>,
+    /// After SIGTERM, how long the command gets before SIGKILL when the lock is lost.
+    #[arg(long, default_value = "10s", value_parser = parse_wait, value_name = "DURATION")]
+    kill_after: Duration,
+    /// The lock's name.
+    name: String,
+    /// The command and its arguments (after `--`).
+    #[arg(last = true, value_name = "CMD")]
+    command: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+struct StatusArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+    /// Print one JSON object instead of a sentence.
+    #[arg(long)]
+    json: bool,
+    /// The lock's name.
+    name: String,
+}
+
+/// Parses a positive duration such as `30s`, `500ms`, `2m`.
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
+    let duration = parse_wait(text)?;
+    if duration.is_zero() {
+        return Err("must be greater than zero".to_owned());
+    }
+    Ok(duration)
+}
+
+/// Parses a duration that may be zero.
+fn parse_wait(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    if text.parse::<f64>().is_ok() {
+        return Err(format!(
+            "{text:?} has no unit; write it like 30s, 500ms or 2m"
+        ));
+    }
+    humantime::parse_duration(text).map_err(|error| {
+        format!("{text:?} is not a duration ({error}); write it like 30s, 500ms or 2m")
+    })
+}
+
+/// The default store: an SQLite file in the per-user state directory.
+fn default_store_path() -> Result<PathBuf, Error> {
+    let base = std::env::var_os("XDG_STATE_HOME")
+        .filter(|dir| !dir.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".local/state")))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidUrl,
+                "no store given and neither XDG_STATE_HOME nor HOME is set; pass --store URL",
+            )
+        })?;
+    let dir = base.join("turnstile");
+    std::fs::create_dir_all(&dir).map_err(|error| {
+        Error::new(
+            ErrorKind::StoreUnavailable,
+            format!("cannot create the state directory {}", dir.display()),
+        )
+        .with_source(error)
+    })?;
+    Ok(dir.join("locks.sqlite3"))
+}
+
+impl StoreArgs {
+    /// The URL to use: `--store`, else `TURNSTILE_STORE`, else the default SQLite file.
+    pub(crate) fn url(&self) -> Result<String, Error> {
+        match self.store.as_deref().map(str::trim) {
+            Some(url) if !url.is_empty() => Ok(url.to_owned()),
+            _ => Ok(format!("sqlite://{}", default_store_path()?.display())),
+        }
+    }
+
+    pub(crate) async fn locker(&self) -> Result<Locker, Error> {
+        Locker::connect(&self.url()?).await
+    }
+}
+
+/// Exit code for a library error.
+pub(crate) fn exit_code_for(error: &Error) -> u8 {
+    match error.kind() {
+        ErrorKind::InvalidName | ErrorKind::InvalidOptions | ErrorKind::InvalidUrl => exit::USAGE,
+        ErrorKind::StoreUnavailable | ErrorKind::UnsupportedStore => exit::UNAVAILABLE,
+        ErrorKind::AcquireTimeout => exit::NOT_ACQUIRED,
+        ErrorKind::LockLost => exit::LOST,
+        _ => exit::SOFTWARE,
+    }
+}
+
+fn fail(error: &Error) -> ExitCode {
+    eprintln!("turnstile: {error}");
+    ExitCode::from(exit_code_for(error))
+}
+
+async fn status(args: StatusArgs, breaking: bool) -> ExitCode {
+    let locker = match args.store.locker().await {
+        Ok(locker) => locker,
+        Err(error) => return fail(&error),
+    };
+    let answer = if breaking {
+        locker.force_release(args.name.as_str()).await
+    } else {
+        locker.status(args.name.as_str()).await
+    };
+    let held = match answer {
+        Ok(held) => held,
+        Err(error) => return fail(&error),
+    };
+    if args.json {
+        let value = match &held {
+            Some(info) => serde_json::json!({
+                "name": args.name,
+                "held": true,
+                "broken": breaking,
+                "owner": info.owner,
+                "fencing_token": info.fencing_token.get(),
+                "remaining_ttl_ms": info.remaining_ttl.map(|ttl| u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)),
+                "store": locker.backend().describe(),
+            }),
+            None => serde_json::json!({
+                "name": args.name,
+                "held": false,
+                "broken": false,
+                "store": locker.backend().describe(),
+            }),
+        };
+        println!("{value}");
+        return ExitCode::SUCCESS;
+    }
+    let remaining = |info: &turnstile::lock::LockInfo| {
+        info.remaining_ttl
+            .map(|ttl| format!("{:.1}s", ttl.as_secs_f64()))
+            .unwrap_or_else(|| "no expiry".to_owned())
+    };
+    match (held, breaking) {
+        (Some(info), false) => println!(
+            "{:?} is held by owner {} with fencing token {}; lease ends in {}",
+            args.name,
+            info.owner,
+            info.fencing_token,
+            remaining(&info)
+        ),
+        (Some(info), true) => println!(
+            "broke {:?}: it was held by owner {} with fencing token {} ({} left); \
+             the holder learns of it at its next renewal",
+            args.name,
+            info.owner,
+            info.fencing_token,
+            remaining(&info)
+        ),
+        (None, false) => println!("{:?} is free", args.name),
+        (None, true) => println!("{:?} was not held; nothing to break", args.name),
+    }
+    ExitCode::SUCCESS
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            let code = if error.use_stderr() { exit::USAGE } else { 0 };
+            let _ = error.print();
+            return ExitCode::from(code);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("turnstile: cannot start the async runtime: {error}");
+            return ExitCode::from(exit::SOFTWARE);
+        }
+    };
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Lock(LockCommand::Exec(args)) => exec::run(args).await,
+            Command::Lock(LockCommand::Status(args)) => status(args, false).await,
+            Command::Lock(LockCommand::Break(args)) => status(args, true).await,
+            Command::Bench(BenchCommand::Lock(args)) => bench::run(args).await,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_need_units_and_ttls_must_be_positive() {
+        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("5").unwrap_err().contains("no unit"));
+        assert!(parse_duration("soon").is_err());
+        assert_eq!(parse_wait("0s"), Ok(Duration::ZERO));
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

@@ -9,7 +9,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
-    LockBackend, LockGuard, LockInfo, LockName, LockOptions, OwnerId, ReleaseWatch, TryAcquire,
+    IntoLockName, LockBackend, LockGuard, LockInfo, LockName, LockOptions, OwnerId, ReleaseWatch,
+    TryAcquire,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
@@ -123,10 +124,10 @@ impl Locker {
     /// Tries once to take the lock; `Ok(None)` if someone else holds it.
     pub async fn try_acquire<N>(&self, name: N, options: &LockOptions) -> Result<Option<LockGuard>>
     where
-        N: TryInto<LockName, Error = Error>,
+        N: IntoLockName,
     {
         options.validate()?;
-        let name = name.try_into()?;
+        let name = name.into_lock_name()?;
         let owner = OwnerId::random();
         match self.attempt(&name, &owner, options).await? {
             Attempt::Acquired(guard) => Ok(Some(guard)),
@@ -145,10 +146,10 @@ impl Locker {
     /// are returned at once rather than retried.
     pub async fn acquire<N>(&self, name: N, options: &LockOptions) -> Result<LockGuard>
     where
-        N: TryInto<LockName, Error = Error>,
+        N: IntoLockName,
     {
         options.validate()?;
-        let name = name.try_into()?;
+        let name = name.into_lock_name()?;
         let deadline = options.get_wait().map(|wait| Instant::now() + wait);
         let timed_out = || {
             Error::new(
@@ -262,7 +263,7 @@ impl Locker {
         work: F,
     ) -> Result<T>
     where
-        N: TryInto<LockName, Error = Error>,
+        N: IntoLockName,
         F: FnOnce(FencingToken) -> Fut,
         Fut: Future<Output = T>,
     {
@@ -287,9 +288,9 @@ impl Locker {
     /// The current holder of `name`, if any.
     pub async fn status<N>(&self, name: N) -> Result<Option<LockInfo>>
     where
-        N: TryInto<LockName, Error = Error>,
+        N: IntoLockName,
     {
-        let name = name.try_into()?;
+        let name = name.into_lock_name()?;
         self.inner.backend.inspect(&name).await
     }
 
@@ -299,9 +300,9 @@ impl Locker {
     /// lost signal fires then. Writes it makes in between are what fencing tokens stop.
     pub async fn force_release<N>(&self, name: N) -> Result<Option<LockInfo>>
     where
-        N: TryInto<LockName, Error = Error>,
+        N: IntoLockName,
     {
-        let name = name.try_into()?;
+        let name = name.into_lock_name()?;
         self.inner.backend.force_release(&name).await
     }
 }

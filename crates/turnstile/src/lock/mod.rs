@@ -97,17 +97,40 @@ impl TryFrom<String> for LockName {
     }
 }
 
-impl TryFrom<&String> for LockName {
-    type Error = Error;
-    fn try_from(name: &String) -> Result<Self> {
-        LockName::new(name.as_str())
+/// Anything that names a lock: `&str`, `String`, or an already validated [`LockName`].
+/// Text is validated when the lock is used, with an [`ErrorKind::InvalidName`] error.
+pub trait IntoLockName {
+    /// Validates and converts.
+    fn into_lock_name(self) -> Result<LockName>;
+}
+
+impl IntoLockName for LockName {
+    fn into_lock_name(self) -> Result<LockName> {
+        Ok(self)
     }
 }
 
-impl TryFrom<&LockName> for LockName {
-    type Error = Error;
-    fn try_from(name: &LockName) -> Result<Self> {
-        Ok(name.clone())
+impl IntoLockName for &LockName {
+    fn into_lock_name(self) -> Result<LockName> {
+        Ok(self.clone())
+    }
+}
+
+impl IntoLockName for &str {
+    fn into_lock_name(self) -> Result<LockName> {
+        LockName::new(self)
+    }
+}
+
+impl IntoLockName for String {
+    fn into_lock_name(self) -> Result<LockName> {
+        LockName::new(self)
+    }
+}
+
+impl IntoLockName for &String {
+    fn into_lock_name(self) -> Result<LockName> {
+        LockName::new(self.as_str())
     }
 }
 

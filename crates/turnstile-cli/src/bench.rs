@@ -1,0 +1,572 @@
+//! `turnstile bench lock`: the lock workload (v1), for the library or for bare Redis
+//! commands (`--raw`) in the same process, so the two can be compared honestly.
+//!
+//! Environment: `REDIS_PORT` (6390; used when no `--store` is given), `BENCH_SECS` (5),
+//! `WORKERS` (8), `LOCK_TTL_MS` (10000), `ACQUIRE_TIMEOUT_MS` (5000).
+
+use std::process::ExitCode;
+use std::rc::Rc;
+use std::time::Duration;
+
+use clap::Args;
+use tokio::time::Instant;
+use turnstile::lock::{LockGuard, LockOptions, Locker};
+use turnstile::{Error, ErrorKind};
+
+use crate::{exit, exit_code_for};
+
+/// Options of `turnstile bench lock`.
+#[derive(Args, Debug)]
+pub(crate) struct BenchArgs {
+    /// Store URL (default: redis://127.0.0.1:$REDIS_PORT).
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+    /// Run the workload on bare Redis commands (SET NX PX with busy retry, a
+    /// compare-and-delete script) instead of the library: the floor to compare with.
+    #[arg(long)]
+    raw: bool,
+}
+
+struct Workload {
+    secs: u64,
+    workers: usize,
+    ttl_ms: u64,
+    acquire_timeout_ms: u64,
+}
+
+fn env_number(name: &str, default: u64) -> Result<u64, Error> {
+    match std::env::var(name) {
+        Err(_) => Ok(default),
+        Ok(text) => match text.trim().parse::<u64>() {
+            Ok(value) if value > 0 => Ok(value),
+            _ => Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!("{name}={text:?} must be a positive whole number"),
+            )),
+        },
+    }
+}
+
+impl Workload {
+    fn from_env() -> Result<Workload, Error> {
+        Ok(Workload {
+            secs: env_number("BENCH_SECS", 5)?,
+            workers: usize::try_from(env_number("WORKERS", 8)?).unwrap_or(8),
+            ttl_ms: env_number("LOCK_TTL_MS", 10_000)?,
+            acquire_timeout_ms: env_number("ACQUIRE_TIMEOUT_MS", 5_000)?,
+        })
+    }
+}
+
+/// One held lock, whichever peer took it.
+enum Held {
+    Library(LockGuard),
+    Raw { key: String, token: String },
+}
+
+enum AcquireError {
+    Timeout,
+    Failed(String),
+}
+
+/// The thing measured: the library, or the same workload on bare commands.
+enum Peer {
+    Library {
+        locker: Locker,
+        counter: Counter,
+    },
+    #[cfg(feature = "redis")]
+    Raw {
+        connection: redis::aio::MultiplexedConnection,
+        release: redis::Script,
+        counter_key: String,
+    },
+}
+
+/// The shared counter the contended phase increments with two separate round trips.
+enum Counter {
+    #[cfg(feature = "redis")]
+    Redis {
+        connection: redis::aio::ConnectionManager,
+        key: String,
+    },
+    #[cfg(feature = "sqlite")]
+    Sqlite {
+        pool: sqlx::SqlitePool,
+        name: String,
+    },
+}
+
+const RAW_RELEASE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+";
+
+impl Counter {
+    async fn set(&self, value: i64) -> Result<(), String> {
+        match self {
+            #[cfg(feature = "redis")]
+            Counter::Redis { connection, key } => redis::cmd("SET")
+                .arg(key)
+                .arg(value)
+                .query_async::<()>(&mut connection.clone())
+                .await
+                .map_err(|e| e.to_string()),
+            #[cfg(feature = "sqlite")]
+            Counter::Sqlite { pool, name } => sqlx::query(
+                "INSERT INTO turnstile_bench_counter (name, value) VALUES (?1, ?2)
+                 ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+            )
+            .bind(name)
+            .bind(value)
+            .execute(pool)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        }
+    }
+
+    async fn get(&self) -> Result<i64, String> {
+        match self {
+            #[cfg(feature = "redis")]
+            Counter::Redis { connection, key } => redis::cmd("GET")
+                .arg(key)
+                .query_async::<Option<i64>>(&mut connection.clone())
+                .await
+                .map(Option::unwrap_or_default)
+                .map_err(|e| e.to_string()),
+            #[cfg(feature = "sqlite")]
+            Counter::Sqlite { pool, name } => sqlx::query_scalar::<_, i64>(
+                "SELECT value FROM turnstile_bench_counter WHERE name = ?1",
+            )
+            .bind(name)
+            .fetch_optional(pool)
+            .await
+            .map(Option::unwrap_or_default)
+            .map_err(|e| e.to_string()),
+        }
+    }
+}
+
+impl Peer {
+    fn name(&self) -> &'static str {
+        match self {
+            Peer::Library { .. } => "turnstile",
+            #[cfg(feature = "redis")]
+            Peer::Raw { .. } => "raw",
+        }
+    }
+
+    fn wait_strategy(&self) -> &'static str {
+        match self {
+            Peer::Library { .. } => "release-notification+local-fifo-queue",
+            #[cfg(feature = "redis")]
+            Peer::Raw { .. } => "busy-retry",
+        }
+    }
+
+    async fn acquire(&self, name: &str, work: &Workload) -> Result<Held, AcquireError> {
+        let ttl = Duration::from_millis(work.ttl_ms);
+        let wait = Duration::from_millis(work.acquire_timeout_ms);
+        match self {
+            Peer::Library { locker, .. } => {
+                let options = LockOptions::new().ttl(ttl).wait(wait);
+                match locker.acquire(name, &options).await {
+                    Ok(guard) => Ok(Held::Library(guard)),
+                    Err(error) if error.kind() == ErrorKind::AcquireTimeout => {
+                        Err(AcquireError::Timeout)
+                    }
+                    Err(error) => Err(AcquireError::Failed(error.to_string())),
+                }
+            }
+            #[cfg(feature = "redis")]
+            Peer::Raw { connection, .. } => {
+                let key = format!("{name}:raw-lock");
+                let token = format!("{:032x}", rand::random::<u128>());
+                let deadline = Instant::now() + wait;
+                let mut connection = connection.clone();
+                loop {
+                    let set: Option<String> = redis::cmd("SET")
+                        .arg(&key)
+                        .arg(&token)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(work.ttl_ms)
+                        .query_async(&mut connection)
+                        .await
+                        .map_err(|e| AcquireError::Failed(e.to_string()))?;
+                    if set.is_some() {
+                        return Ok(Held::Raw { key, token });
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(AcquireError::Timeout);
+                    }
+                }
+            }
+        }
+    }
+
+    async fn release(&self, held: Held) -> Result<(), String> {
+        match (self, held) {
+            (_, Held::Library(guard)) => {
+                guard.release().await.map(|_| ()).map_err(|e| e.to_string())
+            }
+            #[cfg(feature = "redis")]
+            (
+                Peer::Raw {
+                    connection,
+                    release,
+                    ..
+                },
+                Held::Raw { key, token },
+            ) => release
+                .key(key)
+                .arg(token)
+                .invoke_async::<i64>(&mut connection.clone())
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            #[allow(unreachable_patterns)]
+            _ => Err("a raw lock handed to the library peer".to_owned()),
+        }
+    }
+
+    async fn counter_get(&self) -> Result<i64, String> {
+        match self {
+            Peer::Library { counter, .. } => counter.get().await,
+            #[cfg(feature = "redis")]
+            Peer::Raw {
+                connection,
+                counter_key,
+                ..
+            } => redis::cmd("GET")
+                .arg(counter_key)
+                .query_async::<Option<i64>>(&mut connection.clone())
+                .await
+                .map(Option::unwrap_or_default)
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    async fn counter_set(&self, value: i64) -> Result<(), String> {
+        match self {
+            Peer::Library { counter, .. } => counter.set(value).await,
+            #[cfg(feature = "redis")]
+            Peer::Raw {
+                connection,
+                counter_key,
+                ..
+            } => redis::cmd("SET")
+                .arg(counter_key)
+                .arg(value)
+                .query_async::<()>(&mut connection.clone())
+                .await
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
+
+/// Opens the peer for `url`, with a counter unique to this run.
+async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
+    let scheme = url
+        .split("://")
+        .next()
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    match (scheme.as_str(), raw) {
+        #[cfg(feature = "redis")]
+        ("redis" | "rediss", true) => {
+            let client = redis::Client::open(url).map_err(|e| {
+                Error::new(ErrorKind::InvalidUrl, format!("bad Redis URL {url:?}")).with_source(e)
+            })?;
+            let connection = tokio::time::timeout(
+                Duration::from_secs(3),
+                client.get_multiplexed_async_connection(),
+            )
+            .await
+            .map_err(|_| {
+                Error::new(
+                    ErrorKind::StoreUnavailable,
+                    format!("cannot reach {url} in 3s"),
+                )
+            })?
+            .map_err(|e| {
+                Error::new(ErrorKind::StoreUnavailable, format!("cannot reach {url}"))
+                    .with_source(e)
+            })?;
+            Ok(Peer::Raw {
+                connection,
+                release: redis::Script::new(RAW_RELEASE),
+                counter_key: format!("{run}:counter"),
+            })
+        }
+        #[cfg(feature = "redis")]
+        ("redis" | "rediss", false) => {
+            let store = turnstile::lock::redis::RedisLockStore::connect(url).await?;
+            let counter = Counter::Redis {
+                connection: store.connection().clone(),
+                key: format!("{run}:counter"),
+            };
+            Ok(Peer::Library {
+                locker: Locker::new(store),
+                counter,
+            })
+        }
+        #[cfg(feature = "sqlite")]
+        ("sqlite", false) => {
+            let store = turnstile::lock::sqlite::SqliteLockStore::open_url(url).await?;
+            sqlx::query("CREATE TABLE IF NOT EXISTS turnstile_bench_counter (name TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+                .execute(store.pool())
+                .await
+                .map_err(|e| Error::new(ErrorKind::Store, "cannot create the bench counter").with_source(e))?;
+            let counter = Counter::Sqlite {
+                pool: store.pool().clone(),
+                name: run.to_owned(),
+            };
+            Ok(Peer::Library {
+                locker: Locker::new(store),
+                counter,
+            })
+        }
+        (_, true) => Err(Error::new(
+            ErrorKind::UnsupportedStore,
+            format!("--raw needs a redis:// store; got {url:?}"),
+        )),
+        _ => {
+            // Let the library explain what is wrong with the URL.
+            Locker::connect(url).await?;
+            Err(Error::new(
+                ErrorKind::UnsupportedStore,
+                format!("no benchmark counter for {url:?}"),
+            ))
+        }
+    }
+}
+
+/// Prints the first failure of a run to stderr; later ones only count.
+fn report_first_error(error: &str) {
+    static REPORTED: std::sync::Once = std::sync::Once::new();
+    REPORTED.call_once(|| eprintln!("turnstile: bench: first error: {error}"));
+}
+
+/// Nearest-rank percentile of sorted samples.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+fn round(value: f64, places: i32) -> f64 {
+    let scale = 10f64.powi(places);
+    (value * scale).round() / scale
+}
+
+struct WorkerReport {
+    sections: u64,
+    waits_ms: Vec<f64>,
+    timeouts: u64,
+    errors: u64,
+}
+
+pub(crate) async fn run(args: BenchArgs) -> ExitCode {
+    let work = match Workload::from_env() {
+        Ok(work) => work,
+        Err(error) => {
+            eprintln!("turnstile: {error}");
+            return ExitCode::from(exit::USAGE);
+        }
+    };
+    let url = match args.store {
+        Some(url) => url,
+        None => match env_number("REDIS_PORT", 6390) {
+            Ok(port) => format!("redis://127.0.0.1:{port}"),
+            Err(error) => {
+                eprintln!("turnstile: {error}");
+                return ExitCode::from(exit::USAGE);
+            }
+        },
+    };
+    let run = format!(
+        "turnstile-bench:{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    );
+    let peer = match open_peer(&url, args.raw, &run).await {
+        Ok(peer) => Rc::new(peer),
+        Err(error) => {
+            eprintln!("turnstile: {error}");
+            return ExitCode::from(exit_code_for(&error));
+        }
+    };
+    if let Err(error) = peer.counter_set(0).await {
+        eprintln!("turnstile: cannot set up the counter: {error}");
+        return ExitCode::from(exit::UNAVAILABLE);
+    }
+    // Warm-up, not measured.
+    match peer.acquire(&format!("{run}:warmup"), &work).await {
+        Ok(held) => {
+            if let Err(error) = peer.release(held).await {
+                eprintln!("turnstile: warm-up release failed: {error}");
+                return ExitCode::from(exit::UNAVAILABLE);
+            }
+        }
+        Err(_) => {
+            eprintln!("turnstile: warm-up acquire failed");
+            return ExitCode::from(exit::UNAVAILABLE);
+        }
+    }
+
+    // Phase A: one worker, a new lock name each cycle.
+    let window = Duration::from_secs(work.secs);
+    let started = Instant::now();
+    let deadline = started + window;
+    let mut acquire_us = Vec::new();
+    let mut uncontended_errors = 0u64;
+    let mut cycle = 0u64;
+    while Instant::now() < deadline {
+        let name = format!("{run}:a:{cycle}");
+        cycle += 1;
+        let sent = Instant::now();
+        match peer.acquire(&name, &work).await {
+            Ok(held) => {
+                acquire_us.push(sent.elapsed().as_secs_f64() * 1e6);
+                if peer.release(held).await.is_err() {
+                    uncontended_errors += 1;
+                }
+            }
+            Err(AcquireError::Failed(error)) => {
+                report_first_error(&error);
+                uncontended_errors += 1;
+            }
+            Err(AcquireError::Timeout) => uncontended_errors += 1,
+        }
+    }
+    let uncontended_elapsed = started.elapsed().as_secs_f64();
+    let uncontended_cycles = acquire_us.len() as u64;
+    acquire_us.sort_by(f64::total_cmp);
+
+    // Phase B: WORKERS tasks on one hot lock.
+    let hot = format!("{run}:hot");
+    let barrier = Rc::new(tokio::sync::Barrier::new(work.workers));
+    let work = Rc::new(work);
+    let local = tokio::task::LocalSet::new();
+    let (reports, contended_elapsed) = local
+        .run_until(async {
+            let mut tasks = Vec::new();
+            let begun = Instant::now();
+            for _ in 0..work.workers {
+                let (peer, barrier, work, hot) = (
+                    Rc::clone(&peer),
+                    Rc::clone(&barrier),
+                    Rc::clone(&work),
+                    hot.clone(),
+                );
+                tasks.push(tokio::task::spawn_local(async move {
+                    barrier.wait().await;
+                    let deadline = Instant::now() + Duration::from_secs(work.secs);
+                    let mut report = WorkerReport {
+                        sections: 0,
+                        waits_ms: Vec::new(),
+                        timeouts: 0,
+                        errors: 0,
+                    };
+                    while Instant::now() < deadline {
+                        let asked = Instant::now();
+                        let held = match peer.acquire(&hot, &work).await {
+                            Ok(held) => held,
+                            Err(AcquireError::Timeout) => {
+                                report.timeouts += 1;
+                                continue;
+                            }
+                            Err(AcquireError::Failed(error)) => {
+                                report_first_error(&error);
+                                report.errors += 1;
+                                continue;
+                            }
+                        };
+                        report.waits_ms.push(asked.elapsed().as_secs_f64() * 1e3);
+                        let ok = match peer.counter_get().await {
+                            Ok(value) => peer.counter_set(value + 1).await.is_ok(),
+                            Err(_) => false,
+                        };
+                        if ok {
+                            report.sections += 1;
+                        } else {
+                            report.errors += 1;
+                        }
+                        if peer.release(held).await.is_err() {
+                            report.errors += 1;
+                        }
+                    }
+                    report
+                }));
+            }
+            let mut reports = Vec::new();
+            for task in tasks {
+                reports.push(task.await.unwrap_or(WorkerReport {
+                    sections: 0,
+                    waits_ms: Vec::new(),
+                    timeouts: 0,
+                    errors: 1,
+                }));
+            }
+            (reports, begun.elapsed().as_secs_f64())
+        })
+        .await;
+
+    let counter_value = peer.counter_get().await.unwrap_or(-1);
+    let contended_sections: u64 = reports.iter().map(|r| r.sections).sum();
+    let mut waits: Vec<f64> = reports
+        .iter()
+        .flat_map(|r| r.waits_ms.iter().copied())
+        .collect();
+    waits.sort_by(f64::total_cmp);
+    let per_worker: Vec<u64> = reports.iter().map(|r| r.sections).collect();
+    let report = serde_json::json!({
+        "peer": peer.name(),
+        "lang": "rust",
+        "version": env!("CARGO_PKG_VERSION"),
+        "workers": work.workers,
+        "window_s": work.secs,
+        "lock_ttl_ms": work.ttl_ms,
+        "uncontended_cycles": uncontended_cycles,
+        "uncontended_elapsed_s": round(uncontended_elapsed, 3),
+        "uncontended_cycles_per_s": round(uncontended_cycles as f64 / uncontended_elapsed, 1),
+        "acquire_p50_us": round(percentile(&acquire_us, 50.0), 1),
+        "acquire_p99_us": round(percentile(&acquire_us, 99.0), 1),
+        "uncontended_errors": uncontended_errors,
+        "contended_sections": contended_sections,
+        "contended_elapsed_s": round(contended_elapsed, 3),
+        "contended_sections_per_s": round(contended_sections as f64 / contended_elapsed.max(f64::EPSILON), 1),
+        "counter_value": counter_value,
+        "counter_ok": u64::try_from(counter_value).is_ok_and(|value| value == contended_sections),
+        "acquire_timeouts": reports.iter().map(|r| r.timeouts).sum::<u64>(),
+        "contended_errors": reports.iter().map(|r| r.errors).sum::<u64>(),
+        "per_worker_min": per_worker.iter().min().copied().unwrap_or(0),
+        "per_worker_max": per_worker.iter().max().copied().unwrap_or(0),
+        "contended_wait_p50_ms": round(percentile(&waits, 50.0), 3),
+        "contended_wait_p99_ms": round(percentile(&waits, 99.0), 3),
+        "contended_wait_max_ms": round(waits.last().copied().unwrap_or(0.0), 3),
+        "wait_strategy": peer.wait_strategy(),
+    });
+    println!("{report}");
+    ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::percentile;
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let samples: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&samples, 50.0), 50.0);
+        assert_eq!(percentile(&samples, 99.0), 99.0);
+        assert_eq!(percentile(&[7.0], 99.0), 7.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+}
