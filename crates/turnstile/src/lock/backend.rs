@@ -65,6 +65,27 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
 
     /// A short description of the store for messages (its URL without a password).
     fn describe(&self) -> String;
+
+    /// Releases the lock held by `from` and tries to take it for `to`, used to hand a
+    /// lock straight to the next waiter in the same process.
+    ///
+    /// The default runs [`release`](Self::release) then [`try_acquire`](Self::try_acquire);
+    /// an engine that can do both in one atomic step (Redis: one script) should, which
+    /// saves a round trip and the wake-up. The acquisition for `to` must follow the
+    /// same rules as `try_acquire`, including a fresh, larger fencing token.
+    fn hand_over<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: &'a OwnerId,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
+        Box::pin(async move {
+            let released = self.release(name, from).await?;
+            let acquired = self.try_acquire(name, to, ttl).await?;
+            Ok((released, acquired))
+        })
+    }
 }
 
 /// The answer to [`LockBackend::try_acquire`].

@@ -11,8 +11,10 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
+use super::queue::{Handoff, LocalQueue};
 use super::{
     ExtendOutcome, LockBackend, LockName, LockOptions, LossReason, OwnerId, ReleaseOutcome,
+    TryAcquire,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
@@ -20,6 +22,8 @@ use crate::fence::FencingToken;
 /// State shared between a guard and its keeper task.
 struct Held {
     backend: Arc<dyn LockBackend>,
+    /// This name's local queue in the locker that acquired, for direct handoffs.
+    queue: Arc<LocalQueue>,
     name: LockName,
     owner: OwnerId,
     token: FencingToken,
@@ -40,6 +44,31 @@ impl Held {
 
     fn renewed(&self, sent: Instant) {
         *self.valid_until.lock().unwrap_or_else(|p| p.into_inner()) = sent + self.ttl - self.drift;
+    }
+
+    /// Releases, or hands the lock straight to this process's next waiter for the name
+    /// when one is sleeping (one atomic step on engines that support it).
+    async fn release(&self) -> Result<ReleaseOutcome> {
+        let Some(offer) = self.queue.take_offer() else {
+            return self.backend.release(&self.name, &self.owner).await;
+        };
+        let sent = Instant::now();
+        let (released, acquired) = self
+            .backend
+            .hand_over(&self.name, &self.owner, &offer.owner, offer.ttl)
+            .await?;
+        // On error above, dropping the offer wakes the waiter, which retries on its own.
+        let handoff = Handoff {
+            sent,
+            outcome: Ok(acquired),
+        };
+        if let Err(unclaimed) = offer.reply.send(handoff) {
+            // The waiter gave up meanwhile: undo the acquisition made for it.
+            if let Ok(TryAcquire::Acquired { .. }) = unclaimed.outcome {
+                let _ = self.backend.release(&self.name, &offer.owner).await;
+            }
+        }
+        Ok(released)
     }
 
     fn mark_lost(&self, reason: LossReason) {
@@ -85,6 +114,7 @@ impl LockGuard {
     /// Starts keeping a lock that was acquired by a request sent at `sent`.
     pub(crate) fn start(
         backend: Arc<dyn LockBackend>,
+        queue: Arc<LocalQueue>,
         name: LockName,
         owner: OwnerId,
         token: FencingToken,
@@ -95,6 +125,7 @@ impl LockGuard {
         let drift = options.get_clock_drift();
         let held = Arc::new(Held {
             backend,
+            queue,
             name,
             owner,
             token,
@@ -205,10 +236,7 @@ impl LockGuard {
         if let Some(keeper) = self.keeper.take() {
             let _ = keeper.await;
         }
-        self.held
-            .backend
-            .release(&self.held.name, &self.held.owner)
-            .await
+        self.held.release().await
     }
 }
 
@@ -225,7 +253,7 @@ impl Drop for LockGuard {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let held = Arc::clone(&self.held);
             runtime.spawn(async move {
-                let _ = held.backend.release(&held.name, &held.owner).await;
+                let _ = held.release().await;
             });
         }
     }

@@ -6,7 +6,10 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use tokio::sync::oneshot;
 use tokio::time::Instant;
+
+use super::queue::{Handoff, HandoffOffer, LocalQueue};
 
 use super::{
     IntoLockName, LockBackend, LockGuard, LockInfo, LockName, LockOptions, OwnerId, ReleaseWatch,
@@ -62,14 +65,6 @@ struct Queues {
     /// Table size after the last sweep of dead entries; the next sweep runs when the
     /// table has doubled, so sweeping costs O(1) per acquire on average.
     swept_at: usize,
-}
-
-/// The per-name local queue. Whoever holds `contender` is the one waiter talking to
-/// the store; it keeps the release subscription here so that the next contender can
-/// reuse it instead of subscribing again.
-#[derive(Default)]
-struct LocalQueue {
-    contender: tokio::sync::Mutex<Option<ReleaseWatch>>,
 }
 
 impl fmt::Debug for Locker {
@@ -129,7 +124,10 @@ impl Locker {
         options.validate()?;
         let name = name.into_lock_name()?;
         let owner = OwnerId::random();
-        match self.attempt(&name, &owner, options).await? {
+        match self
+            .attempt(&self.queue(&name), &name, &owner, options)
+            .await?
+        {
             Attempt::Acquired(guard) => Ok(Some(guard)),
             Attempt::Held { .. } => Ok(None),
         }
@@ -170,7 +168,7 @@ impl Locker {
         };
         let owner = OwnerId::random();
         loop {
-            let remaining_ttl = match self.attempt(&name, &owner, options).await? {
+            let remaining_ttl = match self.attempt(&queue, &name, &owner, options).await? {
                 Attempt::Acquired(guard) => return Ok(guard),
                 Attempt::Held { remaining_ttl } => remaining_ttl,
             };
@@ -192,8 +190,43 @@ impl Locker {
                 Some(deadline) => recheck.min(deadline - now),
                 None => recheck,
             };
-            if let Some(watch) = contender.as_mut() {
-                watch.wait(limit).await;
+            let Some(watch) = contender.as_mut() else {
+                continue;
+            };
+            // Sleep until a release is announced, the re-check is due, or a holder in
+            // this process hands the lock over directly.
+            let (reply, mut handed) = oneshot::channel();
+            queue.offer(HandoffOffer {
+                owner: owner.clone(),
+                ttl: options.get_ttl(),
+                reply,
+            });
+            let handoff = tokio::select! {
+                handoff = &mut handed => handoff.ok(),
+                _ = watch.wait(limit) => None,
+            };
+            let handoff = match handoff {
+                Some(handoff) => Some(handoff),
+                None if queue.withdraw(&owner) => None,
+                // A holder took the offer and is handing over right now: its answer
+                // comes within one round trip. If this future is dropped meanwhile, the
+                // holder sees the closed channel and undoes the acquisition.
+                None => handed.await.ok(),
+            };
+            if let Some(Handoff {
+                sent,
+                outcome: Ok(TryAcquire::Acquired { token }),
+            }) = handoff
+            {
+                return Ok(LockGuard::start(
+                    Arc::clone(&self.inner.backend),
+                    Arc::clone(&queue),
+                    name,
+                    owner,
+                    token,
+                    sent,
+                    options,
+                ));
             }
         }
     }
@@ -202,6 +235,7 @@ impl Locker {
     /// a background release undoes a possible success.
     async fn attempt(
         &self,
+        queue: &Arc<LocalQueue>,
         name: &LockName,
         owner: &OwnerId,
         options: &LockOptions,
@@ -217,14 +251,18 @@ impl Locker {
         let answer = backend.try_acquire(name, owner, options.get_ttl()).await;
         undo.disarm();
         match answer? {
-            TryAcquire::Acquired { token } => Ok(Attempt::Acquired(LockGuard::start(
-                Arc::clone(backend),
-                name.clone(),
-                owner.clone(),
-                token,
-                sent,
-                options,
-            ))),
+            TryAcquire::Acquired { token } => {
+                queue.acquired_from_store();
+                Ok(Attempt::Acquired(LockGuard::start(
+                    Arc::clone(backend),
+                    Arc::clone(queue),
+                    name.clone(),
+                    owner.clone(),
+                    token,
+                    sent,
+                    options,
+                )))
+            }
             TryAcquire::Held { remaining_ttl } => Ok(Attempt::Held { remaining_ttl }),
         }
     }

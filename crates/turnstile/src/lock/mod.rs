@@ -13,6 +13,7 @@ use crate::error::{Error, ErrorKind, Result};
 mod backend;
 mod guard;
 mod locker;
+mod queue;
 mod signals;
 
 #[cfg(feature = "redis")]

@@ -52,22 +52,55 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 
-const ACQUIRE: &str = r"
+/// Lua: `issue(owner, ttl_ms, retention_ms)` takes the (free) lock in KEYS[1] for
+/// `owner` with a fencing token `max(last + 1, server µs clock)` kept in KEYS[2].
+macro_rules! issue_lua {
+    () => {
+        r"
+local function issue(owner, ttl, retention)
+  local now = redis.call('TIME')
+  local token = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+  if last >= token then
+    token = last + 1
+  end
+  local text = string.format('%.0f', token)
+  redis.call('SET', KEYS[2], text, 'PX', retention)
+  redis.call('SET', KEYS[1], owner .. ':' .. text, 'PX', ttl)
+  return text
+end
+"
+    };
+}
+
+const ACQUIRE: &str = concat!(
+    issue_lua!(),
+    r"
 local pttl = redis.call('PTTL', KEYS[1])
 if pttl ~= -2 then
   return {0, pttl}
 end
-local now = redis.call('TIME')
-local token = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
-if last >= token then
-  token = last + 1
+return {1, issue(ARGV[1], ARGV[2], ARGV[3])}
+"
+);
+
+/// Release by ARGV[1] and acquire for ARGV[2] in one step. Returns
+/// `{released, acquired, token_or_pttl}` with `released` 1 (was ours), 0 (had expired)
+/// or -1 (someone else holds it, and then nothing changes).
+const HAND_OVER: &str = concat!(
+    issue_lua!(),
+    r"
+local value = redis.call('GET', KEYS[1])
+local released = 0
+if value then
+  if string.sub(value, 1, 33) ~= ARGV[1] .. ':' then
+    return {-1, 0, redis.call('PTTL', KEYS[1])}
+  end
+  released = 1
 end
-local text = string.format('%.0f', token)
-redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
-redis.call('SET', KEYS[1], ARGV[1] .. ':' .. text, 'PX', ARGV[2])
-return {1, text}
-";
+return {released, 1, issue(ARGV[2], ARGV[3], ARGV[4])}
+"
+);
 
 const EXTEND: &str = r"
 local value = redis.call('GET', KEYS[1])
@@ -203,6 +236,7 @@ pub struct RedisLockStore {
 
 struct Scripts {
     acquire: Script,
+    hand_over: Script,
     extend: Script,
     release: Script,
     inspect: Script,
@@ -316,6 +350,7 @@ impl RedisLockStore {
         .await?;
         let scripts = Scripts {
             acquire: Script::new(ACQUIRE),
+            hand_over: Script::new(HAND_OVER),
             extend: Script::new(EXTEND),
             release: Script::new(RELEASE),
             inspect: Script::new(INSPECT),
@@ -376,6 +411,32 @@ impl RedisLockStore {
     }
 }
 
+/// Reads `{1, token}` / `{0, pttl}` from the acquire and hand-over scripts.
+fn acquire_reply(acquired: i64, detail: Value) -> Result<TryAcquire> {
+    let bad = |error: redis::ParsingError| {
+        Error::new(ErrorKind::Store, "unexpected reply from the acquire script").with_source(error)
+    };
+    if acquired == 1 {
+        let token: String = redis::from_redis_value(detail).map_err(bad)?;
+        return Ok(TryAcquire::Acquired {
+            token: token.parse()?,
+        });
+    }
+    let pttl: i64 = redis::from_redis_value(detail).map_err(bad)?;
+    Ok(TryAcquire::Held {
+        remaining_ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
+    })
+}
+
+/// Reads the release scripts' answer: 1 released, -1 held by another, 0 expired.
+fn release_outcome(code: i64) -> ReleaseOutcome {
+    match code {
+        1 => ReleaseOutcome::Released,
+        -1 => ReleaseOutcome::HeldByOther,
+        _ => ReleaseOutcome::AlreadyExpired,
+    }
+}
+
 fn parse_holder(value: Value) -> Result<Option<LockInfo>> {
     let Value::Array(items) = value else {
         return Ok(None);
@@ -412,20 +473,7 @@ impl LockBackend for RedisLockStore {
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot acquire the lock"))?;
-            if acquired == 1 {
-                let token: String = redis::from_redis_value(detail).map_err(|error| {
-                    Error::new(ErrorKind::Store, "unexpected fencing token").with_source(error)
-                })?;
-                return Ok(TryAcquire::Acquired {
-                    token: token.parse()?,
-                });
-            }
-            let pttl: i64 = redis::from_redis_value(detail).map_err(|error| {
-                Error::new(ErrorKind::Store, "unexpected lease length").with_source(error)
-            })?;
-            Ok(TryAcquire::Held {
-                remaining_ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
-            })
+            acquire_reply(acquired, detail)
         })
     }
 
@@ -470,11 +518,7 @@ impl LockBackend for RedisLockStore {
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot release the lock"))?;
-            Ok(match answer {
-                1 => ReleaseOutcome::Released,
-                -1 => ReleaseOutcome::HeldByOther,
-                _ => ReleaseOutcome::AlreadyExpired,
-            })
+            Ok(release_outcome(answer))
         })
     }
 
@@ -513,6 +557,31 @@ impl LockBackend for RedisLockStore {
 
     fn describe(&self) -> String {
         self.url.clone()
+    }
+
+    fn hand_over<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: &'a OwnerId,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let (released, acquired, detail): (i64, i64, Value) = self
+                .scripts
+                .hand_over
+                .key(self.lock_key(name))
+                .key(self.fence_key(name))
+                .arg(from.to_hex())
+                .arg(to.to_hex())
+                .arg(ceil_millis(ttl))
+                .arg(ceil_millis(self.config.fence_retention))
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot hand the lock over"))?;
+            Ok((release_outcome(released), acquire_reply(acquired, detail)?))
+        })
     }
 }
 

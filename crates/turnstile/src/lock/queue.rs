@@ -1,0 +1,83 @@
+//! The per-name local queue: one contender talks to the store, the rest wait here, and
+//! a release hands the lock straight to the contender when it can.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::{OwnerId, ReleaseWatch, TryAcquire};
+use crate::error::Result;
+
+/// How many times in a row a lock may pass from holder to waiter inside one process
+/// before it is released to everyone, so that waiters in other processes (woken by the
+/// release notification) get their chance.
+pub(crate) const MAX_HANDOFFS_IN_A_ROW: u32 = 8;
+
+#[derive(Default)]
+pub(crate) struct LocalQueue {
+    /// Whoever holds this is the one waiter talking to the store. It keeps the release
+    /// subscription here so that the next contender reuses it instead of subscribing
+    /// again.
+    pub(crate) contender: tokio::sync::Mutex<Option<ReleaseWatch>>,
+    /// The contender, while it sleeps, offers itself here for a direct handoff.
+    waiting: Mutex<Option<HandoffOffer>>,
+    handoffs_in_a_row: AtomicU32,
+}
+
+/// A sleeping contender's offer to take the lock over from a local holder.
+pub(crate) struct HandoffOffer {
+    pub(crate) owner: OwnerId,
+    pub(crate) ttl: Duration,
+    pub(crate) reply: oneshot::Sender<Handoff>,
+}
+
+/// What a releasing holder did for the waiter: the acquire attempt made on its behalf,
+/// and when that request was sent (the start of the waiter's lease).
+pub(crate) struct Handoff {
+    pub(crate) sent: Instant,
+    pub(crate) outcome: Result<TryAcquire>,
+}
+
+impl LocalQueue {
+    fn waiting(&self) -> std::sync::MutexGuard<'_, Option<HandoffOffer>> {
+        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The contender goes to sleep and offers itself for a handoff.
+    pub(crate) fn offer(&self, offer: HandoffOffer) {
+        *self.waiting() = Some(offer);
+    }
+
+    /// The contender woke up on its own. `false` means a holder already took the offer
+    /// and the contender must wait for its reply.
+    pub(crate) fn withdraw(&self, owner: &OwnerId) -> bool {
+        let mut waiting = self.waiting();
+        match waiting.as_ref() {
+            Some(offer) if offer.owner == *owner => {
+                *waiting = None;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A releasing holder takes the waiting contender's offer, unless the lock has
+    /// passed between local waiters too many times in a row.
+    pub(crate) fn take_offer(&self) -> Option<HandoffOffer> {
+        let mut waiting = self.waiting();
+        waiting.as_ref()?;
+        if self.handoffs_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 > MAX_HANDOFFS_IN_A_ROW {
+            self.handoffs_in_a_row.store(0, Ordering::Relaxed);
+            return None;
+        }
+        waiting.take()
+    }
+
+    /// The lock was taken through the store rather than handed over.
+    pub(crate) fn acquired_from_store(&self) {
+        self.handoffs_in_a_row.store(0, Ordering::Relaxed);
+    }
+}
