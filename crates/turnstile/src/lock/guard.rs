@@ -3,6 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -35,6 +36,8 @@ struct Held {
     valid_until: Mutex<Instant>,
     lost: CancellationToken,
     loss: OnceLock<LossReason>,
+    /// Set once this holder stopped counting as a local holder in its queue.
+    finished: AtomicBool,
 }
 
 impl Held {
@@ -49,6 +52,7 @@ impl Held {
     /// Releases, or hands the lock straight to this process's next waiter for the name
     /// when one is sleeping (one atomic step on engines that support it).
     async fn release(&self) -> Result<ReleaseOutcome> {
+        self.finish();
         let Some(offer) = self.queue.take_offer() else {
             return self.backend.release(&self.name, &self.owner).await;
         };
@@ -69,6 +73,13 @@ impl Held {
             }
         }
         Ok(released)
+    }
+
+    /// Stops counting as a local holder (once), before the lock is given up.
+    fn finish(&self) {
+        if !self.finished.swap(true, Ordering::SeqCst) {
+            self.queue.holder_finished();
+        }
     }
 
     fn mark_lost(&self, reason: LossReason) {
@@ -134,7 +145,9 @@ impl LockGuard {
             valid_until: Mutex::new(sent + ttl - drift),
             lost: CancellationToken::new(),
             loss: OnceLock::new(),
+            finished: AtomicBool::new(false),
         });
+        held.queue.holder_started();
         let stop_keeper = CancellationToken::new();
         let keeper = tokio::spawn(keep(
             Arc::clone(&held),
@@ -227,14 +240,19 @@ impl LockGuard {
 
     /// Stops the watchdog and releases the lock, reporting what the store found.
     ///
-    /// The watchdog is stopped and awaited before the release is sent, so no renewal can
-    /// follow it; and no store re-creates a lock on renewal, so even a renewal already in
-    /// flight cannot bring it back.
+    /// The watchdog is stopped before the release is sent, so it sends no renewal after
+    /// it; and no store re-creates a lock on renewal, so even a renewal already in
+    /// flight cannot bring the lock back.
+    ///
+    /// If another task of the same [`Locker`](super::Locker) is waiting for this lock,
+    /// the lock is handed straight to it (on Redis in one atomic script, with a new
+    /// fencing token), up to 8 times in a row; the next release then goes through the
+    /// store and wakes waiters in other processes too, so they are not starved.
     pub async fn release(mut self) -> Result<ReleaseOutcome> {
         self.released = true;
         self.stop_keeper.cancel();
         if let Some(keeper) = self.keeper.take() {
-            let _ = keeper.await;
+            keeper.abort();
         }
         self.held.release().await
     }
@@ -256,6 +274,13 @@ impl Drop for LockGuard {
                 let _ = held.release().await;
             });
         }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // A guard dropped without a runtime to release it still stops counting.
+        self.finish();
     }
 }
 

@@ -167,10 +167,19 @@ impl Locker {
             None => queue.contender.lock().await,
         };
         let owner = OwnerId::random();
+        // While a guard of this locker holds the lock, asking the store is pointless: the
+        // holder hands the lock over or announces its release.
+        let mut wait_first = queue.held_locally()
+            && options.get_wait() != Some(Duration::ZERO)
+            && contender.as_ref().is_some_and(|watch| !watch.is_closed());
         loop {
-            let remaining_ttl = match self.attempt(&queue, &name, &owner, options).await? {
-                Attempt::Acquired(guard) => return Ok(guard),
-                Attempt::Held { remaining_ttl } => remaining_ttl,
+            let remaining_ttl = if std::mem::take(&mut wait_first) {
+                Some(options.get_ttl())
+            } else {
+                match self.attempt(&queue, &name, &owner, options).await? {
+                    Attempt::Acquired(guard) => return Ok(guard),
+                    Attempt::Held { remaining_ttl } => remaining_ttl,
+                }
             };
             let now = Instant::now();
             if deadline.is_some_and(|deadline| deadline <= now) {

@@ -141,29 +141,39 @@ impl IntoLockName for &String {
 /// move between tasks and only the acquisition that took the lock can extend or
 /// release it.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct OwnerId(u128);
+pub struct OwnerId {
+    // Kept as the 32 hex digits stores compare, so no request formats it again.
+    hex: String,
+}
 
 impl OwnerId {
     /// A fresh random owner id.
     pub fn random() -> Self {
-        OwnerId(rand::random())
+        OwnerId {
+            hex: format!("{:032x}", rand::random::<u128>()),
+        }
     }
 
     /// The id as 32 lowercase hex digits, the form stores keep.
     pub fn to_hex(&self) -> String {
-        format!("{:032x}", self.0)
+        self.hex.clone()
+    }
+
+    /// The id as 32 lowercase hex digits, borrowed.
+    pub fn as_str(&self) -> &str {
+        &self.hex
     }
 }
 
 impl fmt::Debug for OwnerId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "OwnerId({:032x})", self.0)
+        write!(f, "OwnerId({})", self.hex)
     }
 }
 
 impl fmt::Display for OwnerId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:032x}", self.0)
+        f.write_str(&self.hex)
     }
 }
 

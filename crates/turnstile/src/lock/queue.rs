@@ -2,7 +2,7 @@
 //! a release hands the lock straight to the contender when it can.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -25,6 +25,8 @@ pub(crate) struct LocalQueue {
     /// The contender, while it sleeps, offers itself here for a direct handoff.
     waiting: Mutex<Option<HandoffOffer>>,
     handoffs_in_a_row: AtomicU32,
+    /// Guards of this locker that hold the lock and have not started releasing it.
+    local_holders: AtomicUsize,
 }
 
 /// A sleeping contender's offer to take the lock over from a local holder.
@@ -74,6 +76,22 @@ impl LocalQueue {
             return None;
         }
         waiting.take()
+    }
+
+    /// A guard of this locker now holds the lock.
+    pub(crate) fn holder_started(&self) {
+        self.local_holders.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A guard of this locker is about to release (or hand over) the lock.
+    pub(crate) fn holder_finished(&self) {
+        self.local_holders.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Whether a guard of this locker holds the lock: then a new contender need not ask
+    /// the store, since the holder will hand over or announce its release.
+    pub(crate) fn held_locally(&self) -> bool {
+        self.local_holders.load(Ordering::SeqCst) > 0
     }
 
     /// The lock was taken through the store rather than handed over.

@@ -52,12 +52,13 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 
-/// Lua: `issue(owner, ttl_ms, retention_ms)` takes the (free) lock in KEYS[1] for
-/// `owner` with a fencing token `max(last + 1, server µs clock)` kept in KEYS[2].
+/// Lua: `issue(owner, ttl_ms, retention_ms, only_if_free)` takes the lock in KEYS[1]
+/// for `owner` with a fencing token `max(last + 1, server µs clock)` kept in KEYS[2].
+/// With `only_if_free` it returns `nil` and changes nothing when the lock is held.
 macro_rules! issue_lua {
     () => {
         r"
-local function issue(owner, ttl, retention)
+local function issue(owner, ttl, retention, only_if_free)
   local now = redis.call('TIME')
   local token = tonumber(now[1]) * 1000000 + tonumber(now[2])
   local last = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
@@ -65,8 +66,14 @@ local function issue(owner, ttl, retention)
     token = last + 1
   end
   local text = string.format('%.0f', token)
+  if only_if_free then
+    if not redis.call('SET', KEYS[1], owner .. ':' .. text, 'NX', 'PX', ttl) then
+      return nil
+    end
+  else
+    redis.call('SET', KEYS[1], owner .. ':' .. text, 'PX', ttl)
+  end
   redis.call('SET', KEYS[2], text, 'PX', retention)
-  redis.call('SET', KEYS[1], owner .. ':' .. text, 'PX', ttl)
   return text
 end
 "
@@ -76,11 +83,11 @@ end
 const ACQUIRE: &str = concat!(
     issue_lua!(),
     r"
-local pttl = redis.call('PTTL', KEYS[1])
-if pttl ~= -2 then
-  return {0, pttl}
+local token = issue(ARGV[1], ARGV[2], ARGV[3], true)
+if token then
+  return {1, token}
 end
-return {1, issue(ARGV[1], ARGV[2], ARGV[3])}
+return {0, redis.call('PTTL', KEYS[1])}
 "
 );
 
@@ -98,7 +105,7 @@ if value then
   end
   released = 1
 end
-return {released, 1, issue(ARGV[2], ARGV[3], ARGV[4])}
+return {released, 1, issue(ARGV[2], ARGV[3], ARGV[4], false)}
 "
 );
 
@@ -467,7 +474,7 @@ impl LockBackend for RedisLockStore {
                 .acquire
                 .key(self.lock_key(name))
                 .key(self.fence_key(name))
-                .arg(owner.to_hex())
+                .arg(owner.as_str())
                 .arg(ceil_millis(ttl))
                 .arg(ceil_millis(self.config.fence_retention))
                 .invoke_async(&mut connection)
@@ -489,7 +496,7 @@ impl LockBackend for RedisLockStore {
                 .scripts
                 .extend
                 .key(self.lock_key(name))
-                .arg(owner.to_hex())
+                .arg(owner.as_str())
                 .arg(ceil_millis(ttl))
                 .invoke_async(&mut connection)
                 .await
@@ -513,7 +520,7 @@ impl LockBackend for RedisLockStore {
                 .scripts
                 .release
                 .key(self.lock_key(name))
-                .arg(owner.to_hex())
+                .arg(owner.as_str())
                 .arg(self.release_channel(name))
                 .invoke_async(&mut connection)
                 .await
@@ -573,8 +580,8 @@ impl LockBackend for RedisLockStore {
                 .hand_over
                 .key(self.lock_key(name))
                 .key(self.fence_key(name))
-                .arg(from.to_hex())
-                .arg(to.to_hex())
+                .arg(from.as_str())
+                .arg(to.as_str())
                 .arg(ceil_millis(ttl))
                 .arg(ceil_millis(self.config.fence_retention))
                 .invoke_async(&mut connection)

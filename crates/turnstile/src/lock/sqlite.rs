@@ -232,7 +232,7 @@ impl LockBackend for SqliteLockStore {
             let (now_ms, now_us) = wall_clock();
             let token: Option<i64> = sqlx::query_scalar(ACQUIRE)
                 .bind(name.as_str())
-                .bind(owner.to_hex())
+                .bind(owner.as_str())
                 .bind(now_us)
                 .bind(now_ms.saturating_add(millis_i64(ttl)))
                 .bind(now_ms)
@@ -266,7 +266,7 @@ impl LockBackend for SqliteLockStore {
                  WHERE name = ?1 AND owner = ?2 AND expires_at_ms > ?4",
             )
             .bind(name.as_str())
-            .bind(owner.to_hex())
+            .bind(owner.as_str())
             .bind(now_ms.saturating_add(millis_i64(ttl)))
             .bind(now_ms)
             .execute(&self.pool)
@@ -278,7 +278,7 @@ impl LockBackend for SqliteLockStore {
             }
             let holder = self.holder(name, now_ms).await?;
             Ok(ExtendOutcome::Lost(match holder {
-                Some(info) if info.owner != owner.to_hex() => LossReason::TakenOver,
+                Some(info) if info.owner != owner.as_str() => LossReason::TakenOver,
                 _ => LossReason::Expired,
             }))
         })
@@ -291,7 +291,7 @@ impl LockBackend for SqliteLockStore {
     ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
         Box::pin(async move {
             let (now_ms, _) = wall_clock();
-            let owner_hex = owner.to_hex();
+            let owner_hex = owner.as_str();
             // Each step is atomic on its own, and once the row is not ours it never
             // becomes ours again, so the steps cannot report a wrong outcome.
             let live = sqlx::query(
@@ -299,7 +299,7 @@ impl LockBackend for SqliteLockStore {
                  WHERE name = ?1 AND owner = ?2 AND expires_at_ms > ?3",
             )
             .bind(name.as_str())
-            .bind(&owner_hex)
+            .bind(owner_hex)
             .bind(now_ms)
             .execute(&self.pool)
             .await
@@ -314,7 +314,7 @@ impl LockBackend for SqliteLockStore {
                  WHERE name = ?1 AND owner = ?2",
             )
             .bind(name.as_str())
-            .bind(&owner_hex)
+            .bind(owner_hex)
             .execute(&self.pool)
             .await
             .map_err(|error| map_error(error, "cannot release the lock"))?

@@ -479,6 +479,42 @@ pub async fn local_waiters_take_turns(store: impl TestStore) {
     }
 }
 
+/// A waiter in another process gets the lock even while tasks of one process keep
+/// handing it to each other.
+pub async fn a_remote_waiter_is_not_starved_by_local_handoffs(store: impl TestStore) {
+    let lock = name("starve");
+    let busy = store.locker().await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let (busy, lock, stop) = (busy.clone(), lock.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                let guard = busy
+                    .acquire(&lock, &options(5_000).wait(Duration::from_secs(30)))
+                    .await
+                    .unwrap();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                guard.release().await.unwrap();
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let remote = store.locker().await;
+    let guard = remote
+        .acquire(&lock, &options(5_000).wait(Duration::from_secs(10)))
+        .await;
+    stop.store(true, Ordering::SeqCst);
+    guard
+        .expect("the remote waiter starved")
+        .release()
+        .await
+        .unwrap();
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
 /// Generates one `#[tokio::test]` per conformance check for the store `$make` builds.
 #[macro_export]
 macro_rules! conformance_tests {
@@ -502,6 +538,7 @@ macro_rules! conformance_tests {
             a_guard_can_move_between_tasks,
             dropping_a_guard_releases_it,
             local_waiters_take_turns,
+            a_remote_waiter_is_not_starved_by_local_handoffs,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
