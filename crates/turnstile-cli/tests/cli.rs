@@ -1,0 +1,366 @@
+//! The `turnstile` command, run as a user would run it: real processes, a real SQLite
+//! file, a real redis-server.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use turnstile_test_support::RedisServer;
+
+struct Sandbox {
+    dir: tempfile::TempDir,
+}
+
+impl Sandbox {
+    fn new() -> Sandbox {
+        Sandbox {
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    fn store(&self) -> String {
+        format!(
+            "sqlite://{}",
+            self.dir.path().join("locks.sqlite3").display()
+        )
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// `turnstile ARGS` with the sandbox's store in TURNSTILE_STORE.
+    fn turnstile(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_turnstile"));
+        command
+            .args(args)
+            .env("TURNSTILE_STORE", self.store())
+            .env("XDG_STATE_HOME", self.path("state"))
+            .stdin(Stdio::null());
+        command
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.turnstile(args).output().unwrap()
+    }
+}
+
+fn code(output: &Output) -> i32 {
+    output.status.code().expect("exited normally")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn wait_for_file(path: &Path) {
+    let started = Instant::now();
+    while !path.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn exec_runs_the_command_with_its_token_and_passes_its_exit_code() {
+    let sandbox = Sandbox::new();
+    let output = sandbox.run(&[
+        "lock",
+        "exec",
+        "report",
+        "--",
+        "sh",
+        "-c",
+        "echo \"$TURNSTILE_LOCK_NAME $TURNSTILE_FENCING_TOKEN\"; exit 7",
+    ]);
+    assert_eq!(code(&output), 7, "{}", stderr(&output));
+    let printed = stdout(&output);
+    let (name, token) = printed.trim().split_once(' ').unwrap();
+    assert_eq!(name, "report");
+    assert!(token.parse::<u64>().unwrap() > 0);
+    // Released afterwards.
+    assert!(stdout(&sandbox.run(&["lock", "status", "report"])).contains("is free"));
+}
+
+#[test]
+fn processes_exclude_each_other_through_the_default_sqlite_store() {
+    let sandbox = Sandbox::new();
+    let counter = sandbox.path("counter");
+    std::fs::write(&counter, "0").unwrap();
+    // A read-modify-write with a pause in the middle: without mutual exclusion across
+    // processes, updates are lost.
+    let script = format!(
+        "v=$(cat {0}); sleep 0.02; echo $((v + 1)) > {0}",
+        counter.display()
+    );
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let mut command = sandbox.turnstile(&[]);
+            command.env_remove("TURNSTILE_STORE");
+            let binary = env!("CARGO_BIN_EXE_turnstile");
+            let loop_script = format!(
+                "for i in 1 2 3 4 5; do {binary} lock exec --wait 60s counter -- sh -c '{script}' || exit 1; done"
+            );
+            Command::new("sh")
+                .args(["-c", &loop_script])
+                .env("XDG_STATE_HOME", sandbox.path("state"))
+                .env_remove("TURNSTILE_STORE")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut worker in workers {
+        assert!(worker.wait().unwrap().success());
+    }
+    assert_eq!(std::fs::read_to_string(&counter).unwrap().trim(), "20");
+    // The default store is the per-user state directory.
+    assert!(sandbox.path("state/turnstile/locks.sqlite3").exists());
+}
+
+#[test]
+fn a_held_lock_gives_exit_75_with_no_wait_and_after_the_wait() {
+    let sandbox = Sandbox::new();
+    let started = sandbox.path("started");
+    let mut holder = sandbox
+        .turnstile(&[
+            "lock",
+            "exec",
+            "nightly",
+            "--",
+            "sh",
+            "-c",
+            &format!("touch {}; exec sleep 30", started.display()),
+        ])
+        .spawn()
+        .unwrap();
+    wait_for_file(&started);
+
+    let output = sandbox.run(&["lock", "exec", "--no-wait", "nightly", "--", "true"]);
+    assert_eq!(code(&output), 75, "{}", stderr(&output));
+    let before = Instant::now();
+    let output = sandbox.run(&["lock", "exec", "--wait", "300ms", "nightly", "--", "true"]);
+    assert_eq!(code(&output), 75, "{}", stderr(&output));
+    assert!(before.elapsed() >= Duration::from_millis(300));
+    assert!(
+        stderr(&output).contains("still held"),
+        "{}",
+        stderr(&output)
+    );
+
+    let status = stdout(&sandbox.run(&["lock", "status", "nightly"]));
+    assert!(status.contains("is held by owner"), "{status}");
+    let json: serde_json::Value = serde_json::from_str(&stdout(
+        &sandbox.run(&["lock", "status", "--json", "nightly"]),
+    ))
+    .unwrap();
+    assert_eq!(json["held"], true);
+    assert!(json["fencing_token"].as_u64().unwrap() > 0);
+    // SIGTERM to turnstile is passed on to the command; its status is reported the way
+    // shells report a signal, 128 + 15.
+    // SAFETY: signalling a child process we started.
+    unsafe {
+        libc::kill(i32::try_from(holder.id()).unwrap(), libc::SIGTERM);
+    }
+    assert_eq!(holder.wait().unwrap().code(), Some(143));
+    assert!(stdout(&sandbox.run(&["lock", "status", "nightly"])).contains("is free"));
+}
+
+#[test]
+fn breaking_the_lock_terminates_the_command_with_exit_76() {
+    let sandbox = Sandbox::new();
+    let started = sandbox.path("started");
+    let terminated = sandbox.path("terminated");
+    let script = format!(
+        "trap 'touch {}; exit 0' TERM; touch {}; while true; do sleep 0.05; done",
+        terminated.display(),
+        started.display()
+    );
+    // TTL 600ms: the watchdog renews every 200ms and notices the break at once.
+    let holder = sandbox
+        .turnstile(&[
+            "lock", "exec", "--ttl", "600ms", "deploy", "--", "sh", "-c", &script,
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_file(&started);
+    let broke = sandbox.run(&["lock", "break", "deploy"]);
+    assert_eq!(code(&broke), 0);
+    assert!(
+        stdout(&broke).contains("broke \"deploy\""),
+        "{}",
+        stdout(&broke)
+    );
+    let output = holder.wait_with_output().unwrap();
+    assert_eq!(code(&output), 76, "{}", stderr(&output));
+    assert!(stderr(&output).contains("lost"), "{}", stderr(&output));
+    assert!(terminated.exists(), "the command did not get SIGTERM");
+    // Nothing left to break.
+    assert!(stdout(&sandbox.run(&["lock", "break", "deploy"])).contains("was not held"));
+}
+
+#[test]
+fn a_command_that_ignores_sigterm_is_killed_after_the_grace_period() {
+    let sandbox = Sandbox::new();
+    let started = sandbox.path("started");
+    let script = format!(
+        "trap '' TERM; touch {}; while true; do sleep 0.05; done",
+        started.display()
+    );
+    let holder = sandbox
+        .turnstile(&[
+            "lock",
+            "exec",
+            "--ttl",
+            "600ms",
+            "--kill-after",
+            "300ms",
+            "stubborn",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .spawn()
+        .unwrap();
+    wait_for_file(&started);
+    assert_eq!(code(&sandbox.run(&["lock", "break", "stubborn"])), 0);
+    let output = holder.wait_with_output().unwrap();
+    assert_eq!(code(&output), 76);
+}
+
+#[test]
+fn losing_the_redis_server_terminates_the_command_with_exit_76() {
+    let server = RedisServer::spawn();
+    let sandbox = Sandbox::new();
+    let started = sandbox.path("started");
+    let holder = sandbox
+        .turnstile(&[
+            "lock",
+            "exec",
+            "--store",
+            &server.url(),
+            "--ttl",
+            "600ms",
+            "job",
+            "--",
+            "sh",
+            "-c",
+            &format!("touch {}; exec sleep 30", started.display()),
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_file(&started);
+    server.kill();
+    let output = holder.wait_with_output().unwrap();
+    assert_eq!(code(&output), 76, "{}", stderr(&output));
+}
+
+#[test]
+fn bad_input_gets_a_specific_error_and_a_documented_code() {
+    let sandbox = Sandbox::new();
+    let cases: &[(&[&str], i32, &str)] = &[
+        (&["lock", "exec", "", "--", "true"], 64, "must not be empty"),
+        (
+            &["lock", "exec", &"x".repeat(600), "--", "true"],
+            64,
+            "at most 512 bytes",
+        ),
+        (
+            &["lock", "exec", "--ttl", "0s", "a", "--", "true"],
+            64,
+            "greater than zero",
+        ),
+        (
+            &["lock", "exec", "--ttl", "10", "a", "--", "true"],
+            64,
+            "no unit",
+        ),
+        (
+            &["lock", "exec", "--ttl", "soon", "a", "--", "true"],
+            64,
+            "not a duration",
+        ),
+        (&["lock", "exec", "a"], 64, "no command given"),
+        (
+            &["lock", "exec", "--store", "mongodb://x", "a", "--", "true"],
+            64,
+            "unknown store scheme",
+        ),
+        (
+            &["lock", "exec", "--store", "sqlite://", "a", "--", "true"],
+            64,
+            "names no file",
+        ),
+        (
+            &["lock", "exec", "a", "--", "/no/such/program"],
+            127,
+            "cannot run",
+        ),
+        (&["lock", "frobnicate"], 64, "unrecognized subcommand"),
+    ];
+    for (args, expected, message) in cases {
+        let output = sandbox.run(args);
+        assert_eq!(code(&output), *expected, "{args:?}: {}", stderr(&output));
+        assert!(
+            stderr(&output).contains(message),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+    }
+}
+
+#[test]
+fn an_unreachable_store_is_reported_within_seconds() {
+    let sandbox = Sandbox::new();
+    let port = turnstile_test_support::free_port();
+    let started = Instant::now();
+    let output = sandbox.run(&[
+        "lock",
+        "status",
+        "--store",
+        &format!("redis://127.0.0.1:{port}"),
+        "a",
+    ]);
+    assert_eq!(code(&output), 69, "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("cannot reach Redis"),
+        "{}",
+        stderr(&output)
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn the_bench_runs_its_workload_and_prints_one_json_line() {
+    let server = RedisServer::spawn();
+    for raw in [false, true] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_turnstile"));
+        command.args(["bench", "lock"]);
+        if raw {
+            command.arg("--raw");
+        }
+        let output = command
+            .env("REDIS_PORT", server.port().to_string())
+            .env("BENCH_SECS", "1")
+            .env("WORKERS", "3")
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", stderr(&output));
+        let report: serde_json::Value = serde_json::from_str(stdout(&output).trim()).unwrap();
+        assert_eq!(report["peer"], if raw { "raw" } else { "turnstile" });
+        assert_eq!(report["counter_ok"], true, "{report}");
+        assert!(report["uncontended_cycles"].as_u64().unwrap() > 0);
+        assert!(report["contended_sections"].as_u64().unwrap() > 0);
+        assert_eq!(report["workers"], 3);
+    }
+}
