@@ -34,7 +34,7 @@
 //! - **Atomic acquire**: of many simultaneous requests exactly one wins.
 //! - **Ownership** by a random 128-bit id per acquisition, never a thread.
 //! - **Expiry**: a TTL frees the lock of a holder that crashed or was cut off; while a
-//!   [`LockGuard`](lock::LockGuard) lives a watchdog renews it every TTL/3.
+//!   [`LockGuard`] lives a watchdog renews it every TTL/3.
 //! - **Safe release**: "is it still mine?" and delete in one atomic step.
 //! - **A lost-lock signal** that fires the moment ownership can no longer be assumed.
 //! - **Fencing tokens** ([`fence`]), so that a holder paused past its lease is stopped by

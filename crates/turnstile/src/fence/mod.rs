@@ -7,8 +7,8 @@
 //! has seen per resource and refuses a write carrying a smaller one. The late writer is
 //! stopped by the store, not by hope.
 //!
-//! The engine-specific modules ([`redis`](crate::fence::redis) and
-//! [`sqlite`](crate::fence::sqlite), behind their cargo features) implement that check
+//! The engine-specific modules ([`redis`] and
+//! [`sqlite`], behind their cargo features) implement that check
 //! atomically on the protected side.
 
 use std::fmt;

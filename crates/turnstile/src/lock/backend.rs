@@ -232,10 +232,8 @@ impl ReleaseWatch {
             () = notified => true,
             () = tokio::time::sleep(limit) => false,
         };
-        if announced {
-            if let Some((min, _)) = self.poll {
-                self.next_poll = min;
-            }
+        if announced && let Some((min, _)) = self.poll {
+            self.next_poll = min;
         }
         announced
     }

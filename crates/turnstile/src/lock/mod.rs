@@ -361,7 +361,7 @@ impl fmt::Display for LossReason {
 /// than asked.
 pub(crate) fn ceil_millis(duration: Duration) -> u64 {
     let millis = duration.as_millis();
-    let rounded = if duration.as_nanos() % 1_000_000 == 0 {
+    let rounded = if duration.as_nanos().is_multiple_of(1_000_000) {
         millis
     } else {
         millis + 1

@@ -646,10 +646,10 @@ impl Notifier {
         if self.signals.is_watched(&channel) {
             return;
         }
-        if let Some((_, live)) = sink.as_mut() {
-            if live.unsubscribe(&channel).await.is_err() {
-                *sink = None;
-            }
+        if let Some((_, live)) = sink.as_mut()
+            && live.unsubscribe(&channel).await.is_err()
+        {
+            *sink = None;
         }
     }
 

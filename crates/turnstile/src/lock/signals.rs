@@ -133,10 +133,8 @@ impl Drop for Registration {
             table.remove(&self.key);
         }
         drop(table);
-        if idle {
-            if let Some(on_idle) = &self.signals.on_idle {
-                on_idle(&self.key);
-            }
+        if idle && let Some(on_idle) = &self.signals.on_idle {
+            on_idle(&self.key);
         }
     }
 }

@@ -71,16 +71,16 @@ impl SqliteLockStore {
     /// Opens (creating if needed) the database at `path` and its tables.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            if !parent.is_dir() {
-                return Err(Error::new(
-                    ErrorKind::InvalidUrl,
-                    format!(
-                        "the directory {} for the SQLite lock store does not exist; create it first",
-                        parent.display()
-                    ),
-                ));
-            }
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty())
+            && !parent.is_dir()
+        {
+            return Err(Error::new(
+                ErrorKind::InvalidUrl,
+                format!(
+                    "the directory {} for the SQLite lock store does not exist; create it first",
+                    parent.display()
+                ),
+            ));
         }
         let options = SqliteConnectOptions::new()
             .filename(&path)
