@@ -100,6 +100,7 @@ fn read_log(path: &Path) -> String {
 pub struct RedisServer {
     port: Mutex<u16>,
     extra_args: Vec<String>,
+    tls: bool,
     dir: tempfile::TempDir,
     child: Mutex<Option<Child>>,
 }
@@ -112,6 +113,16 @@ impl RedisServer {
 
     /// Starts a server with extra command-line settings (`--cluster-enabled yes`, …).
     pub fn spawn_with_args(args: &[&str]) -> RedisServer {
+        RedisServer::spawn_inner(args, false)
+    }
+
+    /// Starts a server that speaks only TLS, with a certificate for 127.0.0.1 signed by
+    /// a throwaway CA (see [`ca_certificate`](Self::ca_certificate)). Needs `openssl`.
+    pub fn spawn_tls() -> RedisServer {
+        RedisServer::spawn_inner(&[], true)
+    }
+
+    fn spawn_inner(args: &[&str], tls: bool) -> RedisServer {
         let dir = tempfile::Builder::new()
             .prefix("turnstile-redis-")
             .tempdir()
@@ -119,9 +130,13 @@ impl RedisServer {
         let server = RedisServer {
             port: Mutex::new(0),
             extra_args: args.iter().map(|arg| (*arg).to_owned()).collect(),
+            tls,
             dir,
             child: Mutex::new(None),
         };
+        if tls {
+            make_certificates(server.dir.path());
+        }
         server.start(None);
         server
     }
@@ -132,8 +147,20 @@ impl RedisServer {
         for _ in 0..5 {
             let port = port.unwrap_or_else(free_port);
             let mut command = Command::new(&binary);
+            if self.tls {
+                let dir = self.dir.path();
+                command
+                    .args(["--port", "0", "--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+                    .arg("--tls-cert-file")
+                    .arg(dir.join("server.pem"))
+                    .arg("--tls-key-file")
+                    .arg(dir.join("server.key"))
+                    .arg("--tls-ca-cert-file")
+                    .arg(dir.join("ca.pem"));
+            } else {
+                command.args(["--port", &port.to_string()]);
+            }
             command
-                .args(["--port", &port.to_string()])
                 .args(["--bind", "127.0.0.1"])
                 .args(["--save", ""])
                 .args(["--appendonly", "no"])
@@ -147,7 +174,12 @@ impl RedisServer {
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
             let mut child = spawn_tied_to_process(command).expect("cannot start redis-server");
-            if wait_for_pong(port, &mut child, Duration::from_secs(10)) {
+            let ready = if self.tls {
+                wait_for_log(&self.log_path(), "Ready to accept connections", &mut child, Duration::from_secs(10))
+            } else {
+                wait_for_pong(port, &mut child, Duration::from_secs(10))
+            };
+            if ready {
                 *self.port.lock().unwrap() = port;
                 *self.child.lock().unwrap() = Some(child);
                 return;
@@ -164,9 +196,15 @@ impl RedisServer {
         *self.port.lock().unwrap()
     }
 
-    /// `redis://127.0.0.1:PORT`.
+    /// `redis://127.0.0.1:PORT`, or `rediss://…` for a TLS server.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port())
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        format!("{scheme}://127.0.0.1:{}", self.port())
+    }
+
+    /// The PEM file of the CA that signed a TLS server's certificate.
+    pub fn ca_certificate(&self) -> PathBuf {
+        self.dir.path().join("ca.pem")
     }
 
     fn log_path(&self) -> PathBuf {
@@ -219,6 +257,41 @@ impl Drop for RedisServer {
         }
         self.kill();
     }
+}
+
+/// Makes a throwaway CA and a server certificate for 127.0.0.1 and localhost in `dir`.
+fn make_certificates(dir: &Path) {
+    let openssl = find_binary("openssl", "openssl", &[]);
+    let run = |args: &[&str]| {
+        let output = Command::new(&openssl)
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("cannot run openssl");
+        assert!(
+            output.status.success(),
+            "openssl {args:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    std::fs::write(dir.join("san.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
+    run(&["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=turnstile-test-ca"]);
+    run(&["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"]);
+    run(&["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "san.cnf"]);
+}
+
+fn wait_for_log(path: &Path, needle: &str, child: &mut Child, limit: Duration) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if let Ok(Some(_)) = child.try_wait() {
+            return false;
+        }
+        if read_log(path).contains(needle) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
 }
 
 fn wait_for_pong(port: u16, child: &mut Child, limit: Duration) -> bool {

@@ -57,7 +57,7 @@ impl std::fmt::Debug for RedisFencedStore {
 impl RedisFencedStore {
     /// Connects with the key prefix `turnstile`.
     pub async fn connect(url: &str) -> Result<Self> {
-        let client = open_client(url)?;
+        let client = open_client(url, None)?;
         let connection =
             connect_manager(client, url, Duration::from_secs(3), Duration::from_secs(3)).await?;
         Ok(RedisFencedStore::with_connection(connection, "turnstile"))

@@ -160,6 +160,7 @@ pub struct RedisLockConfig {
     fence_retention: Duration,
     connect_timeout: Duration,
     response_timeout: Duration,
+    tls_root_certificate: Option<Vec<u8>>,
 }
 
 impl Default for RedisLockConfig {
@@ -169,6 +170,7 @@ impl Default for RedisLockConfig {
             fence_retention: Duration::from_secs(7 * 24 * 3600),
             connect_timeout: Duration::from_secs(3),
             response_timeout: Duration::from_secs(3),
+            tls_root_certificate: None,
         }
     }
 }
@@ -204,6 +206,14 @@ impl RedisLockConfig {
     /// How long to wait for each reply.
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
+        self
+    }
+
+    /// For `rediss://`: trust this CA certificate (PEM) instead of the system's trust
+    /// store. Without it the system store is used, and the `SSL_CERT_FILE` environment
+    /// variable can name a PEM bundle to trust instead.
+    pub fn tls_root_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_root_certificate = Some(pem.into());
         self
     }
 
@@ -274,17 +284,8 @@ pub(crate) fn map_error(error: redis::RedisError, context: &str) -> Error {
 }
 
 /// Opens a client for a `redis://` or `rediss://` URL, checking it first.
-pub(crate) fn open_client(url: &str) -> Result<Client> {
-    if url.starts_with("rediss://") && !cfg!(feature = "redis-tls") {
-        return Err(Error::new(
-            ErrorKind::UnsupportedStore,
-            format!(
-                "{} needs TLS: build turnstile with the `redis-tls` feature",
-                crate::store::redact(url)
-            ),
-        ));
-    }
-    Client::open(url).map_err(|error| {
+pub(crate) fn open_client(url: &str, tls_root_certificate: Option<&[u8]>) -> Result<Client> {
+    let invalid = |error: redis::RedisError| {
         Error::new(
             ErrorKind::InvalidUrl,
             format!(
@@ -293,7 +294,34 @@ pub(crate) fn open_client(url: &str) -> Result<Client> {
             ),
         )
         .with_source(error)
-    })
+    };
+    if url.starts_with("rediss://") {
+        #[cfg(feature = "redis-tls")]
+        {
+            // rustls needs a process-wide crypto provider; another part of the program
+            // may have installed one already, which is just as good.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            if let Some(pem) = tls_root_certificate {
+                let certificates = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem.to_vec()),
+                };
+                return Client::build_with_tls(url, certificates).map_err(invalid);
+            }
+        }
+        #[cfg(not(feature = "redis-tls"))]
+        {
+            let _ = tls_root_certificate;
+            return Err(Error::new(
+                ErrorKind::UnsupportedStore,
+                format!(
+                    "{} needs TLS: build turnstile with the `redis-tls` feature",
+                    crate::store::redact(url)
+                ),
+            ));
+        }
+    }
+    Client::open(url).map_err(invalid)
 }
 
 /// Connects a multiplexed, self-reconnecting connection within `connect_timeout`.
@@ -347,7 +375,7 @@ impl RedisLockStore {
     /// reachable.
     pub async fn connect_with(url: &str, config: RedisLockConfig) -> Result<Self> {
         config.validate()?;
-        let client = open_client(url)?;
+        let client = open_client(url, config.tls_root_certificate.as_deref())?;
         let connection = connect_manager(
             client.clone(),
             url,
