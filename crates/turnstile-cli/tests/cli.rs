@@ -364,3 +364,30 @@ fn the_bench_runs_its_workload_and_prints_one_json_line() {
         assert_eq!(report["workers"], 3);
     }
 }
+
+#[test]
+fn rediss_urls_work_with_a_ca_from_ssl_cert_file() {
+    let server = RedisServer::spawn_tls();
+    let sandbox = Sandbox::new();
+    let output = sandbox
+        .turnstile(&[
+            "lock",
+            "exec",
+            "--store",
+            &server.url(),
+            "tls-job",
+            "--",
+            "true",
+        ])
+        .env("SSL_CERT_FILE", server.ca_certificate())
+        .output()
+        .unwrap();
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    // The same server without the CA: its certificate is not trusted.
+    let output = sandbox
+        .turnstile(&["lock", "status", "--store", &server.url(), "tls-job"])
+        .env_remove("SSL_CERT_FILE")
+        .output()
+        .unwrap();
+    assert_ne!(code(&output), 0);
+}

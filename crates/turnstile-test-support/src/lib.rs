@@ -150,7 +150,14 @@ impl RedisServer {
             if self.tls {
                 let dir = self.dir.path();
                 command
-                    .args(["--port", "0", "--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+                    .args([
+                        "--port",
+                        "0",
+                        "--tls-port",
+                        &port.to_string(),
+                        "--tls-auth-clients",
+                        "no",
+                    ])
                     .arg("--tls-cert-file")
                     .arg(dir.join("server.pem"))
                     .arg("--tls-key-file")
@@ -175,7 +182,12 @@ impl RedisServer {
                 .stderr(Stdio::null());
             let mut child = spawn_tied_to_process(command).expect("cannot start redis-server");
             let ready = if self.tls {
-                wait_for_log(&self.log_path(), "Ready to accept connections", &mut child, Duration::from_secs(10))
+                wait_for_log(
+                    &self.log_path(),
+                    "Ready to accept connections",
+                    &mut child,
+                    Duration::from_secs(10),
+                )
             } else {
                 wait_for_pong(port, &mut child, Duration::from_secs(10))
             };
@@ -274,10 +286,55 @@ fn make_certificates(dir: &Path) {
             String::from_utf8_lossy(&output.stderr)
         );
     };
-    std::fs::write(dir.join("san.cnf"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
-    run(&["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=turnstile-test-ca"]);
-    run(&["req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"]);
-    run(&["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "san.cnf"]);
+    std::fs::write(
+        dir.join("san.cnf"),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+    )
+    .unwrap();
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=turnstile-test-ca",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.cnf",
+    ]);
 }
 
 fn wait_for_log(path: &Path, needle: &str, child: &mut Child, limit: Duration) -> bool {

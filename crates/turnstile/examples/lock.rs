@@ -25,7 +25,10 @@ async fn main() -> turnstile::Result<()> {
         tokio::spawn(async move {
             for round in 1..=3 {
                 let guard = locker.acquire("example:report", &options).await?;
-                println!("worker {worker}, round {round}: fencing token {}", guard.fencing_token());
+                println!(
+                    "worker {worker}, round {round}: fencing token {}",
+                    guard.fencing_token()
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 guard.release().await?;
             }

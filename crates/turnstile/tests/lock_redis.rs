@@ -260,11 +260,21 @@ async fn locks_work_over_tls() {
     assert!(server.url().starts_with("rediss://"));
     let ca = std::fs::read(server.ca_certificate()).unwrap();
     let config = RedisLockConfig::new().tls_root_certificate(ca);
-    let locker = Locker::new(RedisLockStore::connect_with(&server.url(), config).await.unwrap());
-    let guard = locker.acquire("over-tls", &LockOptions::new()).await.unwrap();
+    let locker = Locker::new(
+        RedisLockStore::connect_with(&server.url(), config)
+            .await
+            .unwrap(),
+    );
+    let guard = locker
+        .acquire("over-tls", &LockOptions::new())
+        .await
+        .unwrap();
     assert!(guard.fencing_token().get() > 0);
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
     // Without trusting the test CA, the server's certificate is refused.
     let error = RedisLockStore::connect(&server.url()).await.unwrap_err();
-    assert!(matches!(error.kind(), ErrorKind::StoreUnavailable | ErrorKind::Store), "{error}");
+    assert!(
+        matches!(error.kind(), ErrorKind::StoreUnavailable | ErrorKind::Store),
+        "{error}"
+    );
 }
