@@ -1,0 +1,157 @@
+//! MariaDB (or MySQL): `mariadb-install-db` into a temporary directory, `mariadbd` on a
+//! free port.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use crate::{Process, find_binary, free_port, read_log, spawn_tied_to_process, wait_until_ready};
+
+const SBIN: &[&str] = &["/usr/sbin", "/usr/local/sbin", "/usr/local/mysql/bin"];
+
+/// A real MariaDB server on a free loopback port with a user `turnstile` (no password)
+/// that may do anything; InnoDB flushes its log once a second (a server crash keeps
+/// every commit, an OS crash could lose the last second).
+pub struct MariaDbServer {
+    dir: tempfile::TempDir,
+    port: Mutex<u16>,
+    process: Process,
+}
+
+impl MariaDbServer {
+    /// Installs a data directory and starts the server; waits until it accepts
+    /// connections.
+    pub fn spawn() -> MariaDbServer {
+        let dir = tempfile::Builder::new()
+            .prefix("turnstile-mariadb-")
+            .tempdir()
+            .expect("cannot make a temporary directory");
+        let server = MariaDbServer {
+            dir,
+            port: Mutex::new(0),
+            process: Process::default(),
+        };
+        let install = find_binary("mariadb-install-db", "mariadb-server", &["/usr/bin", "/usr/local/bin"]);
+        let output = Command::new(install)
+            .arg("--no-defaults")
+            .arg(format!("--datadir={}", server.data_dir().display()))
+            .args(["--auth-root-authentication-method=normal", "--skip-test-db", "--user=root"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("cannot run mariadb-install-db");
+        assert!(
+            output.status.success(),
+            "mariadb-install-db failed:\n{}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        server.start(None);
+        server.sql("CREATE USER 'turnstile'@'%'; GRANT ALL ON *.* TO 'turnstile'@'%' WITH GRANT OPTION; CREATE DATABASE test;");
+        server
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("mariadb.log")
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("mariadb.sock")
+    }
+
+    fn start(&self, port: Option<u16>) {
+        let binary = find_binary("mariadbd", "mariadb-server", SBIN);
+        for _ in 0..5 {
+            let port = port.unwrap_or_else(free_port);
+            let mut command = Command::new(&binary);
+            command
+                .arg("--no-defaults")
+                .arg(format!("--datadir={}", self.data_dir().display()))
+                .arg(format!("--port={port}"))
+                .arg("--bind-address=127.0.0.1")
+                .arg(format!("--socket={}", self.socket().display()))
+                .arg(format!("--pid-file={}", self.dir.path().join("mariadb.pid").display()))
+                .arg(format!("--log-error={}", self.log_path().display()))
+                .args(["--user=root", "--skip-log-bin", "--skip-name-resolve"])
+                .args(["--innodb-buffer-pool-size=32M", "--innodb-log-file-size=16M"])
+                .args(["--innodb-flush-log-at-trx-commit=2", "--max-connections=300"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            let mut child = spawn_tied_to_process(command).expect("cannot start mariadbd");
+            if wait_until_ready(&self.log_path(), &format!("port: {port}"), Some(port), &mut child, Duration::from_secs(60)) {
+                *self.port.lock().unwrap() = port;
+                self.process.set(child);
+                return;
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("mariadbd did not start; its log:\n{}", self.log());
+    }
+
+    /// Runs SQL as root over the server's socket.
+    pub fn sql(&self, statements: &str) -> String {
+        let client = find_binary("mariadb", "mariadb-client", &["/usr/bin"]);
+        let output = Command::new(client)
+            .arg("--no-defaults")
+            .arg(format!("--socket={}", self.socket().display()))
+            .args(["-u", "root", "-N", "-B", "-e", statements])
+            .output()
+            .expect("cannot run the mariadb client");
+        assert!(output.status.success(), "SQL failed: {}", String::from_utf8_lossy(&output.stderr));
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        *self.port.lock().unwrap()
+    }
+
+    /// `mysql://turnstile@127.0.0.1:PORT/test`.
+    pub fn url(&self) -> String {
+        format!("mysql://turnstile@127.0.0.1:{}/test", self.port())
+    }
+
+    /// Creates a fresh database and returns its URL (one per test keeps tests apart).
+    pub fn fresh_database(&self, label: &str) -> String {
+        let name = crate::unique_name(label).replace('-', "_").to_lowercase();
+        self.sql(&format!("CREATE DATABASE {name}"));
+        format!("mysql://turnstile@127.0.0.1:{}/{name}", self.port())
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        read_log(&self.log_path())
+    }
+
+    /// Kills the server with SIGKILL: a crash.
+    pub fn kill(&self) {
+        self.process.kill();
+    }
+
+    /// Stops the server cleanly and starts it again on the same port, with its data.
+    pub fn restart(&self) {
+        self.process.stop_with(libc::SIGTERM, Duration::from_secs(30));
+        self.start(Some(self.port()));
+    }
+}
+
+impl Drop for MariaDbServer {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- mariadb log ({}) ---\n{}", self.dir.path().display(), self.log());
+        }
+        self.process.kill();
+    }
+}
+
+/// One MariaDB server per test binary, started on first use, gone with the process.
+pub fn shared_mariadb() -> &'static MariaDbServer {
+    static SHARED: OnceLock<MariaDbServer> = OnceLock::new();
+    SHARED.get_or_init(MariaDbServer::spawn)
+}
