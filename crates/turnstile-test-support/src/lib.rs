@@ -42,7 +42,10 @@ pub fn spawn_tied_to_process(command: Command) -> std::io::Result<Child> {
 
 /// Like [`spawn_tied_to_process`], running the child as the user `(uid, gid)` (servers
 /// such as PostgreSQL refuse to run as root).
-pub fn spawn_tied_to_process_as(mut command: Command, run_as: Option<(u32, u32)>) -> std::io::Result<Child> {
+pub fn spawn_tied_to_process_as(
+    mut command: Command,
+    run_as: Option<(u32, u32)>,
+) -> std::io::Result<Child> {
     static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
     let spawner = SPAWNER.get_or_init(|| {
         let (sender, receiver) = mpsc::channel::<SpawnRequest>();
@@ -177,13 +180,21 @@ impl Process {
 }
 
 /// Waits until `needle` shows up in the log at `path` and `port` accepts connections.
-pub(crate) fn wait_until_ready(path: &Path, needle: &str, port: Option<u16>, child: &mut Child, limit: Duration) -> bool {
+pub(crate) fn wait_until_ready(
+    path: &Path,
+    needle: &str,
+    port: Option<u16>,
+    child: &mut Child,
+    limit: Duration,
+) -> bool {
     let started = Instant::now();
     while started.elapsed() < limit {
         if let Ok(Some(_)) = child.try_wait() {
             return false;
         }
-        if read_log(path).contains(needle) && port.is_none_or(|port| TcpStream::connect(("127.0.0.1", port)).is_ok()) {
+        if read_log(path).contains(needle)
+            && port.is_none_or(|port| TcpStream::connect(("127.0.0.1", port)).is_ok())
+        {
             return true;
         }
         std::thread::sleep(Duration::from_millis(20));

@@ -32,11 +32,19 @@ impl MariaDbServer {
             port: Mutex::new(0),
             process: Process::default(),
         };
-        let install = find_binary("mariadb-install-db", "mariadb-server", &["/usr/bin", "/usr/local/bin"]);
+        let install = find_binary(
+            "mariadb-install-db",
+            "mariadb-server",
+            &["/usr/bin", "/usr/local/bin"],
+        );
         let output = Command::new(install)
             .arg("--no-defaults")
             .arg(format!("--datadir={}", server.data_dir().display()))
-            .args(["--auth-root-authentication-method=normal", "--skip-test-db", "--user=root"])
+            .args([
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+                "--user=root",
+            ])
             .stdin(Stdio::null())
             .output()
             .expect("cannot run mariadb-install-db");
@@ -74,16 +82,31 @@ impl MariaDbServer {
                 .arg(format!("--port={port}"))
                 .arg("--bind-address=127.0.0.1")
                 .arg(format!("--socket={}", self.socket().display()))
-                .arg(format!("--pid-file={}", self.dir.path().join("mariadb.pid").display()))
+                .arg(format!(
+                    "--pid-file={}",
+                    self.dir.path().join("mariadb.pid").display()
+                ))
                 .arg(format!("--log-error={}", self.log_path().display()))
                 .args(["--user=root", "--skip-log-bin", "--skip-name-resolve"])
-                .args(["--innodb-buffer-pool-size=32M", "--innodb-log-file-size=16M"])
-                .args(["--innodb-flush-log-at-trx-commit=2", "--max-connections=300"])
+                .args([
+                    "--innodb-buffer-pool-size=32M",
+                    "--innodb-log-file-size=16M",
+                ])
+                .args([
+                    "--innodb-flush-log-at-trx-commit=2",
+                    "--max-connections=300",
+                ])
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
             let mut child = spawn_tied_to_process(command).expect("cannot start mariadbd");
-            if wait_until_ready(&self.log_path(), &format!("port: {port}"), Some(port), &mut child, Duration::from_secs(60)) {
+            if wait_until_ready(
+                &self.log_path(),
+                &format!("port: {port}"),
+                Some(port),
+                &mut child,
+                Duration::from_secs(60),
+            ) {
                 *self.port.lock().unwrap() = port;
                 self.process.set(child);
                 return;
@@ -103,7 +126,11 @@ impl MariaDbServer {
             .args(["-u", "root", "-N", "-B", "-e", statements])
             .output()
             .expect("cannot run the mariadb client");
-        assert!(output.status.success(), "SQL failed: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "SQL failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
@@ -136,7 +163,8 @@ impl MariaDbServer {
 
     /// Stops the server cleanly and starts it again on the same port, with its data.
     pub fn restart(&self) {
-        self.process.stop_with(libc::SIGTERM, Duration::from_secs(30));
+        self.process
+            .stop_with(libc::SIGTERM, Duration::from_secs(30));
         self.start(Some(self.port()));
     }
 }
@@ -144,7 +172,11 @@ impl MariaDbServer {
 impl Drop for MariaDbServer {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!("--- mariadb log ({}) ---\n{}", self.dir.path().display(), self.log());
+            eprintln!(
+                "--- mariadb log ({}) ---\n{}",
+                self.dir.path().display(),
+                self.log()
+            );
         }
         self.process.kill();
     }

@@ -6,7 +6,10 @@ use std::process::{Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use crate::{Process, free_port, read_log, running_as_root, spawn_tied_to_process_as, user_ids, wait_until_ready};
+use crate::{
+    Process, free_port, read_log, running_as_root, spawn_tied_to_process_as, user_ids,
+    wait_until_ready,
+};
 
 /// Where Debian and the upstream packages put the server binaries.
 fn postgres_binary(name: &str) -> PathBuf {
@@ -43,14 +46,21 @@ impl PostgresServer {
             .tempdir()
             .expect("cannot make a temporary directory");
         let run_as = if running_as_root() {
-            Some(user_ids("postgres").expect("running as root needs a `postgres` user (install postgresql)"))
+            Some(
+                user_ids("postgres")
+                    .expect("running as root needs a `postgres` user (install postgresql)"),
+            )
         } else {
             None
         };
         if let Some((uid, gid)) = run_as {
             let path = std::ffi::CString::new(dir.path().as_os_str().as_encoded_bytes()).unwrap();
             // SAFETY: chown of a directory we just created.
-            assert_eq!(unsafe { libc::chown(path.as_ptr(), uid, gid) }, 0, "cannot chown the data directory");
+            assert_eq!(
+                unsafe { libc::chown(path.as_ptr(), uid, gid) },
+                0,
+                "cannot chown the data directory"
+            );
         }
         let server = PostgresServer {
             dir,
@@ -100,12 +110,15 @@ impl PostgresServer {
                 .arg("-k")
                 .arg(self.dir.path())
                 .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
+                // synchronous_commit off as a server default on purpose: the engine must
+                // ask for durable commits itself, and the crash test proves it does.
                 .args(["-c", "synchronous_commit=off", "-c", "full_page_writes=off"])
                 .args(["-c", "max_connections=200", "-c", "shared_buffers=32MB"])
                 .stdin(Stdio::null())
                 .stdout(log.try_clone().unwrap())
                 .stderr(log);
-            let mut child = spawn_tied_to_process_as(command, self.run_as).expect("cannot start postgres");
+            let mut child =
+                spawn_tied_to_process_as(command, self.run_as).expect("cannot start postgres");
             if wait_until_ready(
                 &self.log_path(),
                 "database system is ready to accept connections",
@@ -142,11 +155,27 @@ impl PostgresServer {
     pub fn fresh_database(&self, label: &str) -> String {
         let name = crate::unique_name(label).replace('-', "_").to_lowercase();
         let output = Command::new(postgres_binary("psql"))
-            .args(["-h", "127.0.0.1", "-p", &self.port().to_string(), "-U", "postgres", "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-c"])
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &self.port().to_string(),
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-c",
+            ])
             .arg(format!("CREATE DATABASE {name}"))
             .output()
             .expect("cannot run psql");
-        assert!(output.status.success(), "CREATE DATABASE failed: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "CREATE DATABASE failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         self.url_for(&name)
     }
 
@@ -163,7 +192,8 @@ impl PostgresServer {
     /// Stops the server cleanly (fast shutdown) and starts it again on the same port,
     /// with its data.
     pub fn restart(&self) {
-        self.process.stop_with(libc::SIGINT, Duration::from_secs(20));
+        self.process
+            .stop_with(libc::SIGINT, Duration::from_secs(20));
         self.start(Some(self.port()));
     }
 
@@ -180,9 +210,14 @@ impl PostgresServer {
 impl Drop for PostgresServer {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            eprintln!("--- postgres log ({}) ---\n{}", self.dir.path().display(), self.log());
+            eprintln!(
+                "--- postgres log ({}) ---\n{}",
+                self.dir.path().display(),
+                self.log()
+            );
         }
-        self.process.stop_with(libc::SIGQUIT, Duration::from_secs(5));
+        self.process
+            .stop_with(libc::SIGQUIT, Duration::from_secs(5));
     }
 }
 

@@ -95,7 +95,13 @@ impl RedisServer {
                 .stderr(Stdio::null());
             let mut child = spawn_tied_to_process(command).expect("cannot start redis-server");
             let ready = if self.tls {
-                wait_until_ready(&self.log_path(), "Ready to accept connections", Some(port), &mut child, Duration::from_secs(10))
+                wait_until_ready(
+                    &self.log_path(),
+                    "Ready to accept connections",
+                    Some(port),
+                    &mut child,
+                    Duration::from_secs(10),
+                )
             } else {
                 wait_for_pong(port, &mut child, Duration::from_secs(10))
             };
@@ -264,4 +270,3 @@ pub fn shared_redis() -> &'static RedisServer {
     static SHARED: OnceLock<RedisServer> = OnceLock::new();
     SHARED.get_or_init(RedisServer::spawn)
 }
-

@@ -55,6 +55,8 @@
 pub mod error;
 pub mod fence;
 pub mod lock;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+mod sql;
 pub mod store;
 
 pub use error::{Error, ErrorKind, Result};

@@ -37,6 +37,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>> {
     match scheme.to_ascii_lowercase().as_str() {
         "sqlite" => open_sqlite(url).await,
         "redis" | "rediss" | "redis+unix" | "unix" => open_redis(url).await,
+        "postgres" | "postgresql" => open_postgres(url).await,
         other => Err(Error::new(
             ErrorKind::InvalidUrl,
             format!(
@@ -58,6 +59,23 @@ async fn open_sqlite(url: &str) -> Result<Arc<dyn LockBackend>> {
     Err(Error::new(
         ErrorKind::UnsupportedStore,
         format!("{url:?} needs SQLite support: build turnstile with the `sqlite` feature"),
+    ))
+}
+
+#[cfg(feature = "postgres")]
+async fn open_postgres(url: &str) -> Result<Arc<dyn LockBackend>> {
+    let store = crate::lock::postgres::PostgresLockStore::connect(url).await?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn open_postgres(url: &str) -> Result<Arc<dyn LockBackend>> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!(
+            "{} needs PostgreSQL support: build turnstile with the `postgres` feature",
+            redact(url)
+        ),
     ))
 }
 

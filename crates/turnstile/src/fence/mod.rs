@@ -15,6 +15,8 @@ use std::fmt;
 
 use crate::error::{Error, ErrorKind, Result};
 
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "sqlite")]

@@ -105,6 +105,15 @@ impl ReleaseSignals {
         }
     }
 
+    /// Wakes every watcher of every key, so each re-checks (notifications may have been
+    /// lost, say while a connection was re-established).
+    pub fn notify_all(&self) {
+        for slot in self.lock_table().values() {
+            slot.sender
+                .send_modify(|count| *count = count.wrapping_add(1));
+        }
+    }
+
     /// Closes every watch (the notification source is gone): waiters see
     /// [`ReleaseWatch::is_closed`] and subscribe again.
     pub fn close_all(&self) {

@@ -37,6 +37,7 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
+pub(crate) use crate::sql::map_error;
 
 const CREATE_LOCKS: &str = "CREATE TABLE IF NOT EXISTS turnstile_locks (
     name TEXT PRIMARY KEY NOT NULL,
@@ -200,21 +201,6 @@ pub(crate) fn wall_clock() -> (i64, i64) {
         i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX),
         i64::try_from(since_epoch.as_micros()).unwrap_or(i64::MAX),
     )
-}
-
-pub(crate) fn map_error(error: sqlx::Error, context: &str) -> Error {
-    let kind = match &error {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
-            ErrorKind::StoreUnavailable
-        }
-        sqlx::Error::Database(db)
-            if db.message().contains("locked") || db.message().contains("busy") =>
-        {
-            ErrorKind::StoreUnavailable
-        }
-        _ => ErrorKind::Store,
-    };
-    Error::new(kind, context.to_owned()).with_source(error)
 }
 
 fn millis_i64(duration: Duration) -> i64 {

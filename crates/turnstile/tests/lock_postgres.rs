@@ -1,0 +1,228 @@
+//! The PostgreSQL engine: the conformance suite against a real server, plus what only a
+//! durable database does.
+
+mod conformance;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use conformance::TestStore;
+use turnstile::ErrorKind;
+use turnstile::fence::{FenceOutcome, FencingToken};
+use turnstile::lock::postgres::{PostgresLockConfig, PostgresLockStore};
+use turnstile::lock::{LockOptions, Locker, ReleaseOutcome};
+use turnstile_test_support::{PostgresServer, shared_postgres};
+
+/// Clients of one database of the shared server.
+struct PostgresDatabase {
+    url: String,
+}
+
+impl TestStore for PostgresDatabase {
+    fn locker(&self) -> Pin<Box<dyn Future<Output = Locker> + Send + '_>> {
+        Box::pin(async move { Locker::new(PostgresLockStore::connect(&self.url).await.unwrap()) })
+    }
+}
+
+async fn fresh_database() -> PostgresDatabase {
+    PostgresDatabase {
+        url: shared_postgres().fresh_database("lock"),
+    }
+}
+
+conformance_tests!(super::fresh_database);
+
+mod polling {
+    //! The same suite with notifications off, as behind a pooler in transaction mode.
+    use super::*;
+
+    async fn without_notifications() -> PostgresDatabase {
+        PostgresDatabase {
+            url: format!(
+                "{}?turnstile_notify=off",
+                shared_postgres().fresh_database("poll")
+            ),
+        }
+    }
+
+    conformance_tests!(super::without_notifications);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_increasing_across_a_restart_and_a_crash() {
+    let server = PostgresServer::spawn();
+    let url = server.url();
+    let mut last = FencingToken::new(0);
+    for round in 0..3 {
+        let locker = Locker::new(PostgresLockStore::connect(&url).await.unwrap());
+        for _ in 0..3 {
+            let guard = locker.acquire("ledger", &LockOptions::new()).await.unwrap();
+            assert!(
+                guard.fencing_token() > last,
+                "round {round}: {} after {last}",
+                guard.fencing_token()
+            );
+            last = guard.fencing_token();
+            guard.release().await.unwrap();
+        }
+        drop(locker);
+        match round {
+            0 => server.restart(),
+            1 => server.crash_and_restart(),
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrating_twice_and_concurrently_is_harmless() {
+    let url = shared_postgres().fresh_database("migrate");
+    let config = || {
+        PostgresLockConfig::new()
+            .schema("locks_here")
+            .table_prefix("app")
+            .migrate_on_first_use(false)
+    };
+    let stores: Vec<_> = futures_join((0..4).map(|_| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let store = PostgresLockStore::connect_with(&url, config())
+                .await
+                .unwrap();
+            store.migrate().await.unwrap();
+            store.migrate().await.unwrap();
+            store
+        })
+    }))
+    .await;
+    let locker = Locker::new(stores[0].clone());
+    let guard = locker
+        .acquire("after-migrate", &LockOptions::new())
+        .await
+        .unwrap();
+    let (count,): (i64,) = sqlx::query_as("SELECT count(*) FROM locks_here.app_locks")
+        .fetch_one(stores[1].pool())
+        .await
+        .unwrap();
+    assert_eq!(count, 1);
+    guard.release().await.unwrap();
+}
+
+async fn futures_join<T: Send + 'static>(
+    tasks: impl Iterator<Item = tokio::task::JoinHandle<T>>,
+) -> Vec<T> {
+    let mut results = Vec::new();
+    for task in tasks.collect::<Vec<_>>() {
+        results.push(task.await.unwrap());
+    }
+    results
+}
+
+#[tokio::test]
+async fn the_applications_pool_can_be_used() {
+    let url = shared_postgres().fresh_database("pool");
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let store = PostgresLockStore::from_pool(pool.clone(), PostgresLockConfig::new())
+        .await
+        .unwrap();
+    let locker = Locker::new(store);
+    let guard = locker
+        .acquire("shared-pool", &LockOptions::new())
+        .await
+        .unwrap();
+    let (owner,): (String,) =
+        sqlx::query_as("SELECT owner FROM turnstile_locks WHERE name = 'shared-pool'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(owner, guard.owner().as_str());
+    guard.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_urls_and_options_say_what_is_wrong() {
+    let base = shared_postgres().url();
+    for (url, kind) in [
+        (
+            format!("{base}?turnstile_schema=bad-name"),
+            ErrorKind::InvalidOptions,
+        ),
+        (
+            format!("{base}?turnstile_notify=maybe"),
+            ErrorKind::InvalidUrl,
+        ),
+        (
+            format!("{base}?turnstile_colour=blue"),
+            ErrorKind::InvalidUrl,
+        ),
+        (
+            "postgres://postgres@127.0.0.1:1/x".to_owned(),
+            ErrorKind::StoreUnavailable,
+        ),
+    ] {
+        let error = Locker::connect(&url).await.unwrap_err();
+        assert_eq!(error.kind(), kind, "{url}: {error}");
+    }
+}
+
+/// The notes' paused-holder scenario, stopped by a fenced write in the application's
+/// own transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_holders_late_write_is_rejected() {
+    let url = shared_postgres().fresh_database("fence");
+    let store = PostgresLockStore::connect(&url).await.unwrap();
+    let pool = store.pool().clone();
+    sqlx::query("CREATE TABLE invoices (id TEXT PRIMARY KEY, total BIGINT, written_by BIGINT)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let fence = store.fence();
+    let locker = Locker::new(store);
+    let short = LockOptions::new()
+        .ttl(Duration::from_millis(200))
+        .watchdog(false);
+
+    let a = locker.acquire("invoice:1", &short).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // A is paused past its TTL.
+    let b = locker.acquire("invoice:1", &short).await.unwrap();
+    assert!(b.fencing_token() > a.fencing_token());
+
+    let write = |token: FencingToken, total: i64| {
+        let (pool, fence) = (pool.clone(), fence.clone());
+        async move {
+            let mut transaction = pool.begin().await.unwrap();
+            let outcome = fence
+                .check_and_record(&mut transaction, "invoice:1", token)
+                .await
+                .unwrap();
+            if outcome.is_applied() {
+                sqlx::query(
+                    "INSERT INTO invoices VALUES ('invoice:1', $1, $2)
+                     ON CONFLICT (id) DO UPDATE SET total = EXCLUDED.total, written_by = EXCLUDED.written_by",
+                )
+                .bind(total)
+                .bind(token.to_i64().unwrap())
+                .execute(&mut *transaction)
+                .await
+                .unwrap();
+                transaction.commit().await.unwrap();
+            }
+            outcome
+        }
+    };
+    assert_eq!(write(b.fencing_token(), 200).await, FenceOutcome::Applied);
+    assert_eq!(
+        write(a.fencing_token(), 100).await,
+        FenceOutcome::Rejected {
+            highest_seen: b.fencing_token()
+        }
+    );
+    let (total,): (i64,) = sqlx::query_as("SELECT total FROM invoices")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(total, 200);
+    assert_eq!(a.release().await.unwrap(), ReleaseOutcome::HeldByOther);
+    b.release().await.unwrap();
+}
