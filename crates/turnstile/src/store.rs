@@ -38,6 +38,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>> {
         "sqlite" => open_sqlite(url).await,
         "redis" | "rediss" | "redis+unix" | "unix" => open_redis(url).await,
         "postgres" | "postgresql" => open_postgres(url).await,
+        "mysql" | "mariadb" => open_mysql(url).await,
         other => Err(Error::new(
             ErrorKind::InvalidUrl,
             format!(
@@ -59,6 +60,28 @@ async fn open_sqlite(url: &str) -> Result<Arc<dyn LockBackend>> {
     Err(Error::new(
         ErrorKind::UnsupportedStore,
         format!("{url:?} needs SQLite support: build turnstile with the `sqlite` feature"),
+    ))
+}
+
+#[cfg(feature = "mysql")]
+async fn open_mysql(url: &str) -> Result<Arc<dyn LockBackend>> {
+    // sqlx knows the scheme as mysql://.
+    let url = match url.strip_prefix("mariadb://") {
+        Some(rest) => format!("mysql://{rest}"),
+        None => url.to_owned(),
+    };
+    let store = crate::lock::mysql::MysqlLockStore::connect(&url).await?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "mysql"))]
+async fn open_mysql(url: &str) -> Result<Arc<dyn LockBackend>> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!(
+            "{} needs MySQL support: build turnstile with the `mysql` feature",
+            redact(url)
+        ),
     ))
 }
 

@@ -15,6 +15,8 @@ use std::fmt;
 
 use crate::error::{Error, ErrorKind, Result};
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "redis")]

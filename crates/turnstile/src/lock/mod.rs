@@ -16,6 +16,8 @@ mod locker;
 mod queue;
 mod signals;
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "redis")]

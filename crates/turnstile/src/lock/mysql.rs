@@ -1,0 +1,621 @@
+//! The MySQL / MariaDB engine: `GET_LOCK()` named locks on a dedicated connection.
+//!
+//! Each held lock owns one connection from a session pool. The lock lives exactly as
+//! long as that connection's session: the server frees it when the session ends —
+//! release, a crash of the holder, a network failure, an operator's `KILL`.
+//!
+//! # The lease
+//! A named lock has no expiry of its own, so the TTL becomes the session's
+//! `wait_timeout`: a holder that stops talking to the server (crashed, paused, cut off)
+//! loses its session, and with it the lock, after the TTL **rounded up to whole
+//! seconds**, measured by the server. The watchdog's renewal is a ping on the session
+//! that also checks the lock is still held by it (`IS_USED_LOCK(key) = CONNECTION_ID()`).
+//! The client also enforces the lease: a guard that asks the engine anything after its
+//! TTL has passed without contact finds its session closed and the lock gone.
+//!
+//! # Names
+//! MySQL lock names are at most 64 characters and compared without regard to case.
+//! Names of up to 60 characters from `a-z 0-9 _ : . / -` are used as they are (after
+//! `ts:`); every other name is replaced by `ts#` and 61 hex digits of its SHA-256, so two
+//! different names never share a lock (short of a SHA-256 collision). The
+//! `{prefix}_locks` table maps each name to its key.
+//!
+//! # Guarantees
+//! - **Atomicity**: `GET_LOCK(key, 0)` is atomic in the server.
+//! - **Fencing tokens**: a per-name counter in `{prefix}_locks`, incremented by the
+//!   holder's session right after `GET_LOCK` succeeds, before the holder learns it. As
+//!   durable as an InnoDB commit: with `innodb_flush_log_at_trx_commit = 1` (the
+//!   default) tokens survive any crash; with `2`, a server crash but not an OS crash.
+//! - **Expiry**: the server's clock (`wait_timeout`), in whole seconds.
+//! - **Restart / failover**: a restart ends every session, so every lock is freed and
+//!   every holder's next renewal fails: the lost signal fires within TTL/3. Named locks
+//!   are not replicated: after a failover another client can take a lock at once, and
+//!   the old holder learns of its loss at its next renewal. Fencing tokens (replicated
+//!   with the table) keep its late writes out, subject to the replica having the row.
+//! - **Partition**: the holder's renewals fail and its lost signal fires at its local
+//!   validity deadline; the server frees the lock when `wait_timeout` passes.
+//! - **Waiting**: waiters in the same process are woken directly by a release; waiters in
+//!   other processes re-check with a backoff from 5 ms doubling to 100 ms.
+//! - `turnstile lock break` ends the holder's session with `KILL CONNECTION`, which needs
+//!   the `CONNECTION ADMIN` (or `SUPER`) privilege for other users' sessions.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::pool::PoolConnection;
+use sqlx::{AssertSqlSafe, Row};
+use tokio::time::Instant;
+
+use super::{
+    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
+    ReleaseSignals, ReleaseWatch, TryAcquire,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fence::FencingToken;
+use crate::sql::{Statement, map_error, split_url_options, statement, validate_identifier};
+
+const POLL_MIN: Duration = Duration::from_millis(5);
+const POLL_MAX: Duration = Duration::from_millis(100);
+
+/// Settings of a [`MysqlLockStore`].
+///
+/// In a URL: `mysql://…/db?turnstile_prefix=app&turnstile_migrate=off`.
+#[derive(Debug, Clone)]
+pub struct MysqlLockConfig {
+    prefix: String,
+    migrate: bool,
+    max_connections: u32,
+    max_held: u32,
+    connect_timeout: Duration,
+}
+
+impl Default for MysqlLockConfig {
+    fn default() -> Self {
+        MysqlLockConfig {
+            prefix: "turnstile".to_owned(),
+            migrate: true,
+            max_connections: 8,
+            max_held: 64,
+            connect_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+impl MysqlLockConfig {
+    /// Defaults: table prefix `turnstile`, migrate on first use, 8 shared connections, at
+    /// most 64 locks held at once (one session each), 3 s connect timeout.
+    pub fn new() -> Self {
+        MysqlLockConfig::default()
+    }
+
+    /// The first part of Turnstile's table names.
+    pub fn table_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Create the tables on first use (on by default).
+    pub fn migrate_on_first_use(mut self, on: bool) -> Self {
+        self.migrate = on;
+        self
+    }
+
+    /// How many locks this store may hold at once: each needs its own session.
+    pub fn max_held_locks(mut self, locks: u32) -> Self {
+        self.max_held = locks.max(1);
+        self
+    }
+
+    /// How long to wait for a connection.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    fn apply_url_options(mut self, options: &[(String, String)]) -> Result<Self> {
+        for (key, value) in options {
+            self = match (key.as_str(), value.as_str()) {
+                ("prefix", _) => self.table_prefix(value.clone()),
+                ("migrate", "on" | "true" | "1") => self.migrate_on_first_use(true),
+                ("migrate", "off" | "false" | "0") => self.migrate_on_first_use(false),
+                _ => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidUrl,
+                        format!(
+                            "unknown or invalid option turnstile_{key}={value:?}; known: turnstile_prefix, turnstile_migrate=on|off"
+                        ),
+                    ));
+                }
+            };
+        }
+        Ok(self)
+    }
+}
+
+/// The server-side lock key for a name (see the module docs).
+pub fn lock_key(name: &LockName) -> String {
+    let text = name.as_str();
+    let plain = text.len() <= 60
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_:./-".contains(&b));
+    if plain {
+        format!("ts:{text}")
+    } else {
+        let digest = Sha256::digest(text.as_bytes());
+        let hex: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
+        format!("ts#{}", &hex[..61])
+    }
+}
+
+/// One held lock: its session and when it last heard from the server.
+struct Session {
+    connection: Option<PoolConnection<MySql>>,
+    connection_id: u64,
+    key: String,
+    ttl: Duration,
+    last_contact: Instant,
+}
+
+struct Sql {
+    record_token: Statement,
+    holder: Statement,
+    create_locks: Statement,
+    create_fences: Statement,
+    fences: String,
+}
+
+/// Locks as MySQL / MariaDB named locks.
+#[derive(Clone)]
+pub struct MysqlLockStore {
+    pool: MySqlPool,
+    sessions: MySqlPool,
+    held: Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<Session>>>>>,
+    sql: Arc<Sql>,
+    signals: ReleaseSignals,
+    url: String,
+}
+
+impl std::fmt::Debug for MysqlLockStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MysqlLockStore")
+            .field("url", &self.url)
+            .finish()
+    }
+}
+
+fn unavailable(error: sqlx::Error, what: &str) -> Error {
+    let error = map_error(error, what);
+    if error.kind() == ErrorKind::Store {
+        Error::new(ErrorKind::StoreUnavailable, what.to_owned()).with_source(error)
+    } else {
+        error
+    }
+}
+
+impl MysqlLockStore {
+    /// Connects with the settings in the URL's `turnstile_*` options (or the defaults).
+    pub async fn connect(url: &str) -> Result<Self> {
+        let (driver_url, options) = split_url_options(url);
+        let config = MysqlLockConfig::default().apply_url_options(&options)?;
+        MysqlLockStore::connect_with(&driver_url, config).await
+    }
+
+    /// Connects with `config`; fails within the connect timeout if the server is not
+    /// reachable.
+    pub async fn connect_with(url: &str, config: MysqlLockConfig) -> Result<Self> {
+        validate_identifier("table prefix", &config.prefix)?;
+        let redacted = crate::store::redact(url);
+        let options = MySqlConnectOptions::from_str(url).map_err(|error| {
+            Error::new(
+                ErrorKind::InvalidUrl,
+                format!("{redacted} is not a valid MySQL URL (mysql://user[:password]@host[:port]/database)"),
+            )
+            .with_source(error)
+        })?;
+        let what = format!("cannot connect to MySQL at {redacted}");
+        let pool = MySqlPoolOptions::new()
+            .max_connections(config.max_connections)
+            .acquire_timeout(config.connect_timeout)
+            .connect_with(options.clone())
+            .await
+            .map_err(|error| unavailable(error, &what))?;
+        let sessions = MySqlPoolOptions::new()
+            .max_connections(config.max_held)
+            .min_connections(0)
+            .acquire_timeout(config.connect_timeout)
+            .connect_lazy_with(options);
+        let locks = format!("`{}_locks`", config.prefix);
+        let fences = format!("`{}_fences`", config.prefix);
+        let sql = Sql {
+            record_token: statement(format!(
+                "INSERT INTO {locks} (name, lock_key, owner, connection_id, token)
+                 VALUES (?, ?, ?, CONNECTION_ID(), LAST_INSERT_ID(1))
+                 ON DUPLICATE KEY UPDATE owner = VALUES(owner), connection_id = VALUES(connection_id),
+                    token = LAST_INSERT_ID(token + 1)"
+            )),
+            holder: statement(format!(
+                "SELECT owner, token, CAST(IS_USED_LOCK(lock_key) AS UNSIGNED) AS holder, connection_id FROM {locks} WHERE name = ?"
+            )),
+            create_locks: statement(format!(
+                "CREATE TABLE IF NOT EXISTS {locks} (
+                    name VARBINARY(512) PRIMARY KEY,
+                    lock_key VARCHAR(64) NOT NULL,
+                    owner CHAR(32),
+                    connection_id BIGINT UNSIGNED,
+                    token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB"
+            )),
+            create_fences: statement(format!(
+                "CREATE TABLE IF NOT EXISTS {fences} (
+                    resource VARBINARY(512) PRIMARY KEY,
+                    token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB"
+            )),
+            fences,
+        };
+        let store = MysqlLockStore {
+            pool,
+            sessions,
+            held: Arc::default(),
+            sql: Arc::new(sql),
+            signals: ReleaseSignals::new(),
+            url: redacted,
+        };
+        if config.migrate {
+            store.migrate().await?;
+        }
+        Ok(store)
+    }
+
+    /// Creates the tables if missing. Harmless to run again or concurrently (it holds
+    /// a named lock while it works).
+    pub async fn migrate(&self) -> Result<()> {
+        let fail = |error| map_error(error, "cannot create Turnstile's MySQL tables");
+        let mut connection = self.pool.acquire().await.map_err(fail)?;
+        let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('ts-migrate', 30)")
+            .fetch_one(&mut *connection)
+            .await
+            .map_err(fail)?;
+        if got != Some(1) {
+            return Err(Error::new(
+                ErrorKind::StoreUnavailable,
+                "another migration did not finish in 30 s",
+            ));
+        }
+        let result = async {
+            sqlx::query(self.sql.create_locks.sql())
+                .execute(&mut *connection)
+                .await?;
+            sqlx::query(self.sql.create_fences.sql())
+                .execute(&mut *connection)
+                .await?;
+            Ok::<_, sqlx::Error>(())
+        }
+        .await;
+        let _ = sqlx::query("DO RELEASE_LOCK('ts-migrate')")
+            .execute(&mut *connection)
+            .await;
+        result.map_err(fail)
+    }
+
+    /// The shared connection pool (not the sessions holding locks).
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    /// The fenced-write helper for this store's fence table.
+    pub fn fence(&self) -> crate::fence::mysql::MysqlFence {
+        crate::fence::mysql::MysqlFence::new(&self.sql.fences)
+    }
+
+    fn session(&self, owner: &OwnerId) -> Option<Arc<tokio::sync::Mutex<Session>>> {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(owner.as_str())
+            .cloned()
+    }
+
+    fn forget(&self, owner: &OwnerId) {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(owner.as_str());
+    }
+
+    /// Who holds `name` now, by the server: `(owner, token, connection id)`.
+    async fn current_holder(&self, name: &LockName) -> Result<Option<(String, FencingToken, u64)>> {
+        let row = sqlx::query(self.sql.holder.sql())
+            .bind(name.as_str().as_bytes())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot read the lock"))?;
+        let Some(row) = row else {
+            // Never taken through Turnstile; someone may still hold the key directly.
+            return Ok(None);
+        };
+        let holder: Option<u64> = row
+            .try_get("holder")
+            .map_err(|e| map_error(e, "bad lock row"))?;
+        let recorded: Option<u64> = row
+            .try_get("connection_id")
+            .map_err(|e| map_error(e, "bad lock row"))?;
+        let owner: Option<String> = row
+            .try_get("owner")
+            .map_err(|e| map_error(e, "bad lock row"))?;
+        let token: u64 = row
+            .try_get("token")
+            .map_err(|e| map_error(e, "bad lock row"))?;
+        Ok(match holder {
+            Some(id) if recorded == Some(id) => {
+                Some((owner.unwrap_or_default(), FencingToken::new(token), id))
+            }
+            // Held by a session that has not recorded itself yet (it is between GET_LOCK
+            // and its token) or by someone outside Turnstile.
+            Some(id) => Some((String::new(), FencingToken::new(token), id)),
+            None => None,
+        })
+    }
+
+    /// Ends a session: its lock, if any, is freed by the server.
+    async fn close(session: &mut Session) {
+        if let Some(connection) = session.connection.take() {
+            // Detached, so the pool never hands out a session that may still hold a
+            // lock; closed politely so the server frees the lock at once.
+            let _ = sqlx::Connection::close(connection.detach()).await;
+        }
+    }
+
+    /// The loss reason or release outcome once our session is gone: is the lock held
+    /// by another session now?
+    async fn held_by_another(&self, name: &LockName, ours: Option<u64>) -> Result<bool> {
+        Ok(self
+            .current_holder(name)
+            .await?
+            .is_some_and(|(_, _, holder)| Some(holder) != ours))
+    }
+
+    /// Whether the session is still alive and holds its lock; pings the server. Closes
+    /// the session if its lease ran out without contact.
+    async fn session_holds(session: &mut Session) -> bool {
+        if session.last_contact.elapsed() >= session.ttl {
+            MysqlLockStore::close(session).await;
+            return false;
+        }
+        let Some(connection) = session.connection.as_mut() else {
+            return false;
+        };
+        let query = format!("SELECT IS_USED_LOCK('{}') = CONNECTION_ID()", session.key);
+        match sqlx::query_scalar::<_, Option<i64>>(AssertSqlSafe(query))
+            .fetch_one(&mut **connection)
+            .await
+        {
+            Ok(Some(1)) => {
+                session.last_contact = Instant::now();
+                true
+            }
+            _ => {
+                MysqlLockStore::close(session).await;
+                false
+            }
+        }
+    }
+}
+
+fn wait_timeout_secs(ttl: Duration) -> u64 {
+    ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0)
+}
+
+impl LockBackend for MysqlLockStore {
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<TryAcquire>> {
+        Box::pin(async move {
+            let key = lock_key(name);
+            let mut connection =
+                self.sessions.acquire().await.map_err(|error| {
+                    unavailable(error, "cannot open a MySQL session for the lock")
+                })?;
+            let sent = Instant::now();
+            // The key holds only [a-z0-9_:./#-], so it can stand in the statement as is.
+            let query = format!(
+                "SET SESSION wait_timeout = {}; SELECT GET_LOCK('{key}', 0), CAST(CONNECTION_ID() AS UNSIGNED)",
+                wait_timeout_secs(ttl)
+            );
+            let rows = sqlx::raw_sql(AssertSqlSafe(query))
+                .fetch_all(&mut *connection)
+                .await
+                .map_err(|error| map_error(error, "cannot acquire the lock"))?;
+            let bad = |error| map_error(error, "bad reply to GET_LOCK");
+            let (got, connection_id): (Option<i64>, u64) = match rows.last() {
+                Some(row) => (row.try_get(0).map_err(bad)?, row.try_get(1).map_err(bad)?),
+                None => (None, 0),
+            };
+            if got != Some(1) {
+                return Ok(TryAcquire::Held {
+                    remaining_ttl: None,
+                });
+            }
+            let recorded = sqlx::query(self.sql.record_token.sql())
+                .bind(name.as_str().as_bytes())
+                .bind(&key)
+                .bind(owner.as_str())
+                .execute(&mut *connection)
+                .await;
+            let token = match recorded {
+                Ok(result) => result.last_insert_id(),
+                Err(error) => {
+                    // Without a durable token the lock must not be used: give it back.
+                    drop(connection.detach());
+                    return Err(map_error(error, "cannot record the fencing token"));
+                }
+            };
+            let session = Session {
+                connection: Some(connection),
+                connection_id,
+                key,
+                ttl,
+                last_contact: sent,
+            };
+            self.held.lock().unwrap_or_else(|p| p.into_inner()).insert(
+                owner.as_str().to_owned(),
+                Arc::new(tokio::sync::Mutex::new(session)),
+            );
+            Ok(TryAcquire::Acquired {
+                token: FencingToken::new(token),
+            })
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        _ttl: Duration,
+    ) -> BoxFuture<'a, Result<ExtendOutcome>> {
+        Box::pin(async move {
+            let mut ours = None;
+            if let Some(session) = self.session(owner) {
+                let mut session = session.lock().await;
+                if MysqlLockStore::session_holds(&mut session).await {
+                    return Ok(ExtendOutcome::Extended);
+                }
+                ours = Some(session.connection_id);
+                self.forget(owner);
+            }
+            Ok(ExtendOutcome::Lost(
+                if self.held_by_another(name, ours).await? {
+                    LossReason::TakenOver
+                } else {
+                    LossReason::Expired
+                },
+            ))
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+    ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
+        Box::pin(async move {
+            let mut ours = None;
+            if let Some(session) = self.session(owner) {
+                self.forget(owner);
+                let mut session = session.lock().await;
+                ours = Some(session.connection_id);
+                if MysqlLockStore::session_holds(&mut session).await {
+                    let query = format!("SELECT RELEASE_LOCK('{}')", session.key);
+                    let released = match session.connection.as_mut() {
+                        Some(connection) => {
+                            sqlx::query_scalar::<_, Option<i64>>(AssertSqlSafe(query))
+                                .fetch_one(&mut **connection)
+                                .await
+                                .ok()
+                                .flatten()
+                        }
+                        None => None,
+                    };
+                    if released == Some(1) {
+                        // Clean: the session goes back to the pool holding nothing.
+                        session.connection.take();
+                        self.signals.notify(name.as_str());
+                        return Ok(ReleaseOutcome::Released);
+                    }
+                    MysqlLockStore::close(&mut session).await;
+                }
+                self.signals.notify(name.as_str());
+            }
+            Ok(if self.held_by_another(name, ours).await? {
+                ReleaseOutcome::HeldByOther
+            } else {
+                ReleaseOutcome::AlreadyExpired
+            })
+        })
+    }
+
+    fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
+        Box::pin(async move {
+            Ok(self
+                .current_holder(name)
+                .await?
+                .map(|(owner, token, _)| LockInfo {
+                    owner,
+                    fencing_token: token,
+                    remaining_ttl: None,
+                }))
+        })
+    }
+
+    fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
+        Box::pin(async move {
+            let Some((owner, token, connection_id)) = self.current_holder(name).await? else {
+                return Ok(None);
+            };
+            sqlx::query(AssertSqlSafe(format!("KILL CONNECTION {connection_id}")))
+                .execute(&self.pool)
+                .await
+                .map_err(|error| {
+                    map_error(
+                        error,
+                        "cannot end the holder's session (KILL needs CONNECTION ADMIN)",
+                    )
+                })?;
+            self.signals.notify(name.as_str());
+            Ok(Some(LockInfo {
+                owner,
+                fencing_token: token,
+                remaining_ttl: None,
+            }))
+        })
+    }
+
+    fn watch_releases<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<ReleaseWatch>> {
+        Box::pin(async move {
+            let (watch, _) = self.signals.watch(name.as_str());
+            Ok(watch.with_poll(POLL_MIN, POLL_MAX))
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.url.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_fit_and_never_collide_by_case_or_length() {
+        let key = |name: &str| lock_key(&LockName::new(name).unwrap());
+        assert_eq!(key("order:123"), "ts:order:123");
+        assert_ne!(key("Order:123"), key("order:123"));
+        assert!(key("Order:123").starts_with("ts#"));
+        let long_a = "a".repeat(100);
+        let long_b = format!("{}b", "a".repeat(99));
+        assert_ne!(key(&long_a), key(&long_b));
+        for name in ["x", "Order:123", &long_a, "注文", "a'b", "a b"] {
+            let k = key(name);
+            assert!(k.len() <= 64, "{k}");
+            assert!(
+                k.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_:./#-".contains(&b)),
+                "{k}"
+            );
+        }
+    }
+
+    #[test]
+    fn wait_timeouts_round_up() {
+        assert_eq!(wait_timeout_secs(Duration::from_millis(300)), 1);
+        assert_eq!(wait_timeout_secs(Duration::from_secs(30)), 30);
+        assert_eq!(wait_timeout_secs(Duration::from_millis(30_001)), 31);
+    }
+}

@@ -1,0 +1,177 @@
+//! The MySQL / MariaDB engine: the conformance suite against a real MariaDB, plus what
+//! only named locks on sessions do.
+
+mod conformance;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use conformance::TestStore;
+use turnstile::fence::{FenceOutcome, FencingToken};
+use turnstile::lock::mysql::MysqlLockStore;
+use turnstile::lock::{LockOptions, Locker, LossReason, ReleaseOutcome};
+use turnstile_test_support::{MariaDbServer, shared_mariadb};
+
+struct MysqlDatabase {
+    url: String,
+}
+
+impl TestStore for MysqlDatabase {
+    fn locker(&self) -> Pin<Box<dyn Future<Output = Locker> + Send + '_>> {
+        Box::pin(async move { Locker::new(MysqlLockStore::connect(&self.url).await.unwrap()) })
+    }
+}
+
+async fn fresh_database() -> MysqlDatabase {
+    MysqlDatabase {
+        url: shared_mariadb().fresh_database("lock"),
+    }
+}
+
+conformance_tests!(super::fresh_database);
+
+fn options() -> LockOptions {
+    LockOptions::new()
+        .ttl(Duration::from_secs(3))
+        .wait(Duration::from_secs(10))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_holders_session_fires_the_lost_signal() {
+    let server = shared_mariadb();
+    let url = server.fresh_database("kill");
+    let locker = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let guard = locker
+        .acquire(
+            "report",
+            &LockOptions::new().ttl(Duration::from_millis(600)),
+        )
+        .await
+        .unwrap();
+    let holder = server
+        .sql("SELECT ID FROM information_schema.PROCESSLIST WHERE ID = IS_USED_LOCK('ts:report')");
+    server.sql(&format!("KILL CONNECTION {}", holder.trim()));
+    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
+        .await
+        .expect("no signal");
+    assert_eq!(reason, LossReason::Expired);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_increasing_across_restarts_and_every_lock_is_freed() {
+    let server = MariaDbServer::spawn();
+    let url = server.url();
+    let locker = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let guard = locker
+        .acquire(
+            "ledger",
+            &LockOptions::new().ttl(Duration::from_millis(600)),
+        )
+        .await
+        .unwrap();
+    let before = guard.fencing_token();
+    server.restart();
+    // The restart ended the holder's session: its lock is gone and it is told so.
+    let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("no signal");
+    assert!(
+        matches!(reason, LossReason::Expired | LossReason::RenewalFailed),
+        "{reason:?}"
+    );
+    let other = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let after = other.acquire("ledger", &options()).await.unwrap();
+    assert!(after.fencing_token() > before);
+    after.release().await.unwrap();
+    server.kill();
+}
+
+#[tokio::test]
+async fn long_and_mixed_case_names_get_their_own_locks() {
+    let url = shared_mariadb().fresh_database("names");
+    let locker = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let long = "x".repeat(300);
+    let longer = format!("{long}y");
+    let names = [
+        "Order:1",
+        "order:1",
+        long.as_str(),
+        longer.as_str(),
+        "注文:1",
+    ];
+    let mut guards = Vec::new();
+    for name in names {
+        // Each is free although all the others are held.
+        let guard = locker.try_acquire(name, &options()).await.unwrap();
+        guards.push(guard.unwrap_or_else(|| panic!("{name:?} collided with another name")));
+    }
+    for (guard, name) in guards.iter().zip(names) {
+        let status = locker.status(name).await.unwrap().expect("held");
+        assert_eq!(status.fencing_token, guard.fencing_token());
+    }
+    for guard in guards {
+        assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+    }
+}
+
+/// The notes' paused-holder scenario, stopped by a fenced write in the application's
+/// own transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_holders_late_write_is_rejected() {
+    let url = shared_mariadb().fresh_database("fence");
+    let store = MysqlLockStore::connect(&url).await.unwrap();
+    let pool = store.pool().clone();
+    sqlx::query("CREATE TABLE invoices (id VARCHAR(32) PRIMARY KEY, total BIGINT) ENGINE = InnoDB")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let fence = store.fence();
+    let locker = Locker::new(store);
+    let a = locker
+        .acquire(
+            "invoice:1",
+            &LockOptions::new()
+                .ttl(Duration::from_secs(1))
+                .watchdog(false),
+        )
+        .await
+        .unwrap();
+    // A is paused past its lease: the server ends its idle session after 1 s.
+    let b = locker.acquire("invoice:1", &options()).await.unwrap();
+    assert!(b.fencing_token() > a.fencing_token());
+
+    let write = |token: FencingToken, total: i64| {
+        let (pool, fence) = (pool.clone(), fence.clone());
+        async move {
+            let mut transaction = pool.begin().await.unwrap();
+            let outcome = fence
+                .check_and_record(&mut transaction, "invoice:1", token)
+                .await
+                .unwrap();
+            if outcome.is_applied() {
+                sqlx::query("REPLACE INTO invoices VALUES ('invoice:1', ?)")
+                    .bind(total)
+                    .execute(&mut *transaction)
+                    .await
+                    .unwrap();
+                transaction.commit().await.unwrap();
+            }
+            outcome
+        }
+    };
+    assert_eq!(write(b.fencing_token(), 200).await, FenceOutcome::Applied);
+    assert_eq!(
+        write(a.fencing_token(), 100).await,
+        FenceOutcome::Rejected {
+            highest_seen: b.fencing_token()
+        }
+    );
+    let (total,): (i64,) = sqlx::query_as("SELECT total FROM invoices")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(total, 200);
+    assert_eq!(a.release().await.unwrap(), ReleaseOutcome::HeldByOther);
+    b.release().await.unwrap();
+}
