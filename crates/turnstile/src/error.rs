@@ -26,6 +26,11 @@ pub enum ErrorKind {
     Store,
     /// `acquire` waited as long as it was allowed to and the lock was still held.
     AcquireTimeout,
+    /// The lock is held by someone else and this call does not wait (a
+    /// transaction-scoped lock meeting a lease, for example).
+    Held,
+    /// An optimistic update kept meeting concurrent changes until its retries ran out.
+    Conflict,
     /// The lock was lost while the protected work was running (see [`Error::loss_reason`]).
     LockLost,
     /// A fencing token was rejected or cannot be represented by the protected store.
@@ -42,6 +47,8 @@ impl ErrorKind {
             ErrorKind::StoreUnavailable => "store unavailable",
             ErrorKind::Store => "store error",
             ErrorKind::AcquireTimeout => "lock not acquired in time",
+            ErrorKind::Held => "lock held",
+            ErrorKind::Conflict => "conflicting update",
             ErrorKind::LockLost => "lock lost",
             ErrorKind::Fencing => "fencing error",
         }
@@ -97,7 +104,10 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self.kind,
-            ErrorKind::StoreUnavailable | ErrorKind::AcquireTimeout
+            ErrorKind::StoreUnavailable
+                | ErrorKind::AcquireTimeout
+                | ErrorKind::Held
+                | ErrorKind::Conflict
         )
     }
 }

@@ -55,6 +55,7 @@
 pub mod error;
 pub mod fence;
 pub mod lock;
+pub mod optimistic;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod sql;
 pub mod store;

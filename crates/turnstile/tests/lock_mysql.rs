@@ -175,3 +175,38 @@ async fn a_paused_holders_late_write_is_rejected() {
     assert_eq!(a.release().await.unwrap(), ReleaseOutcome::HeldByOther);
     b.release().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
+    let url = shared_mariadb().fresh_database("xact");
+    let store = MysqlLockStore::connect(&url).await.unwrap();
+    let mut first = store.pool().begin().await.unwrap();
+    let first_token = store.lock_in_transaction(&mut first, "batch").await.unwrap();
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut second = store.pool().begin().await.unwrap();
+            let token = store.lock_in_transaction(&mut second, "batch").await.unwrap();
+            let got_it = tokio::time::Instant::now();
+            second.rollback().await.unwrap();
+            (token, got_it)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished(), "the lock did not hold");
+    let committed = tokio::time::Instant::now();
+    first.commit().await.unwrap();
+    let (second_token, got_it) = waiter.await.unwrap();
+    assert!(got_it >= committed);
+    assert!(second_token > first_token);
+
+    // While a named lock is held, a transaction-scoped lock says so.
+    let locker = Locker::new(store.clone());
+    let guard = locker.acquire("batch", &options()).await.unwrap();
+    assert!(guard.fencing_token() > second_token);
+    let mut third = store.pool().begin().await.unwrap();
+    let error = store.lock_in_transaction(&mut third, "batch").await.unwrap_err();
+    assert_eq!(error.kind(), turnstile::ErrorKind::Held);
+    third.rollback().await.unwrap();
+    guard.release().await.unwrap();
+}

@@ -226,3 +226,120 @@ async fn a_paused_holders_late_write_is_rejected() {
     assert_eq!(a.release().await.unwrap(), ReleaseOutcome::HeldByOther);
     b.release().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
+    let url = shared_postgres().fresh_database("xact");
+    let store = PostgresLockStore::connect(&url).await.unwrap();
+    let mut first = store.pool().begin().await.unwrap();
+    let first_token = store.lock_in_transaction(&mut first, "batch").await.unwrap();
+
+    // A second transaction waits for the first to end.
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut second = store.pool().begin().await.unwrap();
+            let token = store.lock_in_transaction(&mut second, "batch").await.unwrap();
+            let got_it = tokio::time::Instant::now();
+            second.rollback().await.unwrap(); // a rollback releases too
+            (token, got_it)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!waiter.is_finished(), "the lock did not hold");
+    let committed = tokio::time::Instant::now();
+    first.commit().await.unwrap();
+    let (second_token, got_it) = waiter.await.unwrap();
+    assert!(got_it >= committed);
+    assert!(second_token > first_token);
+
+    // A lease waits for a transaction-scoped lock too.
+    let mut third = store.pool().begin().await.unwrap();
+    let third_token = store.lock_in_transaction(&mut third, "batch").await.unwrap();
+    assert!(third_token > second_token);
+    let locker = Locker::new(store.clone());
+    let lease = {
+        let locker = locker.clone();
+        tokio::spawn(async move { locker.acquire("batch", &LockOptions::new().wait(Duration::from_secs(10))).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!lease.is_finished(), "the lease did not wait for the transaction");
+    third.commit().await.unwrap();
+    let guard = lease.await.unwrap().unwrap();
+    assert!(guard.fencing_token() > third_token, "tokens of both kinds share one order");
+
+    // While the lease is held, a transaction-scoped lock says so at once.
+    let mut fourth = store.pool().begin().await.unwrap();
+    let error = store.lock_in_transaction(&mut fourth, "batch").await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Held);
+    fourth.rollback().await.unwrap();
+    guard.release().await.unwrap();
+
+    // A rolled-back transaction does not give its token back.
+    let mut fifth = store.pool().begin().await.unwrap();
+    let fifth_token = store.lock_in_transaction(&mut fifth, "batch").await.unwrap();
+    fifth.rollback().await.unwrap();
+    let mut sixth = store.pool().begin().await.unwrap();
+    assert!(store.lock_in_transaction(&mut sixth, "batch").await.unwrap() > fifth_token);
+    sixth.commit().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn optimistic_updates_lose_nothing_under_concurrent_writers() {
+    use turnstile::optimistic::{Attempt, RetryPolicy, retry};
+    let url = shared_postgres().fresh_database("optimistic");
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query("CREATE TABLE counters (id INT PRIMARY KEY, value BIGINT NOT NULL, version BIGINT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO counters VALUES (1, 0, 0)").execute(&pool).await.unwrap();
+    let conflicts = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut writers = Vec::new();
+    for _ in 0..6 {
+        let (pool, conflicts) = (pool.clone(), conflicts.clone());
+        writers.push(tokio::spawn(async move {
+            for _ in 0..10 {
+                let policy = RetryPolicy::new().attempts(200).max_pause(Duration::from_millis(20));
+                retry(&policy, |_| {
+                    let (pool, conflicts) = (pool.clone(), conflicts.clone());
+                    async move {
+                        let (value, version): (i64, i64) =
+                            sqlx::query_as("SELECT value, version FROM counters WHERE id = 1")
+                                .fetch_one(&pool)
+                                .await
+                                .unwrap();
+                        // Widen the window between read and write, as real work would.
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                        let changed = sqlx::query(
+                            "UPDATE counters SET value = $1, version = version + 1 WHERE id = 1 AND version = $2",
+                        )
+                        .bind(value + 1)
+                        .bind(version)
+                        .execute(&pool)
+                        .await
+                        .unwrap()
+                        .rows_affected();
+                        Ok(if changed == 1 {
+                            Attempt::Done(())
+                        } else {
+                            conflicts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            Attempt::Conflict
+                        })
+                    }
+                })
+                .await
+                .unwrap();
+            }
+        }));
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let (value, version): (i64, i64) = sqlx::query_as("SELECT value, version FROM counters WHERE id = 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!((value, version), (60, 60));
+    assert!(conflicts.load(std::sync::atomic::Ordering::Relaxed) > 0, "the writers never collided");
+}

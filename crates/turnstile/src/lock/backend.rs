@@ -66,6 +66,12 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// A short description of the store for messages (its URL without a password).
     fn describe(&self) -> String;
 
+    /// Creates the store's tables if missing; harmless to run again or concurrently.
+    /// Stores without a schema (Redis) have nothing to do.
+    fn migrate(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
+
     /// Releases the lock held by `from` and tries to take it for `to`, used to hand a
     /// lock straight to the next waiter in the same process.
     ///

@@ -162,6 +162,8 @@ struct Session {
 }
 
 struct Sql {
+    ensure_row: Statement,
+    take_in_transaction: Statement,
     record_token: Statement,
     holder: Statement,
     create_locks: Statement,
@@ -232,6 +234,12 @@ impl MysqlLockStore {
         let locks = format!("`{}_locks`", config.prefix);
         let fences = format!("`{}_fences`", config.prefix);
         let sql = Sql {
+            ensure_row: statement(format!(
+                "INSERT IGNORE INTO {locks} (name, lock_key, token) VALUES (?, ?, 0)"
+            )),
+            take_in_transaction: statement(format!(
+                "UPDATE {locks} SET token = LAST_INSERT_ID(token + 1) WHERE name = ?"
+            )),
             record_token: statement(format!(
                 "INSERT INTO {locks} (name, lock_key, owner, connection_id, token)
                  VALUES (?, ?, ?, CONNECTION_ID(), LAST_INSERT_ID(1))
@@ -299,6 +307,52 @@ impl MysqlLockStore {
             .execute(&mut *connection)
             .await;
         result.map_err(fail)
+    }
+
+    /// Takes the lock `name` for the rest of the InnoDB transaction `transaction` runs
+    /// on, and returns its fencing token; the lock is released exactly when that
+    /// transaction commits or rolls back.
+    ///
+    /// The lock is the row lock on the lock's row (taken by the token update): another
+    /// transaction-scoped locker waits for this transaction to end (bounded by
+    /// `innodb_lock_wait_timeout`), and a named-lock acquirer cannot record its token
+    /// until it does. If a named lock (a [`LockGuard`](crate::LockGuard)) is held now,
+    /// this returns [`ErrorKind::Held`]; roll back and retry. Tokens of both kinds for one
+    /// name come from the same counter.
+    pub async fn lock_in_transaction(
+        &self,
+        transaction: &mut sqlx::MySqlConnection,
+        name: impl super::IntoLockName,
+    ) -> Result<FencingToken> {
+        let name = name.into_lock_name()?;
+        let key = lock_key(&name);
+        let fail = |error| map_error(error, "cannot take the transaction-scoped lock");
+        sqlx::query(self.sql.ensure_row.sql())
+            .bind(name.as_str().as_bytes())
+            .bind(&key)
+            .execute(&mut *transaction)
+            .await
+            .map_err(fail)?;
+        let token = sqlx::query(self.sql.take_in_transaction.sql())
+            .bind(name.as_str().as_bytes())
+            .execute(&mut *transaction)
+            .await
+            .map_err(fail)?
+            .last_insert_id();
+        // Checked after taking the row lock: a named-lock holder that got in first is
+        // seen here; one that comes later cannot record its token until this ends.
+        let query = format!("SELECT IS_USED_LOCK('{key}') IS NOT NULL");
+        let named_lock_held: Option<i64> = sqlx::query_scalar(AssertSqlSafe(query))
+            .fetch_one(&mut *transaction)
+            .await
+            .map_err(fail)?;
+        if named_lock_held == Some(1) {
+            return Err(Error::new(
+                ErrorKind::Held,
+                format!("lock {name:?} is held as a named lock; roll back and try again later"),
+            ));
+        }
+        Ok(FencingToken::new(token))
     }
 
     /// The shared connection pool (not the sessions holding locks).
@@ -581,6 +635,10 @@ impl LockBackend for MysqlLockStore {
             let (watch, _) = self.signals.watch(name.as_str());
             Ok(watch.with_poll(POLL_MIN, POLL_MAX))
         })
+    }
+
+    fn migrate(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(MysqlLockStore::migrate(self))
     }
 
     fn describe(&self) -> String {

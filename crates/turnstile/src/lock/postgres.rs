@@ -4,8 +4,8 @@
 //! the change together), so it works through a connection pooler in transaction mode.
 //!
 //! # Tables
-//! `{schema}.{prefix}_locks (name, owner, token, expires_at)` and
-//! `{schema}.{prefix}_fences (resource, token)`, schema `public` and prefix `turnstile`
+//! `{schema}.{prefix}_locks (name, owner, expires_at)`,
+//! `{schema}.{prefix}_tokens (name, token)` and `{schema}.{prefix}_fences (resource, token)`, schema `public` and prefix `turnstile`
 //! by default. [`migrate`](PostgresLockStore::migrate) creates them; it takes a
 //! transaction-scoped advisory lock first, so running it twice, or from two processes at
 //! once, is harmless. The store migrates on first use unless told not to.
@@ -16,7 +16,7 @@
 //! - **Expiry** is decided by the database server's clock (`clock_timestamp()`), never a
 //!   client's. Holders measure their own validity on their monotonic clock from the
 //!   moment the request was sent, minus a drift allowance.
-//! - **Fencing tokens** are a per-name counter in the lock's row (never deleted),
+//! - **Fencing tokens** are a per-name counter in `{prefix}_tokens` (never deleted),
 //!   incremented in the same statement that takes the lock. The store's connections run
 //!   with `synchronous_commit = on` whatever the server's default, so every issued token
 //!   is on disk (in the WAL) before the holder learns it: tokens survive restarts and
@@ -160,6 +160,7 @@ impl PostgresLockConfig {
 struct Sql {
     schema: String,
     locks: String,
+    tokens: String,
     fences: String,
     channel: String,
     acquire: Statement,
@@ -167,6 +168,9 @@ struct Sql {
     release: Statement,
     inspect: Statement,
     force: Statement,
+    ensure_row: Statement,
+    take_in_transaction: Statement,
+    issue_token: Statement,
 }
 
 impl Sql {
@@ -174,18 +178,26 @@ impl Sql {
         let schema = format!("\"{}\"", config.schema);
         let locks = format!("{schema}.\"{}_locks\"", config.prefix);
         let fences = format!("{schema}.\"{}_fences\"", config.prefix);
+        let tokens = format!("{schema}.\"{}_tokens\"", config.prefix);
+        // A lock row's token is the last one issued for its name, which is the holder's
+        // while the lock is held.
+        let bump = format!(
+            "INSERT INTO {tokens} AS t (name, token) SELECT name, 1 FROM attempt
+             ON CONFLICT (name) DO UPDATE SET token = t.token + 1
+             RETURNING token"
+        );
         let remaining =
             "GREATEST(0, CEIL(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000))::int8";
         Sql {
             acquire: statement(format!(
                 "WITH attempt AS (
-                    INSERT INTO {locks} AS l (name, owner, token, expires_at)
-                    VALUES ($1, $2, 1, clock_timestamp() + make_interval(secs => $3::float8 / 1000))
-                    ON CONFLICT (name) DO UPDATE SET
-                        owner = EXCLUDED.owner, token = l.token + 1, expires_at = EXCLUDED.expires_at
+                    INSERT INTO {locks} AS l (name, owner, expires_at)
+                    VALUES ($1, $2, clock_timestamp() + make_interval(secs => $3::float8 / 1000))
+                    ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
                     WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp()
-                    RETURNING token)
-                 SELECT (SELECT token FROM attempt) AS token,
+                    RETURNING name),
+                 bumped AS ({bump})
+                 SELECT (SELECT token FROM bumped) AS token,
                         (SELECT {remaining} FROM {locks} WHERE name = $1 AND owner IS NOT NULL) AS remaining_ms"
             )),
             extend: statement(format!(
@@ -211,22 +223,37 @@ impl Sql {
                                 AND expires_at > clock_timestamp()) AS taken"
             )),
             inspect: statement(format!(
-                "SELECT owner, token, {remaining} AS remaining_ms FROM {locks}
+                "SELECT owner, token, {remaining} AS remaining_ms FROM {locks} JOIN {tokens} USING (name)
                  WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()"
             )),
             force: statement(format!(
                 "WITH old AS (
-                    SELECT owner, token, {remaining} AS remaining_ms FROM {locks}
-                    WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp() FOR UPDATE),
+                    SELECT owner, token, {remaining} AS remaining_ms FROM {locks} AS l JOIN {tokens} USING (name)
+                    WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()
+                    FOR UPDATE OF l),
                  broken AS (
                     UPDATE {locks} SET owner = NULL, expires_at = clock_timestamp()
                     WHERE name = $1 AND EXISTS (SELECT 1 FROM old)
                     RETURNING pg_notify($2, $1))
                  SELECT owner, token, remaining_ms, (SELECT count(*) FROM broken) AS broken FROM old"
             )),
+            ensure_row: statement(format!(
+                "INSERT INTO {locks} (name, owner, expires_at) VALUES ($1, NULL, clock_timestamp())
+                 ON CONFLICT (name) DO NOTHING"
+            )),
+            take_in_transaction: statement(format!(
+                "SELECT owner IS NOT NULL AND expires_at > clock_timestamp() AS leased
+                 FROM {locks} WHERE name = $1 FOR UPDATE"
+            )),
+            issue_token: statement(format!(
+                "INSERT INTO {tokens} AS t (name, token) VALUES ($1, 1)
+                 ON CONFLICT (name) DO UPDATE SET token = t.token + 1
+                 RETURNING token"
+            )),
             channel: format!("{}_released", config.prefix),
             schema,
             locks,
+            tokens,
             fences,
         }
     }
@@ -348,9 +375,12 @@ impl PostgresLockStore {
                 "CREATE TABLE IF NOT EXISTS {} (
                     name TEXT PRIMARY KEY,
                     owner TEXT,
-                    token BIGINT NOT NULL,
                     expires_at TIMESTAMPTZ NOT NULL)",
                 sql.locks
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {} (name TEXT PRIMARY KEY, token BIGINT NOT NULL)",
+                sql.tokens
             ),
             format!(
                 "CREATE TABLE IF NOT EXISTS {} (resource TEXT PRIMARY KEY, token BIGINT NOT NULL)",
@@ -363,6 +393,63 @@ impl PostgresLockStore {
                 .map_err(fail)?;
         }
         transaction.commit().await.map_err(fail)
+    }
+
+    /// Takes the lock `name` for the rest of the transaction `transaction` runs on, and
+    /// returns its fencing token; the lock is released exactly when that transaction
+    /// commits or rolls back.
+    ///
+    /// The lock is a row lock (`SELECT … FOR UPDATE`) on the lock's row: another
+    /// transaction-scoped locker waits for this transaction to end (bounded by the
+    /// server's `lock_timeout`), and a lease acquirer waits too and then finds the lock
+    /// free. If a lease (a [`LockGuard`](crate::LockGuard)) holds the lock now, this
+    /// returns [`ErrorKind::Held`] at once rather than wait for it; roll back and retry.
+    /// The token comes from the same per-name counter as lease tokens, and is committed
+    /// on its own: a rollback does not give the number back, so tokens stay strictly
+    /// increasing whatever the transaction does.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: turnstile::lock::postgres::PostgresLockStore) -> turnstile::Result<()> {
+    /// let mut transaction = store.pool().begin().await.unwrap();
+    /// let token = store.lock_in_transaction(&mut transaction, "invoice:42").await?;
+    /// // ... reads and writes under the lock, passing `token` to fenced stores ...
+    /// transaction.commit().await.unwrap(); // releases the lock
+    /// # let _ = token;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn lock_in_transaction(
+        &self,
+        transaction: &mut sqlx::PgConnection,
+        name: impl super::IntoLockName,
+    ) -> Result<FencingToken> {
+        let name = name.into_lock_name()?;
+        let fail = |error| map_error(error, "cannot take the transaction-scoped lock");
+        sqlx::query(self.sql.ensure_row.sql())
+            .bind(name.as_str())
+            .execute(&mut *transaction)
+            .await
+            .map_err(fail)?;
+        let leased: bool = sqlx::query_scalar(self.sql.take_in_transaction.sql())
+            .bind(name.as_str())
+            .fetch_one(&mut *transaction)
+            .await
+            .map_err(fail)?;
+        if leased {
+            return Err(Error::new(
+                ErrorKind::Held,
+                format!("lock {name:?} is held by a lease; roll back and try again later"),
+            ));
+        }
+        // The token is issued outside the caller's transaction, on the store's own
+        // connection, so that a rollback cannot hand the same number out again. It is on
+        // another row than the lock, so this does not wait for the lock we now hold.
+        let token: i64 = sqlx::query_scalar(self.sql.issue_token.sql())
+            .bind(name.as_str())
+            .fetch_one(&self.pool)
+            .await
+            .map_err(fail)?;
+        Ok(FencingToken::new(u64::try_from(token).unwrap_or(0)))
     }
 
     /// The connection pool.
@@ -565,6 +652,10 @@ impl LockBackend for PostgresLockStore {
                 watch.with_poll(POLL_MIN, POLL_MAX)
             })
         })
+    }
+
+    fn migrate(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(PostgresLockStore::migrate(self))
     }
 
     fn describe(&self) -> String {

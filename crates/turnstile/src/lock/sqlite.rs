@@ -365,6 +365,10 @@ impl LockBackend for SqliteLockStore {
         })
     }
 
+    fn migrate(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(SqliteLockStore::migrate(self))
+    }
+
     fn describe(&self) -> String {
         format!("sqlite://{}", self.path.display())
     }
