@@ -138,7 +138,9 @@ mod tests {
 
     #[test]
     fn pauses_grow_and_stay_bounded() {
-        let policy = RetryPolicy::new().first_pause(Duration::from_millis(10)).max_pause(Duration::from_millis(50));
+        let policy = RetryPolicy::new()
+            .first_pause(Duration::from_millis(10))
+            .max_pause(Duration::from_millis(50));
         for attempt in 0..40 {
             assert!(policy.pause(attempt) <= Duration::from_millis(50));
         }

@@ -181,12 +181,18 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
     let url = shared_mariadb().fresh_database("xact");
     let store = MysqlLockStore::connect(&url).await.unwrap();
     let mut first = store.pool().begin().await.unwrap();
-    let first_token = store.lock_in_transaction(&mut first, "batch").await.unwrap();
+    let first_token = store
+        .lock_in_transaction(&mut first, "batch")
+        .await
+        .unwrap();
     let waiter = {
         let store = store.clone();
         tokio::spawn(async move {
             let mut second = store.pool().begin().await.unwrap();
-            let token = store.lock_in_transaction(&mut second, "batch").await.unwrap();
+            let token = store
+                .lock_in_transaction(&mut second, "batch")
+                .await
+                .unwrap();
             let got_it = tokio::time::Instant::now();
             second.rollback().await.unwrap();
             (token, got_it)
@@ -205,7 +211,10 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
     let guard = locker.acquire("batch", &options()).await.unwrap();
     assert!(guard.fencing_token() > second_token);
     let mut third = store.pool().begin().await.unwrap();
-    let error = store.lock_in_transaction(&mut third, "batch").await.unwrap_err();
+    let error = store
+        .lock_in_transaction(&mut third, "batch")
+        .await
+        .unwrap_err();
     assert_eq!(error.kind(), turnstile::ErrorKind::Held);
     third.rollback().await.unwrap();
     guard.release().await.unwrap();

@@ -232,14 +232,20 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
     let url = shared_postgres().fresh_database("xact");
     let store = PostgresLockStore::connect(&url).await.unwrap();
     let mut first = store.pool().begin().await.unwrap();
-    let first_token = store.lock_in_transaction(&mut first, "batch").await.unwrap();
+    let first_token = store
+        .lock_in_transaction(&mut first, "batch")
+        .await
+        .unwrap();
 
     // A second transaction waits for the first to end.
     let waiter = {
         let store = store.clone();
         tokio::spawn(async move {
             let mut second = store.pool().begin().await.unwrap();
-            let token = store.lock_in_transaction(&mut second, "batch").await.unwrap();
+            let token = store
+                .lock_in_transaction(&mut second, "batch")
+                .await
+                .unwrap();
             let got_it = tokio::time::Instant::now();
             second.rollback().await.unwrap(); // a rollback releases too
             (token, got_it)
@@ -255,32 +261,57 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
 
     // A lease waits for a transaction-scoped lock too.
     let mut third = store.pool().begin().await.unwrap();
-    let third_token = store.lock_in_transaction(&mut third, "batch").await.unwrap();
+    let third_token = store
+        .lock_in_transaction(&mut third, "batch")
+        .await
+        .unwrap();
     assert!(third_token > second_token);
     let locker = Locker::new(store.clone());
     let lease = {
         let locker = locker.clone();
-        tokio::spawn(async move { locker.acquire("batch", &LockOptions::new().wait(Duration::from_secs(10))).await })
+        tokio::spawn(async move {
+            locker
+                .acquire("batch", &LockOptions::new().wait(Duration::from_secs(10)))
+                .await
+        })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!lease.is_finished(), "the lease did not wait for the transaction");
+    assert!(
+        !lease.is_finished(),
+        "the lease did not wait for the transaction"
+    );
     third.commit().await.unwrap();
     let guard = lease.await.unwrap().unwrap();
-    assert!(guard.fencing_token() > third_token, "tokens of both kinds share one order");
+    assert!(
+        guard.fencing_token() > third_token,
+        "tokens of both kinds share one order"
+    );
 
     // While the lease is held, a transaction-scoped lock says so at once.
     let mut fourth = store.pool().begin().await.unwrap();
-    let error = store.lock_in_transaction(&mut fourth, "batch").await.unwrap_err();
+    let error = store
+        .lock_in_transaction(&mut fourth, "batch")
+        .await
+        .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Held);
     fourth.rollback().await.unwrap();
     guard.release().await.unwrap();
 
     // A rolled-back transaction does not give its token back.
     let mut fifth = store.pool().begin().await.unwrap();
-    let fifth_token = store.lock_in_transaction(&mut fifth, "batch").await.unwrap();
+    let fifth_token = store
+        .lock_in_transaction(&mut fifth, "batch")
+        .await
+        .unwrap();
     fifth.rollback().await.unwrap();
     let mut sixth = store.pool().begin().await.unwrap();
-    assert!(store.lock_in_transaction(&mut sixth, "batch").await.unwrap() > fifth_token);
+    assert!(
+        store
+            .lock_in_transaction(&mut sixth, "batch")
+            .await
+            .unwrap()
+            > fifth_token
+    );
     sixth.commit().await.unwrap();
 }
 
@@ -293,7 +324,10 @@ async fn optimistic_updates_lose_nothing_under_concurrent_writers() {
         .execute(&pool)
         .await
         .unwrap();
-    sqlx::query("INSERT INTO counters VALUES (1, 0, 0)").execute(&pool).await.unwrap();
+    sqlx::query("INSERT INTO counters VALUES (1, 0, 0)")
+        .execute(&pool)
+        .await
+        .unwrap();
     let conflicts = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut writers = Vec::new();
     for _ in 0..6 {
@@ -336,10 +370,14 @@ async fn optimistic_updates_lose_nothing_under_concurrent_writers() {
     for writer in writers {
         writer.await.unwrap();
     }
-    let (value, version): (i64, i64) = sqlx::query_as("SELECT value, version FROM counters WHERE id = 1")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let (value, version): (i64, i64) =
+        sqlx::query_as("SELECT value, version FROM counters WHERE id = 1")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     assert_eq!((value, version), (60, 60));
-    assert!(conflicts.load(std::sync::atomic::Ordering::Relaxed) > 0, "the writers never collided");
+    assert!(
+        conflicts.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "the writers never collided"
+    );
 }

@@ -22,7 +22,7 @@
 //!
 //! # Guarantees
 //! - **Atomicity**: `GET_LOCK(key, 0)` is atomic in the server.
-//! - **Fencing tokens**: a per-name counter in `{prefix}_locks`, incremented by the
+//! - **Fencing tokens**: a per-name counter in `{prefix}_tokens`, incremented by the
 //!   holder's session right after `GET_LOCK` succeeds, before the holder learns it. As
 //!   durable as an InnoDB commit: with `innodb_flush_log_at_trx_commit = 1` (the
 //!   default) tokens survive any crash; with `2`, a server crash but not an OS crash.
@@ -147,8 +147,7 @@ pub fn lock_key(name: &LockName) -> String {
         format!("ts:{text}")
     } else {
         let digest = Sha256::digest(text.as_bytes());
-        let hex: String = digest.iter().map(|byte| format!("{byte:02x}")).collect();
-        format!("ts#{}", &hex[..61])
+        format!("ts#{}", &hex(&digest)[..61])
     }
 }
 
@@ -162,12 +161,13 @@ struct Session {
 }
 
 struct Sql {
+    locks: String,
+    tokens: String,
     ensure_row: Statement,
     take_in_transaction: Statement,
-    record_token: Statement,
+    issue_token: Statement,
     holder: Statement,
-    create_locks: Statement,
-    create_fences: Statement,
+    create: [Statement; 3],
     fences: String,
 }
 
@@ -233,35 +233,39 @@ impl MysqlLockStore {
             .connect_lazy_with(options);
         let locks = format!("`{}_locks`", config.prefix);
         let fences = format!("`{}_fences`", config.prefix);
+        let tokens = format!("`{}_tokens`", config.prefix);
         let sql = Sql {
-            ensure_row: statement(format!(
-                "INSERT IGNORE INTO {locks} (name, lock_key, token) VALUES (?, ?, 0)"
-            )),
-            take_in_transaction: statement(format!(
-                "UPDATE {locks} SET token = LAST_INSERT_ID(token + 1) WHERE name = ?"
-            )),
-            record_token: statement(format!(
-                "INSERT INTO {locks} (name, lock_key, owner, connection_id, token)
-                 VALUES (?, ?, ?, CONNECTION_ID(), LAST_INSERT_ID(1))
-                 ON DUPLICATE KEY UPDATE owner = VALUES(owner), connection_id = VALUES(connection_id),
-                    token = LAST_INSERT_ID(token + 1)"
+            ensure_row: statement(format!("INSERT IGNORE INTO {locks} (name, lock_key) VALUES (?, ?)")),
+            take_in_transaction: statement(format!("SELECT 1 FROM {locks} WHERE name = ? FOR UPDATE")),
+            issue_token: statement(format!(
+                "INSERT INTO {tokens} (name, token) VALUES (?, LAST_INSERT_ID(1))
+                 ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1)"
             )),
             holder: statement(format!(
-                "SELECT owner, token, CAST(IS_USED_LOCK(lock_key) AS UNSIGNED) AS holder, connection_id FROM {locks} WHERE name = ?"
+                "SELECT l.owner, t.token, CAST(IS_USED_LOCK(l.lock_key) AS UNSIGNED) AS holder, l.connection_id
+                 FROM {locks} l JOIN {tokens} t ON t.name = l.name WHERE l.name = ?"
             )),
-            create_locks: statement(format!(
-                "CREATE TABLE IF NOT EXISTS {locks} (
-                    name VARBINARY(512) PRIMARY KEY,
-                    lock_key VARCHAR(64) NOT NULL,
-                    owner CHAR(32),
-                    connection_id BIGINT UNSIGNED,
-                    token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB"
-            )),
-            create_fences: statement(format!(
-                "CREATE TABLE IF NOT EXISTS {fences} (
-                    resource VARBINARY(512) PRIMARY KEY,
-                    token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB"
-            )),
+            create: [
+                statement(format!(
+                    "CREATE TABLE IF NOT EXISTS {locks} (
+                        name VARBINARY(512) PRIMARY KEY,
+                        lock_key VARCHAR(64) NOT NULL,
+                        owner CHAR(32),
+                        connection_id BIGINT UNSIGNED) ENGINE = InnoDB"
+                )),
+                statement(format!(
+                    "CREATE TABLE IF NOT EXISTS {tokens} (
+                        name VARBINARY(512) PRIMARY KEY,
+                        token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB"
+                )),
+                statement(format!(
+                    "CREATE TABLE IF NOT EXISTS {fences} (
+                        resource VARBINARY(512) PRIMARY KEY,
+                        token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB"
+                )),
+            ],
+            locks,
+            tokens,
             fences,
         };
         let store = MysqlLockStore {
@@ -294,12 +298,9 @@ impl MysqlLockStore {
             ));
         }
         let result = async {
-            sqlx::query(self.sql.create_locks.sql())
-                .execute(&mut *connection)
-                .await?;
-            sqlx::query(self.sql.create_fences.sql())
-                .execute(&mut *connection)
-                .await?;
+            for create in &self.sql.create {
+                sqlx::query(create.sql()).execute(&mut *connection).await?;
+            }
             Ok::<_, sqlx::Error>(())
         }
         .await;
@@ -313,12 +314,13 @@ impl MysqlLockStore {
     /// on, and returns its fencing token; the lock is released exactly when that
     /// transaction commits or rolls back.
     ///
-    /// The lock is the row lock on the lock's row (taken by the token update): another
+    /// The lock is the row lock on the lock's row (`SELECT … FOR UPDATE`): another
     /// transaction-scoped locker waits for this transaction to end (bounded by
     /// `innodb_lock_wait_timeout`), and a named-lock acquirer cannot record its token
     /// until it does. If a named lock (a [`LockGuard`](crate::LockGuard)) is held now,
     /// this returns [`ErrorKind::Held`]; roll back and retry. Tokens of both kinds for one
-    /// name come from the same counter.
+    /// name come from the same counter, and a transaction's token is committed on its
+    /// own, so a rollback never gives the number back.
     pub async fn lock_in_transaction(
         &self,
         transaction: &mut sqlx::MySqlConnection,
@@ -333,14 +335,13 @@ impl MysqlLockStore {
             .execute(&mut *transaction)
             .await
             .map_err(fail)?;
-        let token = sqlx::query(self.sql.take_in_transaction.sql())
+        sqlx::query(self.sql.take_in_transaction.sql())
             .bind(name.as_str().as_bytes())
             .execute(&mut *transaction)
             .await
-            .map_err(fail)?
-            .last_insert_id();
+            .map_err(fail)?;
         // Checked after taking the row lock: a named-lock holder that got in first is
-        // seen here; one that comes later cannot record its token until this ends.
+        // seen here; one that comes later cannot record itself until this ends.
         let query = format!("SELECT IS_USED_LOCK('{key}') IS NOT NULL");
         let named_lock_held: Option<i64> = sqlx::query_scalar(AssertSqlSafe(query))
             .fetch_one(&mut *transaction)
@@ -352,6 +353,14 @@ impl MysqlLockStore {
                 format!("lock {name:?} is held as a named lock; roll back and try again later"),
             ));
         }
+        // Issued on the store's own connection, outside the caller's transaction, so a
+        // rollback never hands the same number out again.
+        let token = sqlx::query(self.sql.issue_token.sql())
+            .bind(name.as_str().as_bytes())
+            .execute(&self.pool)
+            .await
+            .map_err(fail)?
+            .last_insert_id();
         Ok(FencingToken::new(token))
     }
 
@@ -459,6 +468,10 @@ impl MysqlLockStore {
     }
 }
 
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
 fn wait_timeout_secs(ttl: Duration) -> u64 {
     ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0)
 }
@@ -496,14 +509,29 @@ impl LockBackend for MysqlLockStore {
                     remaining_ttl: None,
                 });
             }
-            let recorded = sqlx::query(self.sql.record_token.sql())
-                .bind(name.as_str().as_bytes())
-                .bind(&key)
-                .bind(owner.as_str())
-                .execute(&mut *connection)
+            // The new token, and who holds the lock, in one round trip. Every value is
+            // hex or from the key's safe alphabet, so it can stand in the text.
+            let record = format!(
+                "INSERT INTO {tokens} (name, token) VALUES (X'{name}', LAST_INSERT_ID(1))
+                    ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1);
+                 INSERT INTO {locks} (name, lock_key, owner, connection_id)
+                    VALUES (X'{name}', '{key}', '{owner}', CONNECTION_ID())
+                    ON DUPLICATE KEY UPDATE owner = VALUES(owner), connection_id = VALUES(connection_id);
+                 SELECT CAST(LAST_INSERT_ID() AS UNSIGNED)",
+                tokens = self.sql.tokens,
+                locks = self.sql.locks,
+                name = hex(name.as_str().as_bytes()),
+                owner = owner.as_str(),
+            );
+            let recorded = sqlx::raw_sql(AssertSqlSafe(record))
+                .fetch_all(&mut *connection)
                 .await;
-            let token = match recorded {
-                Ok(result) => result.last_insert_id(),
+            let token = match recorded.map(|rows| rows.last().map(|row| row.try_get::<u64, _>(0))) {
+                Ok(Some(Ok(token))) => token,
+                Ok(_) => {
+                    drop(connection.detach());
+                    return Err(Error::new(ErrorKind::Store, "no fencing token came back"));
+                }
                 Err(error) => {
                     // Without a durable token the lock must not be used: give it back.
                     drop(connection.detach());
