@@ -61,7 +61,12 @@ impl Workload {
 /// One held lock, whichever peer took it.
 enum Held {
     Library(LockGuard),
-    Raw { key: String, token: String },
+    Raw {
+        key: String,
+        token: String,
+    },
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    RawSql(crate::bench_sql::RawSqlHeld),
 }
 
 enum AcquireError {
@@ -71,6 +76,11 @@ enum AcquireError {
 
 /// The thing measured: the library, or the same workload on bare commands.
 enum Peer {
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    RawSql {
+        raw: crate::bench_sql::RawSql,
+        counter: crate::bench_sql::SqlCounter,
+    },
     Library {
         locker: Locker,
         counter: Counter,
@@ -85,6 +95,8 @@ enum Peer {
 
 /// The shared counter the contended phase increments with two separate round trips.
 enum Counter {
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    Sql(crate::bench_sql::SqlCounter),
     #[cfg(feature = "redis")]
     Redis {
         connection: redis::aio::ConnectionManager,
@@ -107,6 +119,8 @@ return 0
 impl Counter {
     async fn set(&self, value: i64) -> Result<(), String> {
         match self {
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Counter::Sql(counter) => counter.set(value).await,
             #[cfg(feature = "redis")]
             Counter::Redis { connection, key } => redis::cmd("SET")
                 .arg(key)
@@ -130,6 +144,8 @@ impl Counter {
 
     async fn get(&self) -> Result<i64, String> {
         match self {
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Counter::Sql(counter) => counter.get().await,
             #[cfg(feature = "redis")]
             Counter::Redis { connection, key } => redis::cmd("GET")
                 .arg(key)
@@ -153,6 +169,8 @@ impl Counter {
 impl Peer {
     fn name(&self) -> &'static str {
         match self {
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Peer::RawSql { .. } => "raw",
             Peer::Library { .. } => "turnstile",
             #[cfg(feature = "redis")]
             Peer::Raw { .. } => "raw",
@@ -161,6 +179,8 @@ impl Peer {
 
     fn wait_strategy(&self) -> &'static str {
         match self {
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Peer::RawSql { .. } => "busy-retry",
             Peer::Library { .. } => "release-notification+local-fifo-queue",
             #[cfg(feature = "redis")]
             Peer::Raw { .. } => "busy-retry",
@@ -171,6 +191,12 @@ impl Peer {
         let ttl = Duration::from_millis(work.ttl_ms);
         let wait = Duration::from_millis(work.acquire_timeout_ms);
         match self {
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Peer::RawSql { raw, .. } => match raw.acquire(name, work.ttl_ms, wait).await {
+                Ok(Some(held)) => Ok(Held::RawSql(held)),
+                Ok(None) => Err(AcquireError::Timeout),
+                Err(error) => Err(AcquireError::Failed(error)),
+            },
             Peer::Library { locker, .. } => {
                 let options = LockOptions::new().ttl(ttl).wait(wait);
                 match locker.acquire(name, &options).await {
@@ -210,6 +236,8 @@ impl Peer {
 
     async fn release(&self, held: Held) -> Result<(), String> {
         match (self, held) {
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            (Peer::RawSql { raw, .. }, Held::RawSql(held)) => raw.release(held).await,
             (_, Held::Library(guard)) => {
                 guard.release().await.map(|_| ()).map_err(|e| e.to_string())
             }
@@ -235,6 +263,8 @@ impl Peer {
 
     async fn counter_get(&self) -> Result<i64, String> {
         match self {
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Peer::RawSql { counter, .. } => counter.get().await,
             Peer::Library { counter, .. } => counter.get().await,
             #[cfg(feature = "redis")]
             Peer::Raw {
@@ -252,6 +282,8 @@ impl Peer {
 
     async fn counter_set(&self, value: i64) -> Result<(), String> {
         match self {
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Peer::RawSql { counter, .. } => counter.set(value).await,
             Peer::Library { counter, .. } => counter.set(value).await,
             #[cfg(feature = "redis")]
             Peer::Raw {
@@ -330,9 +362,21 @@ async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
                 counter,
             })
         }
+        #[cfg(any(feature = "postgres", feature = "mysql"))]
+        ("postgres" | "postgresql" | "mysql" | "mariadb", true) => {
+            let raw = crate::bench_sql::RawSql::open(url).await?;
+            let counter = crate::bench_sql::SqlCounter::open(url, run).await?;
+            Ok(Peer::RawSql { raw, counter })
+        }
+        #[cfg(any(feature = "postgres", feature = "mysql"))]
+        ("postgres" | "postgresql" | "mysql" | "mariadb", false) => {
+            let locker = Locker::connect(url).await?;
+            let counter = Counter::Sql(crate::bench_sql::SqlCounter::open(url, run).await?);
+            Ok(Peer::Library { locker, counter })
+        }
         (_, true) => Err(Error::new(
             ErrorKind::UnsupportedStore,
-            format!("--raw needs a redis:// store; got {url:?}"),
+            format!("--raw needs a redis://, postgres:// or mysql:// store; got {url:?}"),
         )),
         _ => {
             // Let the library explain what is wrong with the URL.

@@ -2,6 +2,8 @@
 //! locks, benchmark a store.
 
 mod bench;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod bench_sql;
 mod exec;
 
 use std::path::PathBuf;
@@ -46,6 +48,14 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Create the store's tables if they are missing (SQL stores); harmless to repeat.
+    Migrate(StoreOnlyArgs),
+}
+
+#[derive(Args, Debug)]
+struct StoreOnlyArgs {
+    #[command(flatten)]
+    store: StoreArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -73,7 +83,8 @@ enum BenchCommand {
 /// Where the locks live.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct StoreArgs {
-    /// Store URL: sqlite://PATH, redis://HOST[:PORT][/DB], rediss://… Default: the
+    /// Store URL: sqlite://PATH, redis://HOST[:PORT][/DB], rediss://…,
+    /// postgres://USER@HOST[:PORT]/DB, mysql://USER@HOST[:PORT]/DB. Default: the
     /// TURNSTILE_STORE environment variable, else an SQLite file in the per-user state
     /// directory ($XDG_STATE_HOME/turnstile/locks.sqlite3, or
     /// ~/.local/state/turnstile/locks.sqlite3).
@@ -182,7 +193,7 @@ pub(crate) fn exit_code_for(error: &Error) -> u8 {
     match error.kind() {
         ErrorKind::InvalidName | ErrorKind::InvalidOptions | ErrorKind::InvalidUrl => exit::USAGE,
         ErrorKind::StoreUnavailable | ErrorKind::UnsupportedStore => exit::UNAVAILABLE,
-        ErrorKind::AcquireTimeout => exit::NOT_ACQUIRED,
+        ErrorKind::AcquireTimeout | ErrorKind::Held => exit::NOT_ACQUIRED,
         ErrorKind::LockLost => exit::LOST,
         _ => exit::SOFTWARE,
     }
@@ -255,6 +266,20 @@ async fn status(args: StatusArgs, breaking: bool) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+async fn migrate(args: StoreOnlyArgs) -> ExitCode {
+    let locker = match args.store.locker().await {
+        Ok(locker) => locker,
+        Err(error) => return fail(&error),
+    };
+    match locker.backend().migrate().await {
+        Ok(()) => {
+            println!("{}: tables ready", locker.backend().describe());
+            ExitCode::SUCCESS
+        }
+        Err(error) => fail(&error),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -280,6 +305,7 @@ fn main() -> ExitCode {
             Command::Lock(LockCommand::Status(args)) => status(args, false).await,
             Command::Lock(LockCommand::Break(args)) => status(args, true).await,
             Command::Bench(BenchCommand::Lock(args)) => bench::run(args).await,
+            Command::Migrate(args) => migrate(args).await,
         }
     })
 }

@@ -391,3 +391,77 @@ fn rediss_urls_work_with_a_ca_from_ssl_cert_file() {
         .unwrap();
     assert_ne!(code(&output), 0);
 }
+
+/// The same commands against the database stores, as an operator would use them.
+fn exec_status_break_round_trip(store: &str) {
+    let sandbox = Sandbox::new();
+    let migrate = sandbox.run(&["migrate", "--store", store]);
+    assert_eq!(code(&migrate), 0, "{}", stderr(&migrate));
+    assert!(stdout(&migrate).contains("tables ready"));
+
+    let output = sandbox.run(&[
+        "lock",
+        "exec",
+        "--store",
+        store,
+        "db-job",
+        "--",
+        "sh",
+        "-c",
+        "echo $TURNSTILE_FENCING_TOKEN",
+    ]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let first: u64 = stdout(&output).trim().parse().unwrap();
+
+    let started = sandbox.path("started");
+    let holder = sandbox
+        .turnstile(&[
+            "lock",
+            "exec",
+            "--store",
+            store,
+            "--ttl",
+            "1s",
+            "db-job",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "echo $TURNSTILE_FENCING_TOKEN > {}; exec sleep 30",
+                started.display()
+            ),
+        ])
+        .spawn()
+        .unwrap();
+    wait_for_file(&started);
+    let status: serde_json::Value = serde_json::from_str(&stdout(
+        &sandbox.run(&["lock", "status", "--json", "--store", store, "db-job"]),
+    ))
+    .unwrap();
+    assert_eq!(status["held"], true, "{status}");
+    assert!(status["fencing_token"].as_u64().unwrap() > first);
+    let output = sandbox.run(&[
+        "lock",
+        "exec",
+        "--store",
+        store,
+        "--no-wait",
+        "db-job",
+        "--",
+        "true",
+    ]);
+    assert_eq!(code(&output), 75);
+    let broke = sandbox.run(&["lock", "break", "--store", store, "db-job"]);
+    assert_eq!(code(&broke), 0, "{}", stderr(&broke));
+    assert_eq!(code(&holder.wait_with_output().unwrap()), 76);
+}
+
+#[test]
+fn postgres_stores_work_from_the_command_line() {
+    exec_status_break_round_trip(&turnstile_test_support::shared_postgres().fresh_database("cli"));
+}
+
+#[test]
+fn mysql_stores_work_from_the_command_line() {
+    exec_status_break_round_trip(&turnstile_test_support::shared_mariadb().fresh_database("cli"));
+}

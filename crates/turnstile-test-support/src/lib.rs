@@ -64,13 +64,12 @@ pub fn spawn_tied_to_process_as(
         use std::os::unix::process::CommandExt;
         let parent = libc::getpid();
         command.pre_exec(move || {
-            if let Some((uid, gid)) = run_as {
-                if libc::setgroups(0, std::ptr::null()) != 0
+            if let Some((uid, gid)) = run_as
+                && (libc::setgroups(0, std::ptr::null()) != 0
                     || libc::setgid(gid) != 0
-                    || libc::setuid(uid) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
+                    || libc::setuid(uid) != 0)
+            {
+                return Err(std::io::Error::last_os_error());
             }
             // After setuid: a change of credentials clears the parent-death signal.
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {

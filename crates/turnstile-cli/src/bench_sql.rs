@@ -1,0 +1,295 @@
+//! The SQL floors for `turnstile bench lock --raw`: the same kind of statements the
+//! library sends, on bare sqlx, with busy retry and no library.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use turnstile::{Error, ErrorKind};
+
+/// A raw peer on a SQL database.
+pub(crate) enum RawSql {
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::PgPool),
+    #[cfg(feature = "mysql")]
+    Mysql(sqlx::MySqlPool),
+}
+
+/// A lock the raw peer holds.
+pub(crate) enum RawSqlHeld {
+    #[cfg(feature = "postgres")]
+    Postgres { name: String, owner: String },
+    #[cfg(feature = "mysql")]
+    Mysql {
+        connection: sqlx::pool::PoolConnection<sqlx::MySql>,
+        key: String,
+    },
+}
+
+/// A counter row incremented with two separate statements (read, then write).
+pub(crate) enum SqlCounter {
+    #[cfg(feature = "postgres")]
+    Postgres { pool: sqlx::PgPool, name: String },
+    #[cfg(feature = "mysql")]
+    Mysql { pool: sqlx::MySqlPool, name: String },
+}
+
+#[cfg(feature = "postgres")]
+const PG_ACQUIRE: &str = "WITH attempt AS (
+        INSERT INTO turnstile_bench_raw_locks AS l (name, owner, expires_at)
+        VALUES ($1, $2, clock_timestamp() + make_interval(secs => $3::float8 / 1000))
+        ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
+        WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp()
+        RETURNING name),
+     bumped AS (
+        INSERT INTO turnstile_bench_raw_tokens AS t (name, token) SELECT name, 1 FROM attempt
+        ON CONFLICT (name) DO UPDATE SET token = t.token + 1
+        RETURNING token)
+     SELECT token FROM bumped";
+
+fn setup_error(error: sqlx::Error) -> Error {
+    Error::new(ErrorKind::Store, "cannot set up the benchmark tables").with_source(error)
+}
+
+fn unreachable_store(error: sqlx::Error) -> Error {
+    Error::new(ErrorKind::StoreUnavailable, "cannot reach the database").with_source(error)
+}
+
+impl SqlCounter {
+    /// A counter for the library peer or the raw peer, in the store's database.
+    pub(crate) async fn open(url: &str, run: &str) -> Result<SqlCounter, Error> {
+        let scheme = url
+            .split("://")
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        match scheme.as_str() {
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => {
+                let pool = sqlx::PgPool::connect(url)
+                    .await
+                    .map_err(unreachable_store)?;
+                sqlx::query("CREATE TABLE IF NOT EXISTS turnstile_bench_counter (name TEXT PRIMARY KEY, value BIGINT NOT NULL)")
+                    .execute(&pool)
+                    .await
+                    .map_err(setup_error)?;
+                Ok(SqlCounter::Postgres {
+                    pool,
+                    name: run.to_owned(),
+                })
+            }
+            #[cfg(feature = "mysql")]
+            "mysql" | "mariadb" => {
+                let pool = sqlx::MySqlPool::connect(url)
+                    .await
+                    .map_err(unreachable_store)?;
+                sqlx::query("CREATE TABLE IF NOT EXISTS turnstile_bench_counter (name VARCHAR(128) PRIMARY KEY, value BIGINT NOT NULL) ENGINE = InnoDB")
+                    .execute(&pool)
+                    .await
+                    .map_err(setup_error)?;
+                Ok(SqlCounter::Mysql {
+                    pool,
+                    name: run.to_owned(),
+                })
+            }
+            other => Err(Error::new(
+                ErrorKind::UnsupportedStore,
+                format!("no SQL counter for {other}://"),
+            )),
+        }
+    }
+
+    pub(crate) async fn get(&self) -> Result<i64, String> {
+        match self {
+            #[cfg(feature = "postgres")]
+            SqlCounter::Postgres { pool, name } => {
+                sqlx::query_scalar("SELECT value FROM turnstile_bench_counter WHERE name = $1")
+                    .bind(name)
+                    .fetch_optional(pool)
+                    .await
+                    .map(Option::unwrap_or_default)
+                    .map_err(|e| e.to_string())
+            }
+            #[cfg(feature = "mysql")]
+            SqlCounter::Mysql { pool, name } => {
+                sqlx::query_scalar("SELECT value FROM turnstile_bench_counter WHERE name = ?")
+                    .bind(name)
+                    .fetch_optional(pool)
+                    .await
+                    .map(Option::unwrap_or_default)
+                    .map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    pub(crate) async fn set(&self, value: i64) -> Result<(), String> {
+        match self {
+            #[cfg(feature = "postgres")]
+            SqlCounter::Postgres { pool, name } => sqlx::query(
+                "INSERT INTO turnstile_bench_counter (name, value) VALUES ($1, $2)
+                 ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
+            )
+            .bind(name)
+            .bind(value)
+            .execute(pool)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+            #[cfg(feature = "mysql")]
+            SqlCounter::Mysql { pool, name } => sqlx::query(
+                "INSERT INTO turnstile_bench_counter (name, value) VALUES (?, ?)
+                 ON DUPLICATE KEY UPDATE value = VALUES(value)",
+            )
+            .bind(name)
+            .bind(value)
+            .execute(pool)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        }
+    }
+}
+
+impl RawSql {
+    /// Connects and creates the raw peer's own tables.
+    pub(crate) async fn open(url: &str) -> Result<RawSql, Error> {
+        let scheme = url
+            .split("://")
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        match scheme.as_str() {
+            #[cfg(feature = "postgres")]
+            "postgres" | "postgresql" => {
+                use std::str::FromStr;
+                // The same durability as the library's connections.
+                let options = sqlx::postgres::PgConnectOptions::from_str(url)
+                    .map_err(|e| {
+                        Error::new(ErrorKind::InvalidUrl, "bad PostgreSQL URL").with_source(e)
+                    })?
+                    .options([("synchronous_commit", "on")]);
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(8)
+                    .connect_with(options)
+                    .await
+                    .map_err(unreachable_store)?;
+                for statement in [
+                    "CREATE TABLE IF NOT EXISTS turnstile_bench_raw_locks (name TEXT PRIMARY KEY, owner TEXT, expires_at TIMESTAMPTZ NOT NULL)",
+                    "CREATE TABLE IF NOT EXISTS turnstile_bench_raw_tokens (name TEXT PRIMARY KEY, token BIGINT NOT NULL)",
+                ] {
+                    sqlx::query(statement)
+                        .execute(&pool)
+                        .await
+                        .map_err(setup_error)?;
+                }
+                Ok(RawSql::Postgres(pool))
+            }
+            #[cfg(feature = "mysql")]
+            "mysql" | "mariadb" => {
+                let pool = sqlx::mysql::MySqlPoolOptions::new()
+                    .max_connections(16)
+                    .connect(url)
+                    .await
+                    .map_err(unreachable_store)?;
+                sqlx::query("CREATE TABLE IF NOT EXISTS turnstile_bench_raw_tokens (name VARCHAR(128) PRIMARY KEY, token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB")
+                    .execute(&pool)
+                    .await
+                    .map_err(setup_error)?;
+                Ok(RawSql::Mysql(pool))
+            }
+            other => Err(Error::new(
+                ErrorKind::UnsupportedStore,
+                format!("--raw has no floor for {other}://"),
+            )),
+        }
+    }
+
+    /// Busy-retries the acquire statement until it wins or `wait` passes; `Ok(None)`
+    /// is a timeout.
+    pub(crate) async fn acquire(
+        &self,
+        name: &str,
+        ttl_ms: u64,
+        wait: Duration,
+    ) -> Result<Option<RawSqlHeld>, String> {
+        let deadline = Instant::now() + wait;
+        let owner = format!("{:032x}", rand::random::<u128>());
+        match self {
+            #[cfg(feature = "postgres")]
+            RawSql::Postgres(pool) => loop {
+                let token: Option<i64> = sqlx::query_scalar(PG_ACQUIRE)
+                    .bind(name)
+                    .bind(&owner)
+                    .bind(ttl_ms as f64)
+                    .fetch_optional(pool)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if token.is_some() {
+                    return Ok(Some(RawSqlHeld::Postgres {
+                        name: name.to_owned(),
+                        owner,
+                    }));
+                }
+                if Instant::now() >= deadline {
+                    return Ok(None);
+                }
+            },
+            #[cfg(feature = "mysql")]
+            RawSql::Mysql(pool) => {
+                let mut connection = pool.acquire().await.map_err(|e| e.to_string())?;
+                // Benchmark names are short and lower case: usable as named-lock keys.
+                let key: String = name.chars().take(64).collect();
+                loop {
+                    let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+                        .bind(&key)
+                        .fetch_one(&mut *connection)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    if got == Some(1) {
+                        sqlx::query(
+                            "INSERT INTO turnstile_bench_raw_tokens (name, token) VALUES (?, LAST_INSERT_ID(1))
+                             ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1)",
+                        )
+                        .bind(&key)
+                        .execute(&mut *connection)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                        return Ok(Some(RawSqlHeld::Mysql { connection, key }));
+                    }
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+    }
+
+    pub(crate) async fn release(&self, held: RawSqlHeld) -> Result<(), String> {
+        match (self, held) {
+            #[cfg(feature = "postgres")]
+            (RawSql::Postgres(pool), RawSqlHeld::Postgres { name, owner }) => sqlx::query(
+                "UPDATE turnstile_bench_raw_locks SET owner = NULL WHERE name = $1 AND owner = $2",
+            )
+            .bind(name)
+            .bind(owner)
+            .execute(pool)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+            #[cfg(feature = "mysql")]
+            (
+                RawSql::Mysql(_),
+                RawSqlHeld::Mysql {
+                    mut connection,
+                    key,
+                },
+            ) => sqlx::query("DO RELEASE_LOCK(?)")
+                .bind(key)
+                .execute(&mut *connection)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            #[allow(unreachable_patterns)]
+            _ => Err("a lock of one database handed to another".to_owned()),
+        }
+    }
+}
