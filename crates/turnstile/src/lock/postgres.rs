@@ -27,7 +27,8 @@
 //! - **Waiting**: releases send `NOTIFY {prefix}_released` with the lock name; waiters
 //!   `LISTEN` on one shared connection per store and re-check when the holder's lease
 //!   would run out (expiry sends no notification). Behind a pooler in transaction mode,
-//!   `LISTEN` does not work: set `turnstile_notify=off` (or
+//!   `LISTEN` does not work (and sqlx's cached prepared statements need PgBouncer 1.21 or
+//!   newer with `max_prepared_statements`): set `turnstile_notify=off` (or
 //!   [`notifications(false)`](PostgresLockConfig::notifications)) and waiters poll with a
 //!   backoff from 5 ms to 100 ms instead.
 
