@@ -14,6 +14,8 @@ mod backend;
 mod guard;
 mod locker;
 mod queue;
+#[cfg(any(feature = "mysql", feature = "postgres"))]
+mod session;
 mod signals;
 
 #[cfg(feature = "mysql")]

@@ -39,9 +39,8 @@
 //! - `turnstile lock break` ends the holder's session with `KILL CONNECTION`, which needs
 //!   the `CONNECTION ADMIN` (or `SUPER`) privilege for other users' sessions.
 
-use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -50,6 +49,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Row};
 use tokio::time::Instant;
 
+use super::session::HeldSessions;
 use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
     ReleaseSignals, ReleaseWatch, TryAcquire,
@@ -151,14 +151,7 @@ pub fn lock_key(name: &LockName) -> String {
     }
 }
 
-/// One held lock: its session and when it last heard from the server.
-struct Session {
-    connection: Option<PoolConnection<MySql>>,
-    connection_id: u64,
-    key: String,
-    ttl: Duration,
-    last_contact: Instant,
-}
+type Session = super::session::Session<PoolConnection<MySql>, String>;
 
 struct Sql {
     locks: String,
@@ -176,7 +169,7 @@ struct Sql {
 pub struct MysqlLockStore {
     pool: MySqlPool,
     sessions: MySqlPool,
-    held: Arc<Mutex<HashMap<String, Arc<tokio::sync::Mutex<Session>>>>>,
+    held: Arc<HeldSessions<PoolConnection<MySql>, String>>,
     sql: Arc<Sql>,
     signals: ReleaseSignals,
     url: String,
@@ -374,21 +367,6 @@ impl MysqlLockStore {
         crate::fence::mysql::MysqlFence::new(&self.sql.fences)
     }
 
-    fn session(&self, owner: &OwnerId) -> Option<Arc<tokio::sync::Mutex<Session>>> {
-        self.held
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(owner.as_str())
-            .cloned()
-    }
-
-    fn forget(&self, owner: &OwnerId) {
-        self.held
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(owner.as_str());
-    }
-
     /// Who holds `name` now, by the server: `(owner, token, connection id)`.
     async fn current_holder(&self, name: &LockName) -> Result<Option<(String, FencingToken, u64)>> {
         let row = sqlx::query(self.sql.holder.sql())
@@ -444,7 +422,7 @@ impl MysqlLockStore {
     /// Whether the session is still alive and holds its lock; pings the server. Closes
     /// the session if its lease ran out without contact.
     async fn session_holds(session: &mut Session) -> bool {
-        if session.last_contact.elapsed() >= session.ttl {
+        if !session.in_contact() {
             MysqlLockStore::close(session).await;
             return false;
         }
@@ -548,15 +526,12 @@ impl LockBackend for MysqlLockStore {
             };
             let session = Session {
                 connection: Some(connection),
-                connection_id,
+                server_id: connection_id,
                 key,
                 ttl,
                 last_contact: sent,
             };
-            self.held.lock().unwrap_or_else(|p| p.into_inner()).insert(
-                owner.as_str().to_owned(),
-                Arc::new(tokio::sync::Mutex::new(session)),
-            );
+            self.held.insert(owner, session);
             Ok(TryAcquire::Acquired {
                 token: FencingToken::new(token),
             })
@@ -571,13 +546,13 @@ impl LockBackend for MysqlLockStore {
     ) -> BoxFuture<'a, Result<ExtendOutcome>> {
         Box::pin(async move {
             let mut ours = None;
-            if let Some(session) = self.session(owner) {
+            if let Some(session) = self.held.get(owner) {
                 let mut session = session.lock().await;
                 if MysqlLockStore::session_holds(&mut session).await {
                     return Ok(ExtendOutcome::Extended);
                 }
-                ours = Some(session.connection_id);
-                self.forget(owner);
+                ours = Some(session.server_id);
+                self.held.forget(owner);
             }
             Ok(ExtendOutcome::Lost(
                 if self.held_by_another(name, ours).await? {
@@ -596,13 +571,13 @@ impl LockBackend for MysqlLockStore {
     ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
         Box::pin(async move {
             let mut ours = None;
-            if let Some(session) = self.session(owner) {
-                self.forget(owner);
+            if let Some(session) = self.held.get(owner) {
+                self.held.forget(owner);
                 let mut session = session.lock().await;
-                ours = Some(session.connection_id);
+                ours = Some(session.server_id);
                 // RELEASE_LOCK is its own ownership check: 1 only if this session held
                 // the lock. A lease that ran out without contact is given up instead.
-                let live = session.last_contact.elapsed() < session.ttl;
+                let live = session.in_contact();
                 let key = session.key.clone();
                 let released = match session.connection.as_mut().filter(|_| live) {
                     Some(connection) => {
