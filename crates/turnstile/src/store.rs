@@ -87,8 +87,23 @@ async fn open_mysql(url: &str) -> Result<Arc<dyn LockBackend>> {
 
 #[cfg(feature = "postgres")]
 async fn open_postgres(url: &str) -> Result<Arc<dyn LockBackend>> {
-    let store = crate::lock::postgres::PostgresLockStore::connect(url).await?;
-    Ok(Arc::new(store))
+    let (_, options) = crate::sql::split_url_options(url);
+    let mode = options
+        .iter()
+        .find(|(key, _)| key == "mode")
+        .map_or("lease", |(_, value)| value.as_str());
+    match mode {
+        "lease" => Ok(Arc::new(
+            crate::lock::postgres::PostgresLockStore::connect(url).await?,
+        )),
+        "session" => Ok(Arc::new(
+            crate::lock::postgres_session::PostgresSessionLockStore::connect(url).await?,
+        )),
+        other => Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!("turnstile_mode={other:?}: expected lease or session"),
+        )),
+    }
 }
 
 #[cfg(not(feature = "postgres"))]

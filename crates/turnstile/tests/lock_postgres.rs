@@ -11,7 +11,7 @@ use conformance::TestStore;
 use turnstile::ErrorKind;
 use turnstile::fence::{FenceOutcome, FencingToken};
 use turnstile::lock::postgres::{PostgresLockConfig, PostgresLockStore};
-use turnstile::lock::{LockOptions, Locker, ReleaseOutcome};
+use turnstile::lock::{LockOptions, Locker, LossReason, ReleaseOutcome};
 use turnstile_test_support::{PostgresServer, shared_postgres};
 
 /// Clients of one database of the shared server.
@@ -380,4 +380,75 @@ async fn optimistic_updates_lose_nothing_under_concurrent_writers() {
         conflicts.load(std::sync::atomic::Ordering::Relaxed) > 0,
         "the writers never collided"
     );
+}
+
+mod session {
+    //! Session mode: advisory locks on dedicated connections, the same suite.
+    use super::*;
+
+    pub(super) struct SessionDatabase {
+        pub(super) url: String,
+    }
+
+    impl TestStore for SessionDatabase {
+        fn locker(&self) -> Pin<Box<dyn Future<Output = Locker> + Send + '_>> {
+            Box::pin(async move { Locker::connect(&self.url).await.unwrap() })
+        }
+    }
+
+    pub(super) async fn session_database() -> SessionDatabase {
+        SessionDatabase {
+            url: format!(
+                "{}?turnstile_mode=session",
+                shared_postgres().fresh_database("session")
+            ),
+        }
+    }
+
+    conformance_tests!(super::session_database);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn terminating_the_holders_backend_fires_the_lost_signal() {
+        let database = session_database().await;
+        let locker = database.locker().await;
+        let guard = locker
+            .acquire(
+                "report",
+                &LockOptions::new().ttl(Duration::from_millis(600)),
+            )
+            .await
+            .unwrap();
+        let admin = sqlx::PgPool::connect(database.url.split('?').next().unwrap())
+            .await
+            .unwrap();
+        let terminated: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_locks
+             WHERE locktype = 'advisory' AND granted
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database())) AS t",
+        )
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        assert_eq!(terminated, 1);
+        let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
+            .await
+            .expect("no signal");
+        assert_eq!(reason, LossReason::Expired);
+        // And the lock is free for others at once.
+        let other = database.locker().await;
+        let guard = other
+            .acquire("report", &LockOptions::new().wait(Duration::ZERO))
+            .await
+            .unwrap();
+        guard.release().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_bad_mode_is_refused() {
+        let url = format!("{}?turnstile_mode=exclusive", shared_postgres().url());
+        assert_eq!(
+            Locker::connect(&url).await.unwrap_err().kind(),
+            ErrorKind::InvalidUrl
+        );
+    }
 }

@@ -122,7 +122,7 @@ impl PostgresLockConfig {
         self
     }
 
-    fn apply_url_options(mut self, options: &[(String, String)]) -> Result<Self> {
+    pub(crate) fn apply_url_options(mut self, options: &[(String, String)]) -> Result<Self> {
         for (key, value) in options {
             let on = || match value.as_str() {
                 "on" | "true" | "1" | "yes" => Ok(true),
@@ -137,11 +137,13 @@ impl PostgresLockConfig {
                 "prefix" => self.table_prefix(value.clone()),
                 "notify" => self.notifications(on()?),
                 "migrate" => self.migrate_on_first_use(on()?),
+                // Chosen by `store::connect` / `PostgresSessionLockStore::connect`.
+                "mode" if value == "lease" => self,
                 other => {
                     return Err(Error::new(
                         ErrorKind::InvalidUrl,
                         format!(
-                            "unknown option turnstile_{other}; known: turnstile_schema, turnstile_prefix, turnstile_notify, turnstile_migrate"
+                            "unknown option turnstile_{other}; known: turnstile_mode, turnstile_schema, turnstile_prefix, turnstile_notify, turnstile_migrate"
                         ),
                     ));
                 }
@@ -451,6 +453,11 @@ impl PostgresLockStore {
             .await
             .map_err(fail)?;
         Ok(FencingToken::new(u64::try_from(token).unwrap_or(0)))
+    }
+
+    /// The qualified names of the lock and token tables.
+    pub(crate) fn table_names(&self) -> (String, String) {
+        (self.sql.locks.clone(), self.sql.tokens.clone())
     }
 
     /// The connection pool.

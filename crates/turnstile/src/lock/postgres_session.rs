@@ -1,0 +1,418 @@
+//! The PostgreSQL engine, session mode: a session-level advisory lock held on a
+//! dedicated connection (`postgres://…?turnstile_mode=session`).
+//!
+//! Each held lock owns one connection from a session pool. The lock lives exactly as
+//! long as that session: the server frees it when the session ends — release, a crash
+//! of the holder, a network failure, `pg_terminate_backend`.
+//!
+//! # The lease
+//! The TTL (plus 10% and 50 ms, so a merely late renewal does not cut a live holder
+//! off) becomes the session's `idle_session_timeout` (PostgreSQL 14 or newer): a holder
+//! that stops talking to the server (crashed, paused, cut off) loses its session, and
+//! with it the lock, once that passes, measured by the server. The watchdog's
+//! renewal is a ping on the session, so a killed session is noticed within TTL/3. The
+//! client also enforces the lease: a guard that asks the engine anything after its TTL
+//! passed without contact finds its session closed and the lock gone.
+//!
+//! # Guarantees
+//! - **Atomicity**: `pg_try_advisory_lock` in the server. The advisory key is a 64-bit
+//!   hash of the name (`hashtextextended`); two names that hash alike exclude each other,
+//!   which is safe (never two holders of one name), merely stricter.
+//! - **Fencing tokens**: the per-name counter shared with lease mode
+//!   (`{prefix}_tokens`), incremented in the same statement that takes the lock, with
+//!   `synchronous_commit = on`: durable across restarts and crashes.
+//! - **Restart / failover**: a restart ends every session and frees every lock; holders
+//!   learn it at their next renewal. Advisory locks are not replicated: after a
+//!   failover the lock is free at once, and fencing tokens keep the old holder's late
+//!   writes out.
+//! - **Poolers**: needs a real session; it does **not** work behind a pooler in
+//!   transaction mode (the advisory lock would stay on a server connection that the
+//!   pooler hands to someone else). Use lease mode there.
+//! - Lease mode and session mode do not exclude each other: use one mode per lock name.
+//! - **Waiting**: same-process waiters are woken directly; others re-check with a backoff
+//!   from 5 ms to 100 ms.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Row;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, Postgres};
+use tokio::time::Instant;
+
+use super::session::{HeldSessions, Session};
+use super::{
+    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
+    ReleaseSignals, ReleaseWatch, TryAcquire, ceil_millis,
+};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fence::FencingToken;
+use crate::lock::postgres::{PostgresLockConfig, PostgresLockStore};
+use crate::sql::{Statement, map_error, statement};
+
+const POLL_MIN: Duration = Duration::from_millis(5);
+const POLL_MAX: Duration = Duration::from_millis(100);
+/// Seeds the name hash, so Turnstile's advisory keys do not line up with an
+/// application's own `hashtextextended(name, 0)` keys.
+const KEY_SEED: i64 = 0x7475_726e;
+
+type PgSession = Session<PoolConnection<Postgres>, ()>;
+
+struct Sql {
+    acquire: Statement,
+    holder: Statement,
+}
+
+/// Locks as PostgreSQL session-level advisory locks.
+#[derive(Clone)]
+pub struct PostgresSessionLockStore {
+    tables: PostgresLockStore,
+    sessions: PgPool,
+    held: Arc<HeldSessions<PoolConnection<Postgres>, ()>>,
+    sql: Arc<Sql>,
+    signals: ReleaseSignals,
+}
+
+impl std::fmt::Debug for PostgresSessionLockStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresSessionLockStore")
+            .field("tables", &self.tables)
+            .finish()
+    }
+}
+
+impl PostgresSessionLockStore {
+    /// Connects with the URL's `turnstile_*` options: those of lease mode, plus
+    /// `turnstile_max_held=N` (default 64).
+    pub async fn connect(url: &str) -> Result<Self> {
+        let (driver_url, mut options) = crate::sql::split_url_options(url);
+        let mut max_held = 64;
+        options.retain(|(key, value)| match key.as_str() {
+            "mode" => value != "session",
+            "max_held" => {
+                max_held = value.parse().unwrap_or(0);
+                false
+            }
+            _ => true,
+        });
+        if max_held == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidUrl,
+                "turnstile_max_held must be a positive number",
+            ));
+        }
+        let config = PostgresLockConfig::default().apply_url_options(&options)?;
+        PostgresSessionLockStore::connect_with(&driver_url, config, max_held).await
+    }
+
+    /// Connects with `config` (its tables, schema and prefix are shared with lease mode);
+    /// `max_held` is how many locks may be held at once, one session each.
+    pub async fn connect_with(
+        url: &str,
+        config: PostgresLockConfig,
+        max_held: u32,
+    ) -> Result<Self> {
+        let tables = PostgresLockStore::connect_with(url, config.notifications(false)).await?;
+        let options = PgConnectOptions::from_str(url)
+            .map_err(|error| {
+                Error::new(ErrorKind::InvalidUrl, "not a valid PostgreSQL URL").with_source(error)
+            })?
+            .options([("synchronous_commit", "on")]);
+        let sessions = PgPoolOptions::new()
+            .max_connections(max_held.max(1))
+            .min_connections(0)
+            .acquire_timeout(Duration::from_secs(3))
+            .connect_lazy_with(options);
+        let (locks, tokens) = tables.table_names();
+        let key = format!("hashtextextended($1, {KEY_SEED})");
+        let sql = Sql {
+            acquire: statement(format!(
+                "WITH got AS (SELECT pg_try_advisory_lock({key}) AS ok),
+                 bumped AS (
+                    INSERT INTO {tokens} AS t (name, token) SELECT $1, 1 FROM got WHERE ok
+                    ON CONFLICT (name) DO UPDATE SET token = t.token + 1
+                    RETURNING token),
+                 recorded AS (
+                    INSERT INTO {locks} AS l (name, owner, expires_at)
+                    SELECT $1, $2 || '@' || pg_backend_pid(), '-infinity' FROM got WHERE ok
+                    ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner
+                    RETURNING 1)
+                 SELECT (SELECT ok FROM got) AS ok, (SELECT token FROM bumped) AS token,
+                        (SELECT count(*) FROM recorded) AS recorded, pg_backend_pid() AS pid"
+            )),
+            holder: statement(format!(
+                "WITH k AS (SELECT {key} AS key),
+                 holder AS (
+                    SELECT l.pid FROM pg_locks l, k
+                    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                      AND l.classid = ((k.key >> 32) & 4294967295)::oid
+                      AND l.objid = (k.key & 4294967295)::oid)
+                 SELECT h.pid, r.owner, t.token
+                 FROM holder h
+                 LEFT JOIN {locks} r ON r.name = $1
+                 LEFT JOIN {tokens} t ON t.name = $1"
+            )),
+        };
+        Ok(PostgresSessionLockStore {
+            tables,
+            sessions,
+            held: Arc::default(),
+            sql: Arc::new(sql),
+            signals: ReleaseSignals::new(),
+        })
+    }
+
+    /// The lease-mode store over the same tables (for fences, migrations, the pool).
+    pub fn tables(&self) -> &PostgresLockStore {
+        &self.tables
+    }
+
+    /// Who holds `name` by the server: (backend pid, owner, token).
+    async fn current_holder(&self, name: &LockName) -> Result<Option<(u64, String, FencingToken)>> {
+        let row = sqlx::query(self.sql.holder.sql())
+            .bind(name.as_str())
+            .fetch_optional(self.tables.pool())
+            .await
+            .map_err(|error| map_error(error, "cannot read the lock"))?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let bad = |error| map_error(error, "bad lock row");
+        let pid: i32 = row.try_get("pid").map_err(bad)?;
+        let recorded: Option<String> = row.try_get("owner").map_err(bad)?;
+        let token: Option<i64> = row.try_get("token").map_err(bad)?;
+        let pid = u64::try_from(pid).unwrap_or(0);
+        // The owner is recorded as `owner@pid`; trust it only for the session that holds.
+        let owner = recorded
+            .and_then(|text| {
+                let (owner, recorded_pid) = text.rsplit_once('@')?;
+                (recorded_pid.parse::<u64>().ok() == Some(pid)).then(|| owner.to_owned())
+            })
+            .unwrap_or_default();
+        Ok(Some((
+            pid,
+            owner,
+            FencingToken::new(token.and_then(|t| u64::try_from(t).ok()).unwrap_or(0)),
+        )))
+    }
+
+    async fn held_by_another(&self, name: &LockName, ours: Option<u64>) -> Result<bool> {
+        Ok(self
+            .current_holder(name)
+            .await?
+            .is_some_and(|(pid, _, _)| Some(pid) != ours))
+    }
+
+    async fn close(session: &mut PgSession) {
+        if let Some(connection) = session.connection.take() {
+            // Detached, so the pool never hands out a session that may still hold a lock.
+            let _ = sqlx::Connection::close(connection.detach()).await;
+        }
+    }
+
+    /// Whether the session is alive (then it still holds its advisory lock); pings.
+    async fn session_holds(session: &mut PgSession) -> bool {
+        if !session.in_contact() {
+            PostgresSessionLockStore::close(session).await;
+            return false;
+        }
+        let Some(connection) = session.connection.as_mut() else {
+            return false;
+        };
+        match sqlx::query("SELECT 1").execute(&mut **connection).await {
+            Ok(_) => {
+                session.last_contact = Instant::now();
+                true
+            }
+            Err(_) => {
+                PostgresSessionLockStore::close(session).await;
+                false
+            }
+        }
+    }
+}
+
+impl LockBackend for PostgresSessionLockStore {
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<TryAcquire>> {
+        Box::pin(async move {
+            let mut connection = self.sessions.acquire().await.map_err(|error| {
+                map_error(error, "cannot open a PostgreSQL session for the lock")
+            })?;
+            let sent = Instant::now();
+            // The lease: the server ends the session after the TTL without contact, plus
+            // a margin so that a holder whose renewal is merely late is not cut off;
+            // the holder itself stops trusting the lock before the TTL.
+            let server_lease = ttl + ttl / 10 + Duration::from_millis(50);
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SET idle_session_timeout = {}",
+                ceil_millis(server_lease)
+            )))
+            .execute(&mut *connection)
+            .await
+            .map_err(|error| {
+                map_error(
+                    error,
+                    "cannot set the session's lease (needs PostgreSQL 14+)",
+                )
+            })?;
+            let row = sqlx::query(self.sql.acquire.sql())
+                .bind(name.as_str())
+                .bind(owner.as_str())
+                .fetch_one(&mut *connection)
+                .await
+                .map_err(|error| map_error(error, "cannot acquire the lock"))?;
+            let bad = |error| map_error(error, "bad reply");
+            let ok: bool = row.try_get("ok").map_err(bad)?;
+            if !ok {
+                return Ok(TryAcquire::Held {
+                    remaining_ttl: None,
+                });
+            }
+            let token: i64 = row.try_get("token").map_err(bad)?;
+            let pid: i32 = row.try_get("pid").map_err(bad)?;
+            self.held.insert(
+                owner,
+                Session {
+                    connection: Some(connection),
+                    server_id: u64::try_from(pid).unwrap_or(0),
+                    key: (),
+                    ttl,
+                    last_contact: sent,
+                },
+            );
+            Ok(TryAcquire::Acquired {
+                token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
+            })
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        _ttl: Duration,
+    ) -> BoxFuture<'a, Result<ExtendOutcome>> {
+        Box::pin(async move {
+            let mut ours = None;
+            if let Some(session) = self.held.get(owner) {
+                let mut session = session.lock().await;
+                if PostgresSessionLockStore::session_holds(&mut session).await {
+                    return Ok(ExtendOutcome::Extended);
+                }
+                ours = Some(session.server_id);
+                self.held.forget(owner);
+            }
+            Ok(ExtendOutcome::Lost(
+                if self.held_by_another(name, ours).await? {
+                    LossReason::TakenOver
+                } else {
+                    LossReason::Expired
+                },
+            ))
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+    ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
+        Box::pin(async move {
+            let mut ours = None;
+            if let Some(session) = self.held.get(owner) {
+                self.held.forget(owner);
+                let mut session = session.lock().await;
+                ours = Some(session.server_id);
+                let live = session.in_contact();
+                // pg_advisory_unlock is its own ownership check: true only if this
+                // session held the lock.
+                let unlocked = match session.connection.as_mut().filter(|_| live) {
+                    Some(connection) => sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(
+                        format!("SELECT pg_advisory_unlock(hashtextextended($1, {KEY_SEED}))"),
+                    ))
+                    .bind(name.as_str())
+                    .fetch_one(&mut **connection)
+                    .await
+                    .unwrap_or(false),
+                    None => false,
+                };
+                if unlocked {
+                    // Back to the pool holding nothing, with no idle timeout of its own.
+                    if let Some(mut connection) = session.connection.take()
+                        && sqlx::query("SET idle_session_timeout = 0")
+                            .execute(&mut *connection)
+                            .await
+                            .is_err()
+                    {
+                        drop(connection.detach());
+                    }
+                    self.signals.notify(name.as_str());
+                    return Ok(ReleaseOutcome::Released);
+                }
+                PostgresSessionLockStore::close(&mut session).await;
+                self.signals.notify(name.as_str());
+            }
+            Ok(if self.held_by_another(name, ours).await? {
+                ReleaseOutcome::HeldByOther
+            } else {
+                ReleaseOutcome::AlreadyExpired
+            })
+        })
+    }
+
+    fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
+        Box::pin(async move {
+            Ok(self
+                .current_holder(name)
+                .await?
+                .map(|(_, owner, token)| LockInfo {
+                    owner,
+                    fencing_token: token,
+                    remaining_ttl: None,
+                }))
+        })
+    }
+
+    fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
+        Box::pin(async move {
+            let Some((pid, owner, token)) = self.current_holder(name).await? else {
+                return Ok(None);
+            };
+            sqlx::query("SELECT pg_terminate_backend($1)")
+                .bind(i32::try_from(pid).unwrap_or(0))
+                .execute(self.tables.pool())
+                .await
+                .map_err(|error| {
+                    map_error(error, "cannot end the holder's session (pg_terminate_backend needs pg_signal_backend)")
+                })?;
+            self.signals.notify(name.as_str());
+            Ok(Some(LockInfo {
+                owner,
+                fencing_token: token,
+                remaining_ttl: None,
+            }))
+        })
+    }
+
+    fn watch_releases<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<ReleaseWatch>> {
+        Box::pin(async move {
+            let (watch, _) = self.signals.watch(name.as_str());
+            Ok(watch.with_poll(POLL_MIN, POLL_MAX))
+        })
+    }
+
+    fn migrate(&self) -> BoxFuture<'_, Result<()>> {
+        Box::pin(self.tables.migrate())
+    }
+
+    fn describe(&self) -> String {
+        format!("{} (session mode)", self.tables.describe())
+    }
+}
