@@ -28,9 +28,12 @@ impl<C, K> Session<C, K> {
     }
 }
 
+/// A held session, shared by the guard's renewals and its release.
+pub(crate) type SharedSession<C, K> = Arc<tokio::sync::Mutex<Session<C, K>>>;
+
 /// The sessions of the locks a store holds, by owner.
 pub(crate) struct HeldSessions<C, K> {
-    by_owner: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Session<C, K>>>>>,
+    by_owner: Mutex<HashMap<String, SharedSession<C, K>>>,
 }
 
 impl<C, K> Default for HeldSessions<C, K> {
@@ -42,9 +45,7 @@ impl<C, K> Default for HeldSessions<C, K> {
 }
 
 impl<C, K> HeldSessions<C, K> {
-    fn table(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<String, Arc<tokio::sync::Mutex<Session<C, K>>>>> {
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, SharedSession<C, K>>> {
         self.by_owner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -55,7 +56,7 @@ impl<C, K> HeldSessions<C, K> {
         );
     }
 
-    pub(crate) fn get(&self, owner: &OwnerId) -> Option<Arc<tokio::sync::Mutex<Session<C, K>>>> {
+    pub(crate) fn get(&self, owner: &OwnerId) -> Option<SharedSession<C, K>> {
         self.table().get(owner.as_str()).cloned()
     }
 
