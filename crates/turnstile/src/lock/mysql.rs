@@ -17,8 +17,7 @@
 //! MySQL lock names are at most 64 characters and compared without regard to case.
 //! Names of up to 60 characters from `a-z 0-9 _ : . / -` are used as they are (after
 //! `ts:`); every other name is replaced by `ts#` and 61 hex digits of its SHA-256, so two
-//! different names never share a lock (short of a SHA-256 collision). The
-//! `{prefix}_locks` table maps each name to its key.
+//! different names never share a lock (short of a SHA-256 collision).
 //!
 //! # Guarantees
 //! - **Atomicity**: `GET_LOCK(key, 0)` is atomic in the server.
@@ -154,13 +153,11 @@ pub fn lock_key(name: &LockName) -> String {
 type Session = super::session::Session<PoolConnection<MySql>, String>;
 
 struct Sql {
-    locks: String,
-    tokens: String,
-    ensure_row: Statement,
-    take_in_transaction: Statement,
+    record_holder: Statement,
     issue_token: Statement,
+    take_in_transaction: Statement,
     holder: Statement,
-    create: [Statement; 3],
+    create: [Statement; 2],
     fences: String,
 }
 
@@ -224,32 +221,34 @@ impl MysqlLockStore {
             .min_connections(0)
             .acquire_timeout(config.connect_timeout)
             .connect_lazy_with(options);
-        let locks = format!("`{}_locks`", config.prefix);
         let fences = format!("`{}_fences`", config.prefix);
         let tokens = format!("`{}_tokens`", config.prefix);
+        // `token` is the last token issued for the name; `holder_token`, `owner` and
+        // `connection_id` describe the named-lock holder that took it last.
         let sql = Sql {
-            ensure_row: statement(format!("INSERT IGNORE INTO {locks} (name, lock_key) VALUES (?, ?)")),
-            take_in_transaction: statement(format!("SELECT 1 FROM {locks} WHERE name = ? FOR UPDATE")),
+            record_holder: statement(format!(
+                "INSERT INTO {tokens} (name, token, holder_token, owner, connection_id)
+                 VALUES (?, LAST_INSERT_ID(1), 1, ?, CONNECTION_ID())
+                 ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1), holder_token = token,
+                    owner = VALUES(owner), connection_id = VALUES(connection_id)"
+            )),
             issue_token: statement(format!(
                 "INSERT INTO {tokens} (name, token) VALUES (?, LAST_INSERT_ID(1))
                  ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1)"
             )),
+            take_in_transaction: statement(format!("SELECT 1 FROM {tokens} WHERE name = ? FOR UPDATE")),
             holder: statement(format!(
-                "SELECT l.owner, t.token, CAST(IS_USED_LOCK(l.lock_key) AS UNSIGNED) AS holder, l.connection_id
-                 FROM {locks} l JOIN {tokens} t ON t.name = l.name WHERE l.name = ?"
+                "SELECT owner, holder_token, connection_id, CAST(IS_USED_LOCK(?) AS UNSIGNED) AS holder
+                 FROM {tokens} WHERE name = ?"
             )),
             create: [
                 statement(format!(
-                    "CREATE TABLE IF NOT EXISTS {locks} (
-                        name VARBINARY(512) PRIMARY KEY,
-                        lock_key VARCHAR(64) NOT NULL,
-                        owner CHAR(32),
-                        connection_id BIGINT UNSIGNED) ENGINE = InnoDB"
-                )),
-                statement(format!(
                     "CREATE TABLE IF NOT EXISTS {tokens} (
                         name VARBINARY(512) PRIMARY KEY,
-                        token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB"
+                        token BIGINT UNSIGNED NOT NULL,
+                        holder_token BIGINT UNSIGNED,
+                        owner CHAR(32),
+                        connection_id BIGINT UNSIGNED) ENGINE = InnoDB"
                 )),
                 statement(format!(
                     "CREATE TABLE IF NOT EXISTS {fences} (
@@ -257,8 +256,6 @@ impl MysqlLockStore {
                         token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB"
                 )),
             ],
-            locks,
-            tokens,
             fences,
         };
         let store = MysqlLockStore {
@@ -322,19 +319,23 @@ impl MysqlLockStore {
         let name = name.into_lock_name()?;
         let key = lock_key(&name);
         let fail = |error| map_error(error, "cannot take the transaction-scoped lock");
-        sqlx::query(self.sql.ensure_row.sql())
+        // 1. The token, committed on the store's own connection so that a rollback never
+        //    hands the same number out again. It waits while another transaction holds
+        //    the lock (its row lock), so tokens follow the order of the holders.
+        let token = sqlx::query(self.sql.issue_token.sql())
             .bind(name.as_str().as_bytes())
-            .bind(&key)
-            .execute(&mut *transaction)
+            .execute(&self.pool)
             .await
-            .map_err(fail)?;
+            .map_err(fail)?
+            .last_insert_id();
+        // 2. The lock itself: the row lock, held until the caller's transaction ends. A
+        //    named-lock acquirer cannot record its token meanwhile.
         sqlx::query(self.sql.take_in_transaction.sql())
             .bind(name.as_str().as_bytes())
             .execute(&mut *transaction)
             .await
             .map_err(fail)?;
-        // Checked after taking the row lock: a named-lock holder that got in first is
-        // seen here; one that comes later cannot record itself until this ends.
+        // 3. A named-lock holder that got in before the row lock is seen here.
         let named_lock_held: Option<i64> = sqlx::query_scalar("SELECT IS_USED_LOCK(?) IS NOT NULL")
             .bind(&key)
             .fetch_one(&mut *transaction)
@@ -346,14 +347,6 @@ impl MysqlLockStore {
                 format!("lock {name:?} is held as a named lock; roll back and try again later"),
             ));
         }
-        // Issued on the store's own connection, outside the caller's transaction, so a
-        // rollback never hands the same number out again.
-        let token = sqlx::query(self.sql.issue_token.sql())
-            .bind(name.as_str().as_bytes())
-            .execute(&self.pool)
-            .await
-            .map_err(fail)?
-            .last_insert_id();
         Ok(FencingToken::new(token))
     }
 
@@ -370,6 +363,7 @@ impl MysqlLockStore {
     /// Who holds `name` now, by the server: `(owner, token, connection id)`.
     async fn current_holder(&self, name: &LockName) -> Result<Option<(String, FencingToken, u64)>> {
         let row = sqlx::query(self.sql.holder.sql())
+            .bind(lock_key(name))
             .bind(name.as_str().as_bytes())
             .fetch_optional(&self.pool)
             .await
@@ -387,9 +381,10 @@ impl MysqlLockStore {
         let owner: Option<String> = row
             .try_get("owner")
             .map_err(|e| map_error(e, "bad lock row"))?;
-        let token: u64 = row
-            .try_get("token")
+        let token: Option<u64> = row
+            .try_get("holder_token")
             .map_err(|e| map_error(e, "bad lock row"))?;
+        let token = token.unwrap_or(0);
         Ok(match holder {
             Some(id) if recorded == Some(id) => {
                 Some((owner.unwrap_or_default(), FencingToken::new(token), id))
@@ -490,34 +485,14 @@ impl LockBackend for MysqlLockStore {
                     remaining_ttl: None,
                 });
             }
-            // The new token, and who holds the lock, in one round trip and one commit.
-            // The lock row comes first: it waits for a transaction-scoped holder, and
-            // taking the rows in the same order as those holders avoids deadlocks.
-            // Every value is hex or from the key's safe alphabet, so it can stand in the
-            // text.
-            let record = format!(
-                "START TRANSACTION;
-                 INSERT INTO {locks} (name, lock_key, owner, connection_id)
-                    VALUES (X'{name}', '{key}', '{owner}', CONNECTION_ID())
-                    ON DUPLICATE KEY UPDATE owner = VALUES(owner), connection_id = VALUES(connection_id);
-                 INSERT INTO {tokens} (name, token) VALUES (X'{name}', LAST_INSERT_ID(1))
-                    ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1);
-                 COMMIT;
-                 SELECT CAST(LAST_INSERT_ID() AS UNSIGNED)",
-                tokens = self.sql.tokens,
-                locks = self.sql.locks,
-                name = hex(name.as_str().as_bytes()),
-                owner = owner.as_str(),
-            );
-            let recorded = sqlx::raw_sql(AssertSqlSafe(record))
-                .fetch_all(&mut *connection)
+            // The new token and who holds the lock: one statement, one commit.
+            let recorded = sqlx::query(self.sql.record_holder.sql())
+                .bind(name.as_str().as_bytes())
+                .bind(owner.as_str())
+                .execute(&mut *connection)
                 .await;
-            let token = match recorded.map(|rows| rows.last().map(|row| row.try_get::<u64, _>(0))) {
-                Ok(Some(Ok(token))) => token,
-                Ok(_) => {
-                    drop(connection.detach());
-                    return Err(Error::new(ErrorKind::Store, "no fencing token came back"));
-                }
+            let token = match recorded {
+                Ok(result) => result.last_insert_id(),
                 Err(error) => {
                     // Without a durable token the lock must not be used: give it back.
                     drop(connection.detach());
