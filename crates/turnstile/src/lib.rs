@@ -1,7 +1,10 @@
 //! Turnstile keeps a fleet of servers from doing the same work twice.
 //!
 //! This crate provides **distributed locks with fencing tokens** over real stores:
-//! embedded SQLite (the default, no server needed) and Redis (single node or Cluster).
+//! embedded SQLite (the default, no server needed), Redis, PostgreSQL (lease mode and
+//! session-level advisory locks) and MySQL / MariaDB (`GET_LOCK` named locks), plus the
+//! database tools the design notes name: transaction-scoped locks, fenced writes and
+//! optimistic (version-checked) updates.
 //!
 //! ```
 //! # #[cfg(feature = "sqlite")]
@@ -44,6 +47,9 @@
 //! - `sqlite` (default): the embedded SQLite engine, [`lock::sqlite`].
 //! - `redis`: the Redis engine, [`lock::redis`], and Redis fenced writes.
 //! - `redis-tls`: `rediss://` URLs.
+//! - `postgres`: the PostgreSQL engines, [`lock::postgres`] and
+//!   [`lock::postgres_session`], and PostgreSQL fenced writes.
+//! - `mysql`: the MySQL / MariaDB engine, [`lock::mysql`], and MySQL fenced writes.
 //!
 //! # Guarantees
 //! Each engine documents what it guarantees — where its fencing tokens come from and
