@@ -48,9 +48,9 @@ use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Row};
 use tokio::time::Instant;
 
-use super::session::HeldSessions;
+use super::session::{self, HeldSessions, SessionEngine};
 use super::{
-    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
+    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, OwnerId, ReleaseOutcome,
     ReleaseSignals, ReleaseWatch, TryAcquire,
 };
 use crate::error::{Error, ErrorKind, Result};
@@ -395,53 +395,6 @@ impl MysqlLockStore {
             None => None,
         })
     }
-
-    /// Ends a session: its lock, if any, is freed by the server.
-    async fn close(session: &mut Session) {
-        if let Some(connection) = session.connection.take() {
-            // Detached, so the pool never hands out a session that may still hold a
-            // lock; closed politely so the server frees the lock at once.
-            let _ = sqlx::Connection::close(connection.detach()).await;
-        }
-    }
-
-    /// The loss reason or release outcome once our session is gone: is the lock held
-    /// by another session now?
-    async fn held_by_another(&self, name: &LockName, ours: Option<u64>) -> Result<bool> {
-        Ok(self
-            .current_holder(name)
-            .await?
-            .is_some_and(|(_, _, holder)| Some(holder) != ours))
-    }
-
-    /// Whether the session is still alive and holds its lock; pings the server. Closes
-    /// the session if its lease ran out without contact.
-    async fn session_holds(session: &mut Session) -> bool {
-        if !session.in_contact() {
-            MysqlLockStore::close(session).await;
-            return false;
-        }
-        let Some(connection) = session.connection.as_mut() else {
-            return false;
-        };
-        // Constant text with a bound key: one cached prepared statement per session.
-        // (Text with the key spliced in would be a new statement per lock name, and the
-        // statement-cache evictions stall on Nagle's algorithm for 40 ms.)
-        match sqlx::query_scalar::<_, Option<i64>>("SELECT IS_USED_LOCK(?) = CONNECTION_ID()")
-            .bind(&session.key)
-            .fetch_one(&mut **connection)
-            .await
-        {
-            Ok(Some(1)) => {
-                session.last_contact = Instant::now();
-                true
-            }
-            _ => {
-                MysqlLockStore::close(session).await;
-                false
-            }
-        }
-    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -519,24 +472,7 @@ impl LockBackend for MysqlLockStore {
         owner: &'a OwnerId,
         _ttl: Duration,
     ) -> BoxFuture<'a, Result<ExtendOutcome>> {
-        Box::pin(async move {
-            let mut ours = None;
-            if let Some(session) = self.held.get(owner) {
-                let mut session = session.lock().await;
-                if MysqlLockStore::session_holds(&mut session).await {
-                    return Ok(ExtendOutcome::Extended);
-                }
-                ours = Some(session.server_id);
-                self.held.forget(owner);
-            }
-            Ok(ExtendOutcome::Lost(
-                if self.held_by_another(name, ours).await? {
-                    LossReason::TakenOver
-                } else {
-                    LossReason::Expired
-                },
-            ))
-        })
+        Box::pin(session::extend(self, name, owner))
     }
 
     fn release<'a>(
@@ -544,42 +480,7 @@ impl LockBackend for MysqlLockStore {
         name: &'a LockName,
         owner: &'a OwnerId,
     ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
-        Box::pin(async move {
-            let mut ours = None;
-            if let Some(session) = self.held.get(owner) {
-                self.held.forget(owner);
-                let mut session = session.lock().await;
-                ours = Some(session.server_id);
-                // RELEASE_LOCK is its own ownership check: 1 only if this session held
-                // the lock. A lease that ran out without contact is given up instead.
-                let live = session.in_contact();
-                let key = session.key.clone();
-                let released = match session.connection.as_mut().filter(|_| live) {
-                    Some(connection) => {
-                        sqlx::query_scalar::<_, Option<i64>>("SELECT RELEASE_LOCK(?)")
-                            .bind(key)
-                            .fetch_one(&mut **connection)
-                            .await
-                            .ok()
-                            .flatten()
-                    }
-                    None => None,
-                };
-                if released == Some(1) {
-                    // Clean: the session goes back to the pool holding nothing.
-                    session.connection.take();
-                    self.signals.notify(name.as_str());
-                    return Ok(ReleaseOutcome::Released);
-                }
-                MysqlLockStore::close(&mut session).await;
-                self.signals.notify(name.as_str());
-            }
-            Ok(if self.held_by_another(name, ours).await? {
-                ReleaseOutcome::HeldByOther
-            } else {
-                ReleaseOutcome::AlreadyExpired
-            })
-        })
+        Box::pin(session::release(self, name, owner))
     }
 
     fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
@@ -631,6 +532,62 @@ impl LockBackend for MysqlLockStore {
 
     fn describe(&self) -> String {
         self.url.clone()
+    }
+}
+
+impl SessionEngine for MysqlLockStore {
+    type Connection = PoolConnection<MySql>;
+    type Key = String;
+
+    fn sessions(&self) -> &HeldSessions<PoolConnection<MySql>, String> {
+        &self.held
+    }
+
+    fn signals(&self) -> &ReleaseSignals {
+        &self.signals
+    }
+
+    async fn ping(&self, connection: &mut PoolConnection<MySql>, key: &String) -> bool {
+        // Constant text with a bound key: one cached prepared statement per session.
+        // (Text with the key spliced in would be a new statement per lock name, and the
+        // statement-cache evictions stall on Nagle's algorithm for 40 ms.)
+        matches!(
+            sqlx::query_scalar::<_, Option<i64>>("SELECT IS_USED_LOCK(?) = CONNECTION_ID()")
+                .bind(key)
+                .fetch_one(&mut **connection)
+                .await,
+            Ok(Some(1))
+        )
+    }
+
+    async fn unlock(
+        &self,
+        connection: &mut PoolConnection<MySql>,
+        _name: &LockName,
+        key: &String,
+    ) -> bool {
+        // RELEASE_LOCK is its own ownership check: 1 only if this session held the lock.
+        matches!(
+            sqlx::query_scalar::<_, Option<i64>>("SELECT RELEASE_LOCK(?)")
+                .bind(key)
+                .fetch_one(&mut **connection)
+                .await,
+            Ok(Some(1))
+        )
+    }
+
+    async fn recycle(&self, connection: PoolConnection<MySql>) {
+        drop(connection);
+    }
+
+    async fn close(&self, connection: PoolConnection<MySql>) {
+        // Detached, so the pool never hands out a session that may still hold a lock;
+        // closed politely so the server frees the lock at once.
+        let _ = sqlx::Connection::close(connection.detach()).await;
+    }
+
+    async fn holder_id(&self, name: &LockName) -> Result<Option<u64>> {
+        Ok(self.current_holder(name).await?.map(|(_, _, id)| id))
     }
 }
 

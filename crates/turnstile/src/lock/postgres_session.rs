@@ -41,9 +41,9 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, Postgres};
 use tokio::time::Instant;
 
-use super::session::{HeldSessions, Session};
+use super::session::{self, HeldSessions, Session, SessionEngine};
 use super::{
-    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
+    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, OwnerId, ReleaseOutcome,
     ReleaseSignals, ReleaseWatch, TryAcquire, ceil_millis,
 };
 use crate::error::{Error, ErrorKind, Result};
@@ -56,8 +56,6 @@ const POLL_MAX: Duration = Duration::from_millis(100);
 /// Seeds the name hash, so Turnstile's advisory keys do not line up with an
 /// application's own `hashtextextended(name, 0)` keys.
 const KEY_SEED: i64 = 0x7475_726e;
-
-type PgSession = Session<PoolConnection<Postgres>, ()>;
 
 struct Sql {
     acquire: Statement,
@@ -197,41 +195,6 @@ impl PostgresSessionLockStore {
             FencingToken::new(token.and_then(|t| u64::try_from(t).ok()).unwrap_or(0)),
         )))
     }
-
-    async fn held_by_another(&self, name: &LockName, ours: Option<u64>) -> Result<bool> {
-        Ok(self
-            .current_holder(name)
-            .await?
-            .is_some_and(|(pid, _, _)| Some(pid) != ours))
-    }
-
-    async fn close(session: &mut PgSession) {
-        if let Some(connection) = session.connection.take() {
-            // Detached, so the pool never hands out a session that may still hold a lock.
-            let _ = sqlx::Connection::close(connection.detach()).await;
-        }
-    }
-
-    /// Whether the session is alive (then it still holds its advisory lock); pings.
-    async fn session_holds(session: &mut PgSession) -> bool {
-        if !session.in_contact() {
-            PostgresSessionLockStore::close(session).await;
-            return false;
-        }
-        let Some(connection) = session.connection.as_mut() else {
-            return false;
-        };
-        match sqlx::query("SELECT 1").execute(&mut **connection).await {
-            Ok(_) => {
-                session.last_contact = Instant::now();
-                true
-            }
-            Err(_) => {
-                PostgresSessionLockStore::close(session).await;
-                false
-            }
-        }
-    }
 }
 
 impl LockBackend for PostgresSessionLockStore {
@@ -299,24 +262,7 @@ impl LockBackend for PostgresSessionLockStore {
         owner: &'a OwnerId,
         _ttl: Duration,
     ) -> BoxFuture<'a, Result<ExtendOutcome>> {
-        Box::pin(async move {
-            let mut ours = None;
-            if let Some(session) = self.held.get(owner) {
-                let mut session = session.lock().await;
-                if PostgresSessionLockStore::session_holds(&mut session).await {
-                    return Ok(ExtendOutcome::Extended);
-                }
-                ours = Some(session.server_id);
-                self.held.forget(owner);
-            }
-            Ok(ExtendOutcome::Lost(
-                if self.held_by_another(name, ours).await? {
-                    LossReason::TakenOver
-                } else {
-                    LossReason::Expired
-                },
-            ))
-        })
+        Box::pin(session::extend(self, name, owner))
     }
 
     fn release<'a>(
@@ -324,47 +270,7 @@ impl LockBackend for PostgresSessionLockStore {
         name: &'a LockName,
         owner: &'a OwnerId,
     ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
-        Box::pin(async move {
-            let mut ours = None;
-            if let Some(session) = self.held.get(owner) {
-                self.held.forget(owner);
-                let mut session = session.lock().await;
-                ours = Some(session.server_id);
-                let live = session.in_contact();
-                // pg_advisory_unlock is its own ownership check: true only if this
-                // session held the lock.
-                let unlocked = match session.connection.as_mut().filter(|_| live) {
-                    Some(connection) => sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(
-                        format!("SELECT pg_advisory_unlock(hashtextextended($1, {KEY_SEED}))"),
-                    ))
-                    .bind(name.as_str())
-                    .fetch_one(&mut **connection)
-                    .await
-                    .unwrap_or(false),
-                    None => false,
-                };
-                if unlocked {
-                    // Back to the pool holding nothing, with no idle timeout of its own.
-                    if let Some(mut connection) = session.connection.take()
-                        && sqlx::query("SET idle_session_timeout = 0")
-                            .execute(&mut *connection)
-                            .await
-                            .is_err()
-                    {
-                        drop(connection.detach());
-                    }
-                    self.signals.notify(name.as_str());
-                    return Ok(ReleaseOutcome::Released);
-                }
-                PostgresSessionLockStore::close(&mut session).await;
-                self.signals.notify(name.as_str());
-            }
-            Ok(if self.held_by_another(name, ours).await? {
-                ReleaseOutcome::HeldByOther
-            } else {
-                ReleaseOutcome::AlreadyExpired
-            })
-        })
+        Box::pin(session::release(self, name, owner))
     }
 
     fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
@@ -414,5 +320,63 @@ impl LockBackend for PostgresSessionLockStore {
 
     fn describe(&self) -> String {
         format!("{} (session mode)", self.tables.describe())
+    }
+}
+
+impl SessionEngine for PostgresSessionLockStore {
+    type Connection = PoolConnection<Postgres>;
+    type Key = ();
+
+    fn sessions(&self) -> &HeldSessions<PoolConnection<Postgres>, ()> {
+        &self.held
+    }
+
+    fn signals(&self) -> &ReleaseSignals {
+        &self.signals
+    }
+
+    async fn ping(&self, connection: &mut PoolConnection<Postgres>, _key: &()) -> bool {
+        // A live session still holds its session-level advisory lock.
+        sqlx::query("SELECT 1")
+            .execute(&mut **connection)
+            .await
+            .is_ok()
+    }
+
+    async fn unlock(
+        &self,
+        connection: &mut PoolConnection<Postgres>,
+        name: &LockName,
+        _key: &(),
+    ) -> bool {
+        // pg_advisory_unlock is its own ownership check: true only if this session held
+        // the lock.
+        sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(format!(
+            "SELECT pg_advisory_unlock(hashtextextended($1, {KEY_SEED}))"
+        )))
+        .bind(name.as_str())
+        .fetch_one(&mut **connection)
+        .await
+        .unwrap_or(false)
+    }
+
+    async fn recycle(&self, mut connection: PoolConnection<Postgres>) {
+        // Back to the pool with no idle timeout of its own.
+        if sqlx::query("SET idle_session_timeout = 0")
+            .execute(&mut *connection)
+            .await
+            .is_err()
+        {
+            drop(connection.detach());
+        }
+    }
+
+    async fn close(&self, connection: PoolConnection<Postgres>) {
+        // Detached, so the pool never hands out a session that may still hold a lock.
+        let _ = sqlx::Connection::close(connection.detach()).await;
+    }
+
+    async fn holder_id(&self, name: &LockName) -> Result<Option<u64>> {
+        Ok(self.current_holder(name).await?.map(|(pid, _, _)| pid))
     }
 }

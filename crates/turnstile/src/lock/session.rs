@@ -2,12 +2,14 @@
 //! the lease is "the session stays alive and in contact".
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::OwnerId;
+use super::{ExtendOutcome, LockName, LossReason, OwnerId, ReleaseOutcome, ReleaseSignals};
+use crate::error::Result;
 
 /// One held lock: its session (a pooled connection), how the server knows it, and when
 /// it last heard from the server.
@@ -63,4 +65,140 @@ impl<C, K> HeldSessions<C, K> {
     pub(crate) fn forget(&self, owner: &OwnerId) {
         self.table().remove(owner.as_str());
     }
+}
+
+/// What a session-based engine supplies; [`extend`] and [`release`] are written once
+/// on top of it.
+pub(crate) trait SessionEngine: Send + Sync {
+    /// A held session's connection.
+    type Connection: Send;
+    /// How the engine names a lock on the server.
+    type Key: Send + Sync;
+
+    /// The sessions of the locks this store holds.
+    fn sessions(&self) -> &HeldSessions<Self::Connection, Self::Key>;
+
+    /// Where same-process waiters hear of releases.
+    fn signals(&self) -> &ReleaseSignals;
+
+    /// Asks the session whether it is alive and still holds its lock.
+    fn ping<'a>(
+        &'a self,
+        connection: &'a mut Self::Connection,
+        key: &'a Self::Key,
+    ) -> impl Future<Output = bool> + Send + 'a;
+
+    /// Releases the lock on its session; `true` only if that session held it.
+    fn unlock<'a>(
+        &'a self,
+        connection: &'a mut Self::Connection,
+        name: &'a LockName,
+        key: &'a Self::Key,
+    ) -> impl Future<Output = bool> + Send + 'a;
+
+    /// Returns a session that holds nothing to its pool.
+    fn recycle(&self, connection: Self::Connection) -> impl Future<Output = ()> + Send;
+
+    /// Ends a session for good; the server frees whatever it held.
+    fn close(&self, connection: Self::Connection) -> impl Future<Output = ()> + Send;
+
+    /// The server id of the session that holds `name` now, if any.
+    fn holder_id<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> impl Future<Output = Result<Option<u64>>> + Send + 'a;
+}
+
+/// Whether the session still holds its lock: in contact by the client's clock, and
+/// answering a ping. A session that is not is closed.
+async fn still_holds<E: SessionEngine>(
+    engine: &E,
+    session: &mut Session<E::Connection, E::Key>,
+) -> bool {
+    if session.in_contact()
+        && let Some(connection) = session.connection.as_mut()
+        && engine.ping(connection, &session.key).await
+    {
+        session.last_contact = Instant::now();
+        return true;
+    }
+    if let Some(connection) = session.connection.take() {
+        engine.close(connection).await;
+    }
+    false
+}
+
+/// Whether a session other than `ours` holds `name`.
+async fn held_by_another<E: SessionEngine>(
+    engine: &E,
+    name: &LockName,
+    ours: Option<u64>,
+) -> Result<bool> {
+    Ok(engine
+        .holder_id(name)
+        .await?
+        .is_some_and(|holder| Some(holder) != ours))
+}
+
+/// Renewal for session engines: a ping on the holder's session.
+pub(crate) async fn extend<E: SessionEngine>(
+    engine: &E,
+    name: &LockName,
+    owner: &OwnerId,
+) -> Result<ExtendOutcome> {
+    let mut ours = None;
+    if let Some(session) = engine.sessions().get(owner) {
+        let mut session = session.lock().await;
+        if still_holds(engine, &mut session).await {
+            return Ok(ExtendOutcome::Extended);
+        }
+        ours = Some(session.server_id);
+        engine.sessions().forget(owner);
+    }
+    Ok(ExtendOutcome::Lost(
+        if held_by_another(engine, name, ours).await? {
+            LossReason::TakenOver
+        } else {
+            LossReason::Expired
+        },
+    ))
+}
+
+/// Release for session engines: unlock on the holder's session and recycle it, or, if
+/// the lease ran out or the unlock fails, end the session.
+pub(crate) async fn release<E: SessionEngine>(
+    engine: &E,
+    name: &LockName,
+    owner: &OwnerId,
+) -> Result<ReleaseOutcome> {
+    let mut ours = None;
+    if let Some(session) = engine.sessions().get(owner) {
+        engine.sessions().forget(owner);
+        let mut session = session.lock().await;
+        ours = Some(session.server_id);
+        // A lease that ran out without contact is given up, not released.
+        let live = session.in_contact();
+        let Session {
+            connection, key, ..
+        } = &mut *session;
+        let unlocked = match connection.as_mut().filter(|_| live) {
+            Some(connection) => engine.unlock(connection, name, key).await,
+            None => false,
+        };
+        match session.connection.take() {
+            Some(connection) if unlocked => {
+                engine.recycle(connection).await;
+                engine.signals().notify(name.as_str());
+                return Ok(ReleaseOutcome::Released);
+            }
+            Some(connection) => engine.close(connection).await,
+            None => {}
+        }
+        engine.signals().notify(name.as_str());
+    }
+    Ok(if held_by_another(engine, name, ours).await? {
+        ReleaseOutcome::HeldByOther
+    } else {
+        ReleaseOutcome::AlreadyExpired
+    })
 }
