@@ -239,26 +239,34 @@ async fn status(args: StatusArgs, breaking: bool) -> ExitCode {
         println!("{value}");
         return ExitCode::SUCCESS;
     }
-    let remaining = |info: &turnstile::lock::LockInfo| {
-        info.remaining_ttl
-            .map(|ttl| format!("{:.1}s", ttl.as_secs_f64()))
-            .unwrap_or_else(|| "no expiry".to_owned())
+    // Session locks (MySQL, PostgreSQL session mode) have no lease in the store: they
+    // last while the holder's session does.
+    let lease = |info: &turnstile::lock::LockInfo| match info.remaining_ttl {
+        Some(ttl) => format!("lease ends in {:.1}s", ttl.as_secs_f64()),
+        None => "held while the holder's session lives".to_owned(),
+    };
+    let owner = |info: &turnstile::lock::LockInfo| {
+        if info.owner.is_empty() {
+            "a session that has not recorded its owner".to_owned()
+        } else {
+            format!("owner {}", info.owner)
+        }
     };
     match (held, breaking) {
         (Some(info), false) => println!(
-            "{:?} is held by owner {} with fencing token {}; lease ends in {}",
+            "{:?} is held by {} with fencing token {}; {}",
             args.name,
-            info.owner,
+            owner(&info),
             info.fencing_token,
-            remaining(&info)
+            lease(&info)
         ),
         (Some(info), true) => println!(
-            "broke {:?}: it was held by owner {} with fencing token {} ({} left); \
+            "broke {:?}: it was held by {} with fencing token {} ({}); \
              the holder learns of it at its next renewal",
             args.name,
-            info.owner,
+            owner(&info),
             info.fencing_token,
-            remaining(&info)
+            lease(&info)
         ),
         (None, false) => println!("{:?} is free", args.name),
         (None, true) => println!("{:?} was not held; nothing to break", args.name),
