@@ -278,3 +278,24 @@ async fn locks_work_over_tls() {
         "{error}"
     );
 }
+
+/// An acquire dropped while its request is in flight leaves no lock behind: the request
+/// still reaches the server, and the undo that the drop sends follows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_dropped_mid_request_leaves_no_lock_behind() {
+    let server = RedisServer::spawn();
+    let locker = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    server.pause();
+    let pending = {
+        let locker = locker.clone();
+        tokio::spawn(async move { locker.acquire("in-flight", &LockOptions::new().ttl(Duration::from_secs(30))).await })
+    };
+    // The request is written and waits in the frozen server's socket.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    pending.abort();
+    assert!(pending.await.unwrap_err().is_cancelled());
+    server.resume();
+    // The acquire executes now, then the undo: the lock must be free, not held for 30 s.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(locker.status("in-flight").await.unwrap(), None);
+}
