@@ -288,7 +288,14 @@ async fn an_acquire_dropped_mid_request_leaves_no_lock_behind() {
     server.pause();
     let pending = {
         let locker = locker.clone();
-        tokio::spawn(async move { locker.acquire("in-flight", &LockOptions::new().ttl(Duration::from_secs(30))).await })
+        tokio::spawn(async move {
+            locker
+                .acquire(
+                    "in-flight",
+                    &LockOptions::new().ttl(Duration::from_secs(30)),
+                )
+                .await
+        })
     };
     // The request is written and waits in the frozen server's socket.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -298,4 +305,43 @@ async fn an_acquire_dropped_mid_request_leaves_no_lock_behind() {
     // The acquire executes now, then the undo: the lock must be free, not held for 30 s.
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(locker.status("in-flight").await.unwrap(), None);
+}
+
+/// A waiter whose notification connection drops (the server restarted and lost the
+/// lock) re-checks at once instead of sleeping out the old holder's TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_recovers_promptly_from_a_server_restart() {
+    let server = RedisServer::spawn();
+    let holder = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let guard = holder
+        .acquire(
+            "restart",
+            &LockOptions::new()
+                .ttl(Duration::from_secs(30))
+                .watchdog(false),
+        )
+        .await
+        .unwrap();
+    let waiter = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let waiting = tokio::spawn(async move {
+        waiter
+            .acquire(
+                "restart",
+                &LockOptions::new()
+                    .ttl(Duration::from_secs(30))
+                    .wait(Duration::from_secs(20)),
+            )
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let restarted = std::time::Instant::now();
+    server.restart();
+    let taken = waiting.await.unwrap().expect("the waiter got the lock");
+    assert!(
+        restarted.elapsed() < Duration::from_secs(10),
+        "woke after {:?}",
+        restarted.elapsed()
+    );
+    assert!(taken.fencing_token() > guard.fencing_token());
+    drop(guard);
 }

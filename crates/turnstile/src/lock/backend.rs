@@ -225,11 +225,11 @@ impl ReleaseWatch {
         };
         let notified = async {
             match self.receiver.as_mut() {
+                // A closed source (the connection carrying notifications dropped, say on
+                // a server restart) wakes the waiter too: it re-checks at once and
+                // subscribes again, instead of sleeping out the holder's whole TTL.
                 Some(receiver) => {
-                    if receiver.changed().await.is_err() {
-                        // The source closed; fall back to the timer alone.
-                        std::future::pending::<()>().await;
-                    }
+                    let _ = receiver.changed().await;
                 }
                 None => std::future::pending::<()>().await,
             }

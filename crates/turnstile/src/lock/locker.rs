@@ -140,8 +140,10 @@ impl Locker {
     /// sleep-retry loop. Dropping the returned future at any point is safe: a request
     /// already sent that turns out to have taken the lock is released in the background.
     ///
-    /// Errors: [`ErrorKind::AcquireTimeout`] when the wait bound passes; store errors
-    /// are returned at once rather than retried.
+    /// Errors: [`ErrorKind::AcquireTimeout`] when the wait bound passes. If the store
+    /// cannot be reached on the first try, the error comes back at once; a store that
+    /// becomes unreachable while this call waits (a restart, a failover) is retried with
+    /// a backoff until the wait bound, and its error is returned if that passes first.
     pub async fn acquire<N>(&self, name: N, options: &LockOptions) -> Result<LockGuard>
     where
         N: IntoLockName,
@@ -172,13 +174,24 @@ impl Locker {
         let mut wait_first = queue.held_locally()
             && options.get_wait() != Some(Duration::ZERO)
             && contender.as_ref().is_some_and(|watch| !watch.is_closed());
+        // Once the store has answered, a waiter rides out a store that goes away for a
+        // while (a restart, a failover) until its wait bound; an unreachable store on
+        // the first attempt is reported at once.
+        let mut outage = Outage::default();
         loop {
             let remaining_ttl = if std::mem::take(&mut wait_first) {
                 Some(options.get_ttl())
             } else {
-                match self.attempt(&queue, &name, &owner, options).await? {
-                    Attempt::Acquired(guard) => return Ok(guard),
-                    Attempt::Held { remaining_ttl } => remaining_ttl,
+                match self.attempt(&queue, &name, &owner, options).await {
+                    Ok(Attempt::Acquired(guard)) => return Ok(guard),
+                    Ok(Attempt::Held { remaining_ttl }) => {
+                        outage.answered();
+                        remaining_ttl
+                    }
+                    Err(error) => {
+                        outage.pause_or_fail(error, deadline).await?;
+                        continue;
+                    }
                 }
             };
             let now = Instant::now();
@@ -189,7 +202,10 @@ impl Locker {
             // try again at once: a release between our attempt and the subscription
             // would otherwise go unnoticed until the re-check.
             if contender.as_ref().is_none_or(ReleaseWatch::is_closed) {
-                *contender = Some(self.inner.backend.watch_releases(&name).await?);
+                match self.inner.backend.watch_releases(&name).await {
+                    Ok(watch) => *contender = Some(watch),
+                    Err(error) => outage.pause_or_fail(error, deadline).await?,
+                }
                 continue;
             }
             let recheck = remaining_ttl
@@ -351,6 +367,39 @@ impl Locker {
     {
         let name = name.into_lock_name()?;
         self.inner.backend.force_release(&name).await
+    }
+}
+
+/// How a waiter treats store errors: at once before the store first answered; after
+/// that, transient ones ([`ErrorKind::StoreUnavailable`]) are retried with a backoff
+/// (50 ms doubling to 1 s) until the wait bound.
+#[derive(Default)]
+struct Outage {
+    answered: bool,
+    failures: u32,
+}
+
+impl Outage {
+    fn answered(&mut self) {
+        self.answered = true;
+        self.failures = 0;
+    }
+
+    async fn pause_or_fail(&mut self, error: Error, deadline: Option<Instant>) -> Result<()> {
+        if !self.answered || error.kind() != ErrorKind::StoreUnavailable {
+            return Err(error);
+        }
+        let pause = (Duration::from_millis(50) * 2u32.pow(self.failures.min(5)))
+            .min(Duration::from_secs(1));
+        self.failures += 1;
+        let wake = Instant::now() + pause;
+        match deadline {
+            Some(deadline) if deadline <= wake => Err(error),
+            _ => {
+                tokio::time::sleep_until(wake).await;
+                Ok(())
+            }
+        }
     }
 }
 
