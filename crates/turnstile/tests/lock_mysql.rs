@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use conformance::TestStore;
-use turnstile::fence::{FenceOutcome, FencingToken};
+use turnstile::fence::FencingToken;
 use turnstile::lock::mysql::MysqlLockStore;
 use turnstile::lock::{LockOptions, Locker, LossReason, ReleaseOutcome};
 use turnstile_test_support::{MariaDbServer, shared_mariadb};
@@ -116,7 +116,7 @@ async fn long_and_mixed_case_names_get_their_own_locks() {
 }
 
 /// The notes' paused-holder scenario, stopped by a fenced write in the application's
-/// own transaction.
+/// own transaction. A's lease is 1 s, the shortest a session lock has.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_holders_late_write_is_rejected() {
     let url = shared_mariadb().fresh_database("fence");
@@ -127,20 +127,6 @@ async fn a_paused_holders_late_write_is_rejected() {
         .await
         .unwrap();
     let fence = store.fence();
-    let locker = Locker::new(store);
-    let a = locker
-        .acquire(
-            "invoice:1",
-            &LockOptions::new()
-                .ttl(Duration::from_secs(1))
-                .watchdog(false),
-        )
-        .await
-        .unwrap();
-    // A is paused past its lease: the server ends its idle session after 1 s.
-    let b = locker.acquire("invoice:1", &options()).await.unwrap();
-    assert!(b.fencing_token() > a.fencing_token());
-
     let write = |token: FencingToken, total: i64| {
         let (pool, fence) = (pool.clone(), fence.clone());
         async move {
@@ -160,20 +146,18 @@ async fn a_paused_holders_late_write_is_rejected() {
             outcome
         }
     };
-    assert_eq!(write(b.fencing_token(), 200).await, FenceOutcome::Applied);
-    assert_eq!(
-        write(a.fencing_token(), 100).await,
-        FenceOutcome::Rejected {
-            highest_seen: b.fencing_token()
+    let read = || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar("SELECT total FROM invoices")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
         }
-    );
-    let (total,): (i64,) = sqlx::query_as("SELECT total FROM invoices")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(total, 200);
-    assert_eq!(a.release().await.unwrap(), ReleaseOutcome::HeldByOther);
-    b.release().await.unwrap();
+    };
+    let lease = LockOptions::new().ttl(Duration::from_secs(1));
+    conformance::a_paused_holders_late_write_is_rejected(&Locker::new(store), lease, write, read)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

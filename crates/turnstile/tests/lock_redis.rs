@@ -181,44 +181,27 @@ async fn bad_prefixes_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_holders_late_write_is_rejected() {
     let store = shared().await;
-    let locker = store.locker().await;
     let fenced = RedisFencedStore::connect(&store.url).await.unwrap();
     let resource = unique_name("account");
-    let short = LockOptions::new()
-        .ttl(Duration::from_millis(200))
-        .watchdog(false);
-
-    let a = locker.acquire(&resource, &short).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await; // A is paused past its TTL.
-    let b = store
-        .locker()
-        .await
-        .acquire(&resource, &short)
-        .await
-        .unwrap();
-    assert!(b.fencing_token() > a.fencing_token());
-    assert_eq!(
-        fenced
-            .write(&resource, b.fencing_token(), b"from B")
-            .await
-            .unwrap(),
-        FenceOutcome::Applied
-    );
-    assert_eq!(
-        fenced
-            .write(&resource, a.fencing_token(), b"from A")
-            .await
-            .unwrap(),
-        FenceOutcome::Rejected {
-            highest_seen: b.fencing_token()
+    let write = |token: turnstile::FencingToken, total: i64| {
+        let (fenced, resource) = (fenced.clone(), resource.clone());
+        async move {
+            fenced
+                .write(&resource, token, total.to_string().as_bytes())
+                .await
+                .unwrap()
         }
-    );
-    assert_eq!(
-        fenced.read(&resource).await.unwrap().as_deref(),
-        Some(&b"from B"[..])
-    );
-    assert_eq!(a.release().await.unwrap(), ReleaseOutcome::HeldByOther);
-    b.release().await.unwrap();
+    };
+    let read = || {
+        let (fenced, resource) = (fenced.clone(), resource.clone());
+        async move {
+            let value = fenced.read(&resource).await.unwrap().unwrap();
+            String::from_utf8(value).unwrap().parse().unwrap()
+        }
+    };
+    let lease = LockOptions::new().ttl(Duration::from_millis(200));
+    conformance::a_paused_holders_late_write_is_rejected(&store.locker().await, lease, write, read)
+        .await;
 }
 
 #[tokio::test]

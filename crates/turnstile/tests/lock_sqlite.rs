@@ -8,9 +8,9 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use conformance::TestStore;
-use turnstile::fence::{FenceOutcome, FencingToken, sqlite as fence};
+use turnstile::fence::{FencingToken, sqlite as fence};
 use turnstile::lock::sqlite::SqliteLockStore;
-use turnstile::lock::{LockOptions, Locker, ReleaseOutcome};
+use turnstile::lock::{LockOptions, Locker};
 
 struct SqliteFile {
     dir: tempfile::TempDir,
@@ -65,73 +65,45 @@ async fn urls_open_the_store_and_bad_ones_say_why() {
     assert!(error.to_string().contains("does not exist"), "{error}");
 }
 
-/// The notes' paused-holder scenario, stopped by the protected store: A holds token N
-/// and pauses past its TTL, B acquires N+1 and writes, A's late write is rejected.
-#[tokio::test]
+/// The notes' paused-holder scenario, stopped by a fenced write in the application's
+/// own transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_holders_late_write_is_rejected() {
     let file = sqlite_file().await;
     let store = SqliteLockStore::open(file.path()).await.unwrap();
     let pool = store.pool().clone();
-    sqlx::query("CREATE TABLE invoices (id TEXT PRIMARY KEY, total INTEGER, written_by INTEGER)")
+    sqlx::query("CREATE TABLE invoices (id TEXT PRIMARY KEY, total INTEGER)")
         .execute(&pool)
         .await
         .unwrap();
-    let locker = Locker::new(store);
-    let short = LockOptions::new()
-        .ttl(Duration::from_millis(200))
-        .watchdog(false);
-
-    let a = locker.acquire("invoice:1", &short).await.unwrap();
-    let token_a = a.fencing_token();
-    // A pauses (GC, swap): its lease runs out while it is frozen.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let b = locker.acquire("invoice:1", &short).await.unwrap();
-    let token_b = b.fencing_token();
-    assert!(token_b > token_a);
-    assert_eq!(
-        write_invoice(&pool, token_b, 200).await,
-        FenceOutcome::Applied
-    );
-
-    // A wakes up and writes, believing it still holds the lock.
-    assert_eq!(
-        write_invoice(&pool, token_a, 100).await,
-        FenceOutcome::Rejected {
-            highest_seen: token_b
+    let write = |token: FencingToken, total: i64| {
+        let pool = pool.clone();
+        async move {
+            let mut transaction = pool.begin().await.unwrap();
+            let outcome = fence::check_and_record(&mut transaction, "invoice:1", token)
+                .await
+                .unwrap();
+            if outcome.is_applied() {
+                sqlx::query("INSERT OR REPLACE INTO invoices (id, total) VALUES ('invoice:1', ?1)")
+                    .bind(total)
+                    .execute(&mut *transaction)
+                    .await
+                    .unwrap();
+                transaction.commit().await.unwrap();
+            }
+            outcome
         }
-    );
-    let (total, written_by): (i64, i64) =
-        sqlx::query_as("SELECT total, written_by FROM invoices WHERE id = 'invoice:1'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(
-        (total, written_by),
-        (200, i64::try_from(token_b.get()).unwrap())
-    );
-    // The same holder may write again with its own token.
-    assert_eq!(
-        write_invoice(&pool, token_b, 250).await,
-        FenceOutcome::Applied
-    );
-    assert_eq!(a.release().await.unwrap(), ReleaseOutcome::HeldByOther);
-    b.release().await.unwrap();
-}
-
-async fn write_invoice(pool: &sqlx::SqlitePool, token: FencingToken, total: i64) -> FenceOutcome {
-    let mut transaction = pool.begin().await.unwrap();
-    let outcome = fence::check_and_record(&mut transaction, "invoice:1", token)
-        .await
-        .unwrap();
-    if outcome.is_applied() {
-        sqlx::query("INSERT INTO invoices (id, total, written_by) VALUES ('invoice:1', ?1, ?2)
-                     ON CONFLICT (id) DO UPDATE SET total = excluded.total, written_by = excluded.written_by")
-            .bind(total)
-            .bind(token.to_i64().unwrap())
-            .execute(&mut *transaction)
-            .await
-            .unwrap();
-        transaction.commit().await.unwrap();
-    }
-    outcome
+    };
+    let read = || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar("SELECT total FROM invoices")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let lease = LockOptions::new().ttl(Duration::from_millis(200));
+    conformance::a_paused_holders_late_write_is_rejected(&Locker::new(store), lease, write, read)
+        .await;
 }

@@ -515,6 +515,47 @@ pub async fn a_remote_waiter_is_not_starved_by_local_handoffs(store: impl TestSt
     }
 }
 
+/// The notes' paused-holder scenario, for an engine's fenced store: A holds token N and
+/// pauses past its lease; B acquires N+1 and writes; A's late write is rejected by the
+/// store, and B may write again. `write(token, total)` makes one fenced write of
+/// `total`; `read()` returns the stored total.
+pub async fn a_paused_holders_late_write_is_rejected<W, WriteFut, R, ReadFut>(
+    locker: &Locker,
+    lease: LockOptions,
+    write: W,
+    read: R,
+) where
+    W: Fn(turnstile::FencingToken, i64) -> WriteFut,
+    WriteFut: Future<Output = turnstile::FenceOutcome>,
+    R: Fn() -> ReadFut,
+    ReadFut: Future<Output = i64>,
+{
+    use turnstile::FenceOutcome;
+    let resource = name("fenced");
+    let a = locker
+        .acquire(&resource, &lease.clone().watchdog(false))
+        .await
+        .unwrap();
+    // A pauses (GC, swap) past its lease; B's acquire waits until the store frees it.
+    tokio::time::sleep(lease.get_ttl() + Duration::from_millis(100)).await;
+    let b = locker.acquire(&resource, &options(5_000)).await.unwrap();
+    assert!(b.fencing_token() > a.fencing_token());
+    assert_eq!(write(b.fencing_token(), 200).await, FenceOutcome::Applied);
+    // A wakes up and writes, believing it still holds the lock.
+    assert_eq!(
+        write(a.fencing_token(), 100).await,
+        FenceOutcome::Rejected {
+            highest_seen: b.fencing_token()
+        }
+    );
+    assert_eq!(read().await, 200);
+    // The current holder may write again with its own token.
+    assert_eq!(write(b.fencing_token(), 250).await, FenceOutcome::Applied);
+    assert_eq!(read().await, 250);
+    assert_eq!(a.release().await.unwrap(), ReleaseOutcome::HeldByOther);
+    b.release().await.unwrap();
+}
+
 /// Generates one `#[tokio::test]` per conformance check for the store `$make` builds.
 #[macro_export]
 macro_rules! conformance_tests {
