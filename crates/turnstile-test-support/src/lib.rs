@@ -220,3 +220,21 @@ pub(crate) fn running_as_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
+
+/// Prints the end of a shared server's log when any test of this process panics:
+/// shared servers live in statics, which are never dropped, so their `Drop` cannot.
+pub(crate) fn show_log_on_panic(label: &'static str, path: PathBuf) {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        previous(info);
+        let log = read_log(&path);
+        let tail: Vec<&str> = log.lines().rev().take(30).collect();
+        eprintln!(
+            "--- last lines of the shared {label} log ({}) ---",
+            path.display()
+        );
+        for line in tail.iter().rev() {
+            eprintln!("{line}");
+        }
+    }));
+}

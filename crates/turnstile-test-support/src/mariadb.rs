@@ -185,5 +185,9 @@ impl Drop for MariaDbServer {
 /// One MariaDB server per test binary, started on first use, gone with the process.
 pub fn shared_mariadb() -> &'static MariaDbServer {
     static SHARED: OnceLock<MariaDbServer> = OnceLock::new();
-    SHARED.get_or_init(MariaDbServer::spawn)
+    SHARED.get_or_init(|| {
+        let server = MariaDbServer::spawn();
+        crate::show_log_on_panic("mariadb", server.log_path());
+        server
+    })
 }

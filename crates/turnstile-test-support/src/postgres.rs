@@ -224,5 +224,9 @@ impl Drop for PostgresServer {
 /// One PostgreSQL server per test binary, started on first use, gone with the process.
 pub fn shared_postgres() -> &'static PostgresServer {
     static SHARED: OnceLock<PostgresServer> = OnceLock::new();
-    SHARED.get_or_init(PostgresServer::spawn)
+    SHARED.get_or_init(|| {
+        let server = PostgresServer::spawn();
+        crate::show_log_on_panic("postgres", server.log_path());
+        server
+    })
 }

@@ -268,5 +268,9 @@ fn wait_for_pong(port: u16, child: &mut Child, limit: Duration) -> bool {
 /// process exits. Tests that kill, restart or pause a server start their own instead.
 pub fn shared_redis() -> &'static RedisServer {
     static SHARED: OnceLock<RedisServer> = OnceLock::new();
-    SHARED.get_or_init(RedisServer::spawn)
+    SHARED.get_or_init(|| {
+        let server = RedisServer::spawn();
+        crate::show_log_on_panic("redis-server", server.log_path());
+        server
+    })
 }
