@@ -238,3 +238,43 @@ pub(crate) fn show_log_on_panic(label: &'static str, path: PathBuf) {
         }
     }));
 }
+
+/// A temporary directory for a server, named after this process.
+///
+/// Shared servers live in statics, which are never dropped, so their directories
+/// outlive the test process; the first call in each process removes those left by
+/// processes that are gone.
+pub(crate) fn server_dir(kind: &str) -> tempfile::TempDir {
+    static SWEPT: OnceLock<()> = OnceLock::new();
+    SWEPT.get_or_init(sweep_leftover_dirs);
+    tempfile::Builder::new()
+        .prefix(&format!("turnstile-{kind}-{}-", std::process::id()))
+        .tempdir()
+        .expect("cannot make a temporary directory")
+}
+
+/// Removes `turnstile-KIND-PID-*` directories whose process no longer runs.
+fn sweep_leftover_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let name = entry.file_name();
+        let Some(rest) = name
+            .to_str()
+            .and_then(|name| name.strip_prefix("turnstile-"))
+        else {
+            continue;
+        };
+        let pid = rest
+            .split('-')
+            .nth(1)
+            .and_then(|pid| pid.parse::<u32>().ok());
+        if let Some(pid) = pid
+            && pid != std::process::id()
+            && !Path::new(&format!("/proc/{pid}")).exists()
+        {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}

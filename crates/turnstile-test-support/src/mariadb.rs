@@ -23,10 +23,7 @@ impl MariaDbServer {
     /// Installs a data directory and starts the server; waits until it accepts
     /// connections.
     pub fn spawn() -> MariaDbServer {
-        let dir = tempfile::Builder::new()
-            .prefix("turnstile-mariadb-")
-            .tempdir()
-            .expect("cannot make a temporary directory");
+        let dir = crate::server_dir("mariadb");
         let server = MariaDbServer {
             dir,
             port: Mutex::new(0),

@@ -41,10 +41,7 @@ pub struct PostgresServer {
 impl PostgresServer {
     /// Initialises a cluster and starts it; waits until it accepts connections.
     pub fn spawn() -> PostgresServer {
-        let dir = tempfile::Builder::new()
-            .prefix("turnstile-postgres-")
-            .tempdir()
-            .expect("cannot make a temporary directory");
+        let dir = crate::server_dir("postgres");
         let run_as = if running_as_root() {
             Some(
                 user_ids("postgres")

@@ -36,10 +36,7 @@ impl RedisServer {
     }
 
     fn spawn_inner(args: &[&str], tls: bool) -> RedisServer {
-        let dir = tempfile::Builder::new()
-            .prefix("turnstile-redis-")
-            .tempdir()
-            .expect("cannot make a temporary directory");
+        let dir = crate::server_dir("redis");
         let server = RedisServer {
             port: Mutex::new(0),
             extra_args: args.iter().map(|arg| (*arg).to_owned()).collect(),
