@@ -116,18 +116,41 @@ end
 return 0
 ";
 
+/// Reads the Redis counter: one `GET` round trip, on whichever connection the peer uses.
+#[cfg(feature = "redis")]
+async fn redis_counter_get<C>(connection: &C, key: &str) -> Result<i64, String>
+where
+    C: redis::aio::ConnectionLike + Clone + Send,
+{
+    redis::cmd("GET")
+        .arg(key)
+        .query_async::<Option<i64>>(&mut connection.clone())
+        .await
+        .map(Option::unwrap_or_default)
+        .map_err(|e| e.to_string())
+}
+
+/// Writes the Redis counter: one `SET` round trip.
+#[cfg(feature = "redis")]
+async fn redis_counter_set<C>(connection: &C, key: &str, value: i64) -> Result<(), String>
+where
+    C: redis::aio::ConnectionLike + Clone + Send,
+{
+    redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .query_async::<()>(&mut connection.clone())
+        .await
+        .map_err(|e| e.to_string())
+}
+
 impl Counter {
     async fn set(&self, value: i64) -> Result<(), String> {
         match self {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Counter::Sql(counter) => counter.set(value).await,
             #[cfg(feature = "redis")]
-            Counter::Redis { connection, key } => redis::cmd("SET")
-                .arg(key)
-                .arg(value)
-                .query_async::<()>(&mut connection.clone())
-                .await
-                .map_err(|e| e.to_string()),
+            Counter::Redis { connection, key } => redis_counter_set(connection, key, value).await,
             #[cfg(feature = "sqlite")]
             Counter::Sqlite { pool, name } => sqlx::query(
                 "INSERT INTO turnstile_bench_counter (name, value) VALUES (?1, ?2)
@@ -147,12 +170,7 @@ impl Counter {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Counter::Sql(counter) => counter.get().await,
             #[cfg(feature = "redis")]
-            Counter::Redis { connection, key } => redis::cmd("GET")
-                .arg(key)
-                .query_async::<Option<i64>>(&mut connection.clone())
-                .await
-                .map(Option::unwrap_or_default)
-                .map_err(|e| e.to_string()),
+            Counter::Redis { connection, key } => redis_counter_get(connection, key).await,
             #[cfg(feature = "sqlite")]
             Counter::Sqlite { pool, name } => sqlx::query_scalar::<_, i64>(
                 "SELECT value FROM turnstile_bench_counter WHERE name = ?1",
@@ -271,12 +289,7 @@ impl Peer {
                 connection,
                 counter_key,
                 ..
-            } => redis::cmd("GET")
-                .arg(counter_key)
-                .query_async::<Option<i64>>(&mut connection.clone())
-                .await
-                .map(Option::unwrap_or_default)
-                .map_err(|e| e.to_string()),
+            } => redis_counter_get(connection, counter_key).await,
         }
     }
 
@@ -290,12 +303,7 @@ impl Peer {
                 connection,
                 counter_key,
                 ..
-            } => redis::cmd("SET")
-                .arg(counter_key)
-                .arg(value)
-                .query_async::<()>(&mut connection.clone())
-                .await
-                .map_err(|e| e.to_string()),
+            } => redis_counter_set(connection, counter_key, value).await,
         }
     }
 }
