@@ -61,6 +61,7 @@ impl Workload {
 /// One held lock, whichever peer took it.
 enum Held {
     Library(LockGuard),
+    #[cfg(feature = "redis")]
     Raw {
         key: String,
         token: String,
@@ -109,6 +110,7 @@ enum Counter {
     },
 }
 
+#[cfg(feature = "redis")]
 const RAW_RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])

@@ -204,7 +204,8 @@ impl RawSql {
     }
 
     /// Busy-retries the acquire statement until it wins or `wait` passes; `Ok(None)`
-    /// is a timeout.
+    /// is a timeout. (`ttl_ms` is the PostgreSQL lease; a named lock has none.)
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub(crate) async fn acquire(
         &self,
         name: &str,
