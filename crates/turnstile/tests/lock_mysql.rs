@@ -203,3 +203,130 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
     third.rollback().await.unwrap();
     guard.release().await.unwrap();
 }
+
+/// Transaction-scoped holders and named-lock holders of one name, all at once: each
+/// holder's fenced write must be accepted (tokens follow the order in which holders got
+/// the lock), and no two holders are ever inside together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_holders_of_both_kinds_get_tokens_in_lock_order() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use turnstile::ErrorKind;
+
+    let url = shared_mariadb().fresh_database("xorder");
+    let store = MysqlLockStore::connect(&url).await.unwrap();
+    // The application's own pool, as a service would have.
+    let app = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(10)
+        .connect(&url)
+        .await
+        .unwrap();
+    let fence = store.fence();
+    let inside = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for worker in 0..8 {
+        let (store, app, fence, inside) =
+            (store.clone(), app.clone(), fence.clone(), inside.clone());
+        tasks.push(tokio::spawn(async move {
+            let locker = Locker::new(store.clone());
+            let mut done = 0;
+            while done < 6 {
+                if worker % 4 == 3 {
+                    // A named-lock holder.
+                    let guard = locker.acquire("batch", &options()).await.unwrap();
+                    assert_eq!(
+                        inside.fetch_add(1, Ordering::SeqCst),
+                        0,
+                        "two holders inside"
+                    );
+                    let mut transaction = app.begin().await.unwrap();
+                    let outcome = fence
+                        .check_and_record(&mut transaction, "batch", guard.fencing_token())
+                        .await
+                        .unwrap();
+                    transaction.commit().await.unwrap();
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    assert!(
+                        outcome.is_applied(),
+                        "a named holder was fenced out: {outcome:?}"
+                    );
+                    guard.release().await.unwrap();
+                    done += 1;
+                    continue;
+                }
+                let mut transaction = app.begin().await.unwrap();
+                match store.lock_in_transaction(&mut transaction, "batch").await {
+                    Ok(token) => {
+                        assert_eq!(
+                            inside.fetch_add(1, Ordering::SeqCst),
+                            0,
+                            "two holders inside"
+                        );
+                        let outcome = fence
+                            .check_and_record(&mut transaction, "batch", token)
+                            .await
+                            .unwrap();
+                        assert!(
+                            outcome.is_applied(),
+                            "a transaction-scoped holder was fenced out: {outcome:?}"
+                        );
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                        transaction.commit().await.unwrap();
+                        done += 1;
+                    }
+                    Err(error) if error.kind() == ErrorKind::Held => {
+                        transaction.rollback().await.unwrap();
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    Err(error) => panic!("{error}"),
+                }
+            }
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .expect("holders made no progress")
+            .unwrap();
+    }
+}
+
+/// A holder whose session was killed learns of the loss at its next renewal even when
+/// the store cannot answer who holds the lock now (its shared pool is exhausted): the
+/// session is known dead, so the loss is certain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_session_is_lost_at_once_even_when_the_lookup_cannot_run() {
+    let server = shared_mariadb();
+    let url = server.fresh_database("deadlookup");
+    let store = MysqlLockStore::connect(&url).await.unwrap();
+    let locker = Locker::new(store.clone());
+    let ttl = Duration::from_secs(6);
+    let guard = locker
+        .acquire("exhausted", &LockOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    let acquired = tokio::time::Instant::now();
+    // Take every connection of the store's shared pool (8), so the holder lookup waits
+    // for the pool's 3 s timeout.
+    let mut hostages = Vec::new();
+    for _ in 0..8 {
+        hostages.push(store.pool().acquire().await.unwrap());
+    }
+    let holder = server.sql(
+        "SELECT ID FROM information_schema.PROCESSLIST WHERE ID = IS_USED_LOCK('ts:exhausted')",
+    );
+    server.sql(&format!("KILL CONNECTION {}", holder.trim()));
+    let reason = tokio::time::timeout(Duration::from_secs(10), guard.lost())
+        .await
+        .expect("no signal");
+    let after = acquired.elapsed();
+    // The first renewal runs at TTL/3 = 2 s and finds the session dead; the loss must be
+    // reported then (plus the bounded lookup), long before the local deadline (~6 s).
+    assert_eq!(reason, LossReason::Expired);
+    assert!(
+        after < ttl / 3 + Duration::from_millis(1_500),
+        "the loss was reported {after:?} after acquiring"
+    );
+    drop(hostages);
+}

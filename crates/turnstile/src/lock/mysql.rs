@@ -44,11 +44,10 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
-use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Row};
 use tokio::time::Instant;
 
-use super::session::{self, HeldSessions, SessionEngine};
+use super::session::{self, Dedicated, HeldSessions, SessionEngine};
 use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, OwnerId, ReleaseOutcome,
     ReleaseSignals, ReleaseWatch, TryAcquire,
@@ -150,14 +149,15 @@ pub fn lock_key(name: &LockName) -> String {
     }
 }
 
-type Session = super::session::Session<PoolConnection<MySql>, String>;
+type Session = super::session::Session<Dedicated<MySql>, String>;
 
 struct Sql {
-    record_holder: Statement,
+    tokens: String,
+    xact_locks: String,
     issue_token: Statement,
     take_in_transaction: Statement,
     holder: Statement,
-    create: [Statement; 2],
+    create: [Statement; 3],
     fences: String,
 }
 
@@ -166,7 +166,10 @@ struct Sql {
 pub struct MysqlLockStore {
     pool: MySqlPool,
     sessions: MySqlPool,
-    held: Arc<HeldSessions<PoolConnection<MySql>, String>>,
+    /// Issues transaction-scoped tokens: apart from `pool`, which callers may fill with
+    /// transactions waiting for the very lock whose holder needs a token.
+    issuer: MySqlPool,
+    held: Arc<HeldSessions<Dedicated<MySql>, String>>,
     sql: Arc<Sql>,
     signals: ReleaseSignals,
     url: String,
@@ -220,23 +223,26 @@ impl MysqlLockStore {
             .max_connections(config.max_held)
             .min_connections(0)
             .acquire_timeout(config.connect_timeout)
+            .connect_lazy_with(options.clone());
+        let issuer = MySqlPoolOptions::new()
+            .max_connections(2)
+            .min_connections(0)
+            .acquire_timeout(config.connect_timeout)
             .connect_lazy_with(options);
         let fences = format!("`{}_fences`", config.prefix);
         let tokens = format!("`{}_tokens`", config.prefix);
+        let xact_locks = format!("`{}_xact_locks`", config.prefix);
         // `token` is the last token issued for the name; `holder_token`, `owner` and
         // `connection_id` describe the named-lock holder that took it last.
         let sql = Sql {
-            record_holder: statement(format!(
-                "INSERT INTO {tokens} (name, token, holder_token, owner, connection_id)
-                 VALUES (?, LAST_INSERT_ID(1), 1, ?, CONNECTION_ID())
-                 ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1), holder_token = token,
-                    owner = VALUES(owner), connection_id = VALUES(connection_id)"
-            )),
             issue_token: statement(format!(
                 "INSERT INTO {tokens} (name, token) VALUES (?, LAST_INSERT_ID(1))
                  ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1)"
             )),
-            take_in_transaction: statement(format!("SELECT 1 FROM {tokens} WHERE name = ? FOR UPDATE")),
+            // Creates the row if needed and locks it exclusively either way.
+            take_in_transaction: statement(format!(
+                "INSERT INTO {xact_locks} (name) VALUES (?) ON DUPLICATE KEY UPDATE name = name"
+            )),
             holder: statement(format!(
                 "SELECT owner, holder_token, connection_id, CAST(IS_USED_LOCK(?) AS UNSIGNED) AS holder
                  FROM {tokens} WHERE name = ?"
@@ -255,12 +261,21 @@ impl MysqlLockStore {
                         resource VARBINARY(512) PRIMARY KEY,
                         token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB"
                 )),
+                // The row a transaction-scoped holder keeps locked (kept apart from the
+                // token row, so that the token can be issued after the lock is taken).
+                statement(format!(
+                    "CREATE TABLE IF NOT EXISTS {xact_locks} (
+                        name VARBINARY(512) PRIMARY KEY) ENGINE = InnoDB"
+                )),
             ],
             fences,
+            tokens,
+            xact_locks,
         };
         let store = MysqlLockStore {
             pool,
             sessions,
+            issuer,
             held: Arc::default(),
             sql: Arc::new(sql),
             signals: ReleaseSignals::new(),
@@ -304,13 +319,19 @@ impl MysqlLockStore {
     /// on, and returns its fencing token; the lock is released exactly when that
     /// transaction commits or rolls back.
     ///
-    /// The lock is the row lock on the lock's row (`SELECT … FOR UPDATE`): another
-    /// transaction-scoped locker waits for this transaction to end (bounded by
-    /// `innodb_lock_wait_timeout`), and a named-lock acquirer cannot record its token
-    /// until it does. If a named lock (a [`LockGuard`](crate::LockGuard)) is held now,
-    /// this returns [`ErrorKind::Held`]; roll back and retry. Tokens of both kinds for one
-    /// name come from the same counter, and a transaction's token is committed on its
-    /// own, so a rollback never gives the number back.
+    /// The lock is a row lock (`SELECT … FOR UPDATE` on the name's row in
+    /// `{prefix}_xact_locks`): another transaction-scoped locker waits for this
+    /// transaction to end (bounded by the session's `innodb_lock_wait_timeout`, 50 s by
+    /// default: lower it in the transaction's session for a shorter wait), and a
+    /// named-lock acquirer is refused while it is held. If a named lock (a
+    /// [`LockGuard`](crate::LockGuard)) is held now, this returns [`ErrorKind::Held`];
+    /// roll back and retry.
+    ///
+    /// The token is issued only once the lock is ours, so tokens follow the order in
+    /// which holders got the lock. It comes from the same per-name counter as named-lock
+    /// tokens and is committed on a connection of the store's own (not the caller's
+    /// transaction, and not the shared pool the caller may be using), so a rollback never
+    /// gives the number back.
     pub async fn lock_in_transaction(
         &self,
         transaction: &mut sqlx::MySqlConnection,
@@ -319,23 +340,14 @@ impl MysqlLockStore {
         let name = name.into_lock_name()?;
         let key = lock_key(&name);
         let fail = |error| map_error(error, "cannot take the transaction-scoped lock");
-        // 1. The token, committed on the store's own connection so that a rollback never
-        //    hands the same number out again. It waits while another transaction holds
-        //    the lock (its row lock), so tokens follow the order of the holders.
-        let token = sqlx::query(self.sql.issue_token.sql())
-            .bind(name.as_str().as_bytes())
-            .execute(&self.pool)
-            .await
-            .map_err(fail)?
-            .last_insert_id();
-        // 2. The lock itself: the row lock, held until the caller's transaction ends. A
-        //    named-lock acquirer cannot record its token meanwhile.
+        // 1. The lock: the row lock, held until the caller's transaction ends.
         sqlx::query(self.sql.take_in_transaction.sql())
             .bind(name.as_str().as_bytes())
             .execute(&mut *transaction)
             .await
             .map_err(fail)?;
-        // 3. A named-lock holder that got in before the row lock is seen here.
+        // 2. A named-lock holder that got in before the row lock is seen here; one that
+        //    comes after finds the row locked and gives up.
         let named_lock_held: Option<i64> = sqlx::query_scalar("SELECT IS_USED_LOCK(?) IS NOT NULL")
             .bind(&key)
             .fetch_one(&mut *transaction)
@@ -344,9 +356,16 @@ impl MysqlLockStore {
         if named_lock_held == Some(1) {
             return Err(Error::new(
                 ErrorKind::Held,
-                format!("lock {name:?} is held as a named lock; roll back and try again later"),
+                format!("lock \"{name}\" is held as a named lock; roll back and try again later"),
             ));
         }
+        // 3. Only now the token: larger than that of every holder before us.
+        let token = sqlx::query(self.sql.issue_token.sql())
+            .bind(name.as_str().as_bytes())
+            .execute(&self.issuer)
+            .await
+            .map_err(fail)?
+            .last_insert_id();
         Ok(FencingToken::new(token))
     }
 
@@ -401,6 +420,52 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
+/// One round trip that takes the named lock and, if it got it, records the holder and
+/// issues its token:
+/// 1. the lease (`wait_timeout`) is set before `GET_LOCK`, so it covers the lock from
+///    the first instant;
+/// 2. a transaction-scoped holder's row lock is checked with `NOWAIT` after `GET_LOCK`
+///    (it fails the batch, and the caller closes the session and reports the lock held);
+/// 3. the token is issued only when the lock was taken, in the same autocommit
+///    statement that records the holder;
+/// 4. a session that did not get the lock goes back to the server's idle timeout.
+///
+/// Sent as text, not prepared: a prepared statement per lock name would churn the
+/// statement cache. Everything spliced in is safe as it stands: the key holds only
+/// `[a-z0-9_:./#-]`, the name goes in as a hex literal, the owner is hex digits.
+fn acquire_batch(
+    sql: &Sql,
+    name: &LockName,
+    key: &str,
+    owner: &OwnerId,
+    lease_secs: u64,
+) -> String {
+    let name_hex = hex(name.as_str().as_bytes());
+    let owner = owner.as_str();
+    let (tokens, xact_locks) = (&sql.tokens, &sql.xact_locks);
+    format!(
+        "SET SESSION wait_timeout = {lease_secs};
+         SELECT GET_LOCK('{key}', 0) INTO @ts_got;
+         SELECT COUNT(*) FROM {xact_locks} WHERE name = X'{name_hex}' FOR UPDATE NOWAIT;
+         INSERT INTO {tokens} (name, token, holder_token, owner, connection_id)
+           SELECT X'{name_hex}', LAST_INSERT_ID(1), 1, '{owner}', CONNECTION_ID() FROM DUAL WHERE @ts_got = 1
+           ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1), holder_token = token,
+             owner = '{owner}', connection_id = CONNECTION_ID();
+         SET SESSION wait_timeout = IF(@ts_got = 1, {lease_secs}, @@GLOBAL.wait_timeout);
+         SELECT CAST(@ts_got AS SIGNED) AS got, CAST(CONNECTION_ID() AS UNSIGNED) AS id,
+           CAST(LAST_INSERT_ID() AS UNSIGNED) AS token"
+    )
+}
+
+/// Whether a statement failed because a row it needed was locked (`NOWAIT`: MySQL 3572,
+/// MariaDB 1205; an exhausted `innodb_lock_wait_timeout`: 1205).
+fn is_lock_wait(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+        .is_some_and(|my| matches!(my.number(), 1205 | 3572))
+}
+
 fn wait_timeout_secs(ttl: Duration) -> u64 {
     ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0)
 }
@@ -413,56 +478,58 @@ impl LockBackend for MysqlLockStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<TryAcquire>> {
         Box::pin(async move {
+            if let Some(token) = session::already_held(self, owner).await {
+                return Ok(TryAcquire::Acquired { token });
+            }
             let key = lock_key(name);
-            let mut connection =
+            let connection =
                 self.sessions.acquire().await.map_err(|error| {
                     unavailable(error, "cannot open a MySQL session for the lock")
                 })?;
+            // Until it is registered below, a connection that may hold the lock is closed
+            // if this future is dropped or a statement fails, never pooled.
+            let mut connection = Dedicated::new(connection);
             let sent = Instant::now();
-            // The key holds only [a-z0-9_:./#-], so it can stand in the statement as is.
-            let query = format!(
-                "SET SESSION wait_timeout = {}; SELECT GET_LOCK('{key}', 0), CAST(CONNECTION_ID() AS UNSIGNED)",
-                wait_timeout_secs(ttl)
-            );
-            let rows = sqlx::raw_sql(AssertSqlSafe(query))
+            let query = acquire_batch(&self.sql, name, &key, owner, wait_timeout_secs(ttl));
+            let rows = match sqlx::raw_sql(AssertSqlSafe(query))
                 .fetch_all(&mut *connection)
                 .await
-                .map_err(|error| map_error(error, "cannot acquire the lock"))?;
-            let bad = |error| map_error(error, "bad reply to GET_LOCK");
-            let (got, connection_id): (Option<i64>, u64) = match rows.last() {
-                Some(row) => (row.try_get(0).map_err(bad)?, row.try_get(1).map_err(bad)?),
-                None => (None, 0),
+            {
+                Ok(rows) => rows,
+                // A transaction-scoped holder keeps the name's row locked: the lock is
+                // held. The session may have taken the named lock before finding out,
+                // so it is closed (dropped), not pooled.
+                Err(error) if is_lock_wait(&error) => {
+                    return Ok(TryAcquire::Held {
+                        remaining_ttl: None,
+                    });
+                }
+                Err(error) => return Err(map_error(error, "cannot acquire the lock")),
             };
+            let bad = |error| map_error(error, "bad reply to GET_LOCK");
+            let Some(row) = rows.last() else {
+                return Err(Error::new(ErrorKind::Store, "no reply to GET_LOCK"));
+            };
+            let got: Option<i64> = row.try_get("got").map_err(bad)?;
             if got != Some(1) {
+                connection.recycle();
                 return Ok(TryAcquire::Held {
                     remaining_ttl: None,
                 });
             }
-            // The new token and who holds the lock: one statement, one commit.
-            let recorded = sqlx::query(self.sql.record_holder.sql())
-                .bind(name.as_str().as_bytes())
-                .bind(owner.as_str())
-                .execute(&mut *connection)
-                .await;
-            let token = match recorded {
-                Ok(result) => result.last_insert_id(),
-                Err(error) => {
-                    // Without a durable token the lock must not be used: give it back.
-                    drop(connection.detach());
-                    return Err(map_error(error, "cannot record the fencing token"));
-                }
-            };
+            let connection_id: u64 = row.try_get("id").map_err(bad)?;
+            let token: u64 = row.try_get("token").map_err(bad)?;
+            let token = FencingToken::new(token);
             let session = Session {
                 connection: Some(connection),
                 server_id: connection_id,
                 key,
+                token,
                 ttl,
                 last_contact: sent,
             };
             self.held.insert(owner, session);
-            Ok(TryAcquire::Acquired {
-                token: FencingToken::new(token),
-            })
+            Ok(TryAcquire::Acquired { token })
         })
     }
 
@@ -536,10 +603,10 @@ impl LockBackend for MysqlLockStore {
 }
 
 impl SessionEngine for MysqlLockStore {
-    type Connection = PoolConnection<MySql>;
+    type Connection = Dedicated<MySql>;
     type Key = String;
 
-    fn sessions(&self) -> &HeldSessions<PoolConnection<MySql>, String> {
+    fn sessions(&self) -> &HeldSessions<Dedicated<MySql>, String> {
         &self.held
     }
 
@@ -547,7 +614,7 @@ impl SessionEngine for MysqlLockStore {
         &self.signals
     }
 
-    async fn ping(&self, connection: &mut PoolConnection<MySql>, key: &String) -> bool {
+    async fn ping(&self, connection: &mut Dedicated<MySql>, key: &String) -> bool {
         // Constant text with a bound key: one cached prepared statement per session.
         // (Text with the key spliced in would be a new statement per lock name, and the
         // statement-cache evictions stall on Nagle's algorithm for 40 ms.)
@@ -562,7 +629,7 @@ impl SessionEngine for MysqlLockStore {
 
     async fn unlock(
         &self,
-        connection: &mut PoolConnection<MySql>,
+        connection: &mut Dedicated<MySql>,
         _name: &LockName,
         key: &String,
     ) -> bool {
@@ -576,14 +643,15 @@ impl SessionEngine for MysqlLockStore {
         )
     }
 
-    async fn recycle(&self, connection: PoolConnection<MySql>) {
-        drop(connection);
+    async fn recycle(&self, connection: Dedicated<MySql>) {
+        // Its `wait_timeout` stays at the last lease: a pooled session idle longer than
+        // that is ended by the server, and the pool replaces it (it tests connections
+        // before handing them out).
+        connection.recycle();
     }
 
-    async fn close(&self, connection: PoolConnection<MySql>) {
-        // Detached, so the pool never hands out a session that may still hold a lock;
-        // closed politely so the server frees the lock at once.
-        let _ = sqlx::Connection::close(connection.detach()).await;
+    async fn close(&self, connection: Dedicated<MySql>) {
+        connection.close().await;
     }
 
     async fn holder_id(&self, name: &LockName) -> Result<Option<u64>> {

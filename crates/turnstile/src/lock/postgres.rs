@@ -167,6 +167,7 @@ struct Sql {
     fences: String,
     channel: String,
     acquire: Statement,
+    reclaim: Statement,
     extend: Statement,
     release: Statement,
     inspect: Statement,
@@ -201,7 +202,18 @@ impl Sql {
                     RETURNING name),
                  bumped AS ({bump})
                  SELECT (SELECT token FROM bumped) AS token,
-                        (SELECT {remaining} FROM {locks} WHERE name = $1 AND owner IS NOT NULL) AS remaining_ms"
+                        (SELECT {remaining} FROM {locks} WHERE name = $1 AND owner IS NOT NULL) AS remaining_ms,
+                        (SELECT owner FROM {locks} WHERE name = $1) AS holder"
+            )),
+            // Only for an owner that already holds the lock: a renewal that also returns
+            // the token. Nobody can have been issued a token since the owner took the
+            // lock, so the name's last token is the owner's.
+            reclaim: statement(format!(
+                "WITH renewed AS (
+                    UPDATE {locks} SET expires_at = clock_timestamp() + make_interval(secs => $3::float8 / 1000)
+                    WHERE name = $1 AND owner = $2 AND expires_at > clock_timestamp()
+                    RETURNING 1)
+                 SELECT token FROM {tokens} WHERE name = $1 AND EXISTS (SELECT 1 FROM renewed)"
             )),
             extend: statement(format!(
                 "WITH renewed AS (
@@ -552,13 +564,31 @@ impl LockBackend for PostgresLockStore {
             let token: Option<i64> = row
                 .try_get("token")
                 .map_err(|e| map_error(e, "bad reply"))?;
-            Ok(match token {
-                Some(token) => TryAcquire::Acquired {
+            if let Some(token) = token {
+                return Ok(TryAcquire::Acquired {
                     token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
-                },
-                None => TryAcquire::Held {
-                    remaining_ttl: remaining(&row)?,
-                },
+                });
+            }
+            let holder: Option<String> = row
+                .try_get("holder")
+                .map_err(|e| map_error(e, "bad reply"))?;
+            if holder.as_deref() == Some(owner.as_str()) {
+                // Our own earlier request took the lock and its reply was lost.
+                let token: Option<i64> = sqlx::query_scalar(self.sql.reclaim.sql())
+                    .bind(name.as_str())
+                    .bind(owner.as_str())
+                    .bind(ttl_millis(ttl))
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(|error| map_error(error, "cannot acquire the lock"))?;
+                if let Some(token) = token {
+                    return Ok(TryAcquire::Acquired {
+                        token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
+                    });
+                }
+            }
+            Ok(TryAcquire::Held {
+                remaining_ttl: remaining(&row)?,
             })
         })
     }

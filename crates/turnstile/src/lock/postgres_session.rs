@@ -37,11 +37,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, Postgres};
 use tokio::time::Instant;
 
-use super::session::{self, HeldSessions, Session, SessionEngine};
+use super::session::{self, Dedicated, HeldSessions, Session, SessionEngine};
 use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, OwnerId, ReleaseOutcome,
     ReleaseSignals, ReleaseWatch, TryAcquire, ceil_millis,
@@ -67,7 +66,7 @@ struct Sql {
 pub struct PostgresSessionLockStore {
     tables: PostgresLockStore,
     sessions: PgPool,
-    held: Arc<HeldSessions<PoolConnection<Postgres>, ()>>,
+    held: Arc<HeldSessions<Dedicated<Postgres>, ()>>,
     sql: Arc<Sql>,
     signals: ReleaseSignals,
 }
@@ -135,9 +134,11 @@ impl PostgresSessionLockStore {
                     INSERT INTO {locks} AS l (name, owner, expires_at)
                     SELECT $1, $2 || '@' || pg_backend_pid(), '-infinity' FROM got WHERE ok
                     ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner
-                    RETURNING 1)
+                    RETURNING 1),
+                 lease AS (SELECT set_config('idle_session_timeout', $3, false) FROM got WHERE ok)
                  SELECT (SELECT ok FROM got) AS ok, (SELECT token FROM bumped) AS token,
-                        (SELECT count(*) FROM recorded) AS recorded, pg_backend_pid() AS pid"
+                        (SELECT count(*) FROM recorded) AS recorded,
+                        (SELECT count(*) FROM lease) AS leased, pg_backend_pid() AS pid"
             )),
             holder: statement(format!(
                 "WITH k AS (SELECT {key} AS key),
@@ -205,54 +206,51 @@ impl LockBackend for PostgresSessionLockStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<TryAcquire>> {
         Box::pin(async move {
-            let mut connection = self.sessions.acquire().await.map_err(|error| {
+            if let Some(token) = session::already_held(self, owner).await {
+                return Ok(TryAcquire::Acquired { token });
+            }
+            let connection = self.sessions.acquire().await.map_err(|error| {
                 map_error(error, "cannot open a PostgreSQL session for the lock")
             })?;
+            // Until it is registered below, a connection that may hold the lock is closed
+            // if this future is dropped or a statement fails, never pooled.
+            let mut connection = Dedicated::new(connection);
             let sent = Instant::now();
             // The lease: the server ends the session after the TTL without contact, plus
             // a margin so that a holder whose renewal is merely late is not cut off;
-            // the holder itself stops trusting the lock before the TTL.
+            // the holder itself stops trusting the lock before the TTL. It is set in the
+            // statement that takes the lock, and only if it does.
             let server_lease = ttl + ttl / 10 + Duration::from_millis(50);
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "SET idle_session_timeout = {}",
-                ceil_millis(server_lease)
-            )))
-            .execute(&mut *connection)
-            .await
-            .map_err(|error| {
-                map_error(
-                    error,
-                    "cannot set the session's lease (needs PostgreSQL 14+)",
-                )
-            })?;
             let row = sqlx::query(self.sql.acquire.sql())
                 .bind(name.as_str())
                 .bind(owner.as_str())
+                .bind(ceil_millis(server_lease).to_string())
                 .fetch_one(&mut *connection)
                 .await
                 .map_err(|error| map_error(error, "cannot acquire the lock"))?;
             let bad = |error| map_error(error, "bad reply");
             let ok: bool = row.try_get("ok").map_err(bad)?;
             if !ok {
+                connection.recycle();
                 return Ok(TryAcquire::Held {
                     remaining_ttl: None,
                 });
             }
             let token: i64 = row.try_get("token").map_err(bad)?;
             let pid: i32 = row.try_get("pid").map_err(bad)?;
+            let token = FencingToken::new(u64::try_from(token).unwrap_or(0));
             self.held.insert(
                 owner,
                 Session {
                     connection: Some(connection),
                     server_id: u64::try_from(pid).unwrap_or(0),
                     key: (),
+                    token,
                     ttl,
                     last_contact: sent,
                 },
             );
-            Ok(TryAcquire::Acquired {
-                token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
-            })
+            Ok(TryAcquire::Acquired { token })
         })
     }
 
@@ -324,10 +322,10 @@ impl LockBackend for PostgresSessionLockStore {
 }
 
 impl SessionEngine for PostgresSessionLockStore {
-    type Connection = PoolConnection<Postgres>;
+    type Connection = Dedicated<Postgres>;
     type Key = ();
 
-    fn sessions(&self) -> &HeldSessions<PoolConnection<Postgres>, ()> {
+    fn sessions(&self) -> &HeldSessions<Dedicated<Postgres>, ()> {
         &self.held
     }
 
@@ -335,7 +333,7 @@ impl SessionEngine for PostgresSessionLockStore {
         &self.signals
     }
 
-    async fn ping(&self, connection: &mut PoolConnection<Postgres>, _key: &()) -> bool {
+    async fn ping(&self, connection: &mut Dedicated<Postgres>, _key: &()) -> bool {
         // A live session still holds its session-level advisory lock.
         sqlx::query("SELECT 1")
             .execute(&mut **connection)
@@ -345,7 +343,7 @@ impl SessionEngine for PostgresSessionLockStore {
 
     async fn unlock(
         &self,
-        connection: &mut PoolConnection<Postgres>,
+        connection: &mut Dedicated<Postgres>,
         name: &LockName,
         _key: &(),
     ) -> bool {
@@ -360,20 +358,20 @@ impl SessionEngine for PostgresSessionLockStore {
         .unwrap_or(false)
     }
 
-    async fn recycle(&self, mut connection: PoolConnection<Postgres>) {
-        // Back to the pool with no idle timeout of its own.
-        if sqlx::query("SET idle_session_timeout = 0")
+    async fn recycle(&self, mut connection: Dedicated<Postgres>) {
+        // Back to the pool with the idle timeout the server or role configures, not
+        // the lease, and not "none".
+        match sqlx::query("RESET idle_session_timeout")
             .execute(&mut *connection)
             .await
-            .is_err()
         {
-            drop(connection.detach());
+            Ok(_) => connection.recycle(),
+            Err(_) => connection.close().await,
         }
     }
 
-    async fn close(&self, connection: PoolConnection<Postgres>) {
-        // Detached, so the pool never hands out a session that may still hold a lock.
-        let _ = sqlx::Connection::close(connection.detach()).await;
+    async fn close(&self, connection: Dedicated<Postgres>) {
+        connection.close().await;
     }
 
     async fn holder_id(&self, name: &LockName) -> Result<Option<u64>> {

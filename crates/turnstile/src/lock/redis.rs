@@ -80,12 +80,19 @@ end
     };
 }
 
+/// Takes the lock, or, when `owner` already holds it (its earlier request ran but the
+/// reply was lost), renews it and returns the token it has.
 const ACQUIRE: &str = concat!(
     issue_lua!(),
     r"
 local token = issue(ARGV[1], ARGV[2], ARGV[3], true)
 if token then
   return {1, token}
+end
+local held = redis.call('GET', KEYS[1])
+if held and string.sub(held, 1, 33) == ARGV[1] .. ':' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, string.sub(held, 34)}
 end
 return {0, redis.call('PTTL', KEYS[1])}
 "

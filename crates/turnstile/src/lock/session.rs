@@ -6,18 +6,83 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use sqlx::pool::PoolConnection;
 use tokio::time::Instant;
 
 use super::{ExtendOutcome, LockName, LossReason, OwnerId, ReleaseOutcome, ReleaseSignals};
 use crate::error::Result;
+use crate::fence::FencingToken;
 
-/// One held lock: its session (a pooled connection), how the server knows it, and when
-/// it last heard from the server.
+/// How long a session engine may spend finding out *who* took a lock it knows it lost:
+/// the loss itself is reported at once, this only refines its reason.
+const LOSS_LOOKUP_LIMIT: Duration = Duration::from_millis(250);
+
+/// A pooled connection that may hold a session-level lock.
+///
+/// Dropped without [`recycle`](Self::recycle) — a cancelled acquire or release, a
+/// statement that failed after the lock was taken — it is detached from its pool and
+/// closed, so the server frees whatever it held. A pool never gets back a connection
+/// that might still hold a lock: the next user of it would "acquire" re-entrantly and
+/// its release would leave the lock held.
+pub(crate) struct Dedicated<DB: sqlx::Database> {
+    connection: Option<PoolConnection<DB>>,
+}
+
+impl<DB: sqlx::Database> Dedicated<DB> {
+    pub(crate) fn new(connection: PoolConnection<DB>) -> Self {
+        Dedicated {
+            connection: Some(connection),
+        }
+    }
+
+    /// Returns the connection to its pool: only for one known to hold no lock.
+    pub(crate) fn recycle(mut self) {
+        drop(self.connection.take());
+    }
+
+    /// Closes the connection politely, so the server frees its locks at once.
+    pub(crate) async fn close(mut self) {
+        if let Some(connection) = self.connection.take() {
+            let _ = sqlx::Connection::close(connection.detach()).await;
+        }
+    }
+}
+
+impl<DB: sqlx::Database> std::ops::Deref for Dedicated<DB> {
+    type Target = DB::Connection;
+    fn deref(&self) -> &DB::Connection {
+        self.connection
+            .as_deref()
+            .expect("a dedicated connection is present until consumed")
+    }
+}
+
+impl<DB: sqlx::Database> std::ops::DerefMut for Dedicated<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        self.connection
+            .as_deref_mut()
+            .expect("a dedicated connection is present until consumed")
+    }
+}
+
+impl<DB: sqlx::Database> Drop for Dedicated<DB> {
+    fn drop(&mut self) {
+        if let Some(connection) = self.connection.take() {
+            // Dropping the detached connection closes its socket; the server ends the
+            // session and frees its locks.
+            drop(connection.detach());
+        }
+    }
+}
+
+/// One held lock: its session (a dedicated connection), how the server knows it, and
+/// when it last heard from the server.
 pub(crate) struct Session<C, K> {
     pub(crate) connection: Option<C>,
     /// The server's id for the session (MySQL `CONNECTION_ID()`, PostgreSQL backend pid).
     pub(crate) server_id: u64,
     pub(crate) key: K,
+    pub(crate) token: FencingToken,
     pub(crate) ttl: Duration,
     pub(crate) last_contact: Instant,
 }
@@ -140,7 +205,29 @@ async fn held_by_another<E: SessionEngine>(
         .is_some_and(|holder| Some(holder) != ours))
 }
 
+/// A repeated acquire by an owner that already holds the lock (its first request ran
+/// on the server, but the reply was lost): the token it already has, if its session
+/// still holds the lock.
+pub(crate) async fn already_held<E: SessionEngine>(
+    engine: &E,
+    owner: &OwnerId,
+) -> Option<FencingToken> {
+    let session = engine.sessions().get(owner)?;
+    let mut session = session.lock().await;
+    if still_holds(engine, &mut session).await {
+        Some(session.token)
+    } else {
+        engine.sessions().forget(owner);
+        None
+    }
+}
+
 /// Renewal for session engines: a ping on the holder's session.
+///
+/// A session found dead is a certain loss — the server has freed the lock already — so
+/// it is reported as one at once; asking who holds the lock now only names the reason,
+/// and a failure or a slow answer there (pool exhausted, failover) does not turn the
+/// loss into a passing error.
 pub(crate) async fn extend<E: SessionEngine>(
     engine: &E,
     name: &LockName,
@@ -155,13 +242,11 @@ pub(crate) async fn extend<E: SessionEngine>(
         ours = Some(session.server_id);
         engine.sessions().forget(owner);
     }
-    Ok(ExtendOutcome::Lost(
-        if held_by_another(engine, name, ours).await? {
-            LossReason::TakenOver
-        } else {
-            LossReason::Expired
-        },
-    ))
+    let taken = tokio::time::timeout(LOSS_LOOKUP_LIMIT, held_by_another(engine, name, ours)).await;
+    Ok(ExtendOutcome::Lost(match taken {
+        Ok(Ok(true)) => LossReason::TakenOver,
+        _ => LossReason::Expired,
+    }))
 }
 
 /// Release for session engines: unlock on the holder's session and recycle it, or, if

@@ -50,9 +50,11 @@ const ACQUIRE: &str = "INSERT INTO turnstile_locks (name, owner, token, expires_
 VALUES (?1, ?2, ?3, ?4)
 ON CONFLICT (name) DO UPDATE SET
     owner = excluded.owner,
-    token = max(turnstile_locks.token + 1, excluded.token),
+    token = CASE WHEN turnstile_locks.owner IS excluded.owner THEN turnstile_locks.token
+                 ELSE max(turnstile_locks.token + 1, excluded.token) END,
     expires_at_ms = excluded.expires_at_ms
 WHERE turnstile_locks.owner IS NULL OR turnstile_locks.expires_at_ms <= ?5
+   OR turnstile_locks.owner = excluded.owner
 RETURNING token";
 
 /// The first and the longest interval between re-checks by a waiter that no

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use turnstile::ErrorKind;
 use turnstile::lock::{
-    ExtendOutcome, LockName, LockOptions, Locker, LossReason, OwnerId, ReleaseOutcome,
+    ExtendOutcome, LockName, LockOptions, Locker, LossReason, OwnerId, ReleaseOutcome, TryAcquire,
 };
 
 /// A store under test.
@@ -515,6 +515,86 @@ pub async fn a_remote_waiter_is_not_starved_by_local_handoffs(store: impl TestSt
     }
 }
 
+/// An acquire whose request ran on the store but whose reply was lost is retried with
+/// the same owner id: the retry gets the lock it already has, with the same token,
+/// instead of waiting a whole TTL for itself.
+pub async fn an_acquire_repeated_by_its_owner_gets_the_lock_it_has(store: impl TestStore) {
+    let lock = LockName::new(name("again")).unwrap();
+    let backend = store.locker().await.backend().clone();
+    let owner = OwnerId::random();
+    let ttl = Duration::from_secs(5);
+    let first = backend.try_acquire(&lock, &owner, ttl).await.unwrap();
+    let TryAcquire::Acquired { token } = first else {
+        panic!("the lock was free: {first:?}");
+    };
+    assert_eq!(
+        backend.try_acquire(&lock, &owner, ttl).await.unwrap(),
+        TryAcquire::Acquired { token },
+        "a repeated acquire by the holder must return its own token"
+    );
+    let other = backend
+        .try_acquire(&lock, &OwnerId::random(), ttl)
+        .await
+        .unwrap();
+    assert!(matches!(other, TryAcquire::Held { .. }), "{other:?}");
+    assert_eq!(
+        backend.release(&lock, &owner).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    assert!(backend.inspect(&lock).await.unwrap().is_none());
+}
+
+/// Acquires dropped at every point of their request leave no lock behind: not in the
+/// store, and not on a pooled connection that a later acquire would reuse (a session
+/// lock is re-entrant, so a leaked one would let this client "acquire" and then keep
+/// the lock held after its release).
+pub async fn cancelled_acquires_leak_no_lock(store: impl TestStore) {
+    let lock = name("leak");
+    let locker = store.locker().await;
+    let other = store.locker().await;
+    // Calibrate: how long one uncontended acquire takes here.
+    let started = Instant::now();
+    locker
+        .acquire(&lock, &options(5_000))
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let round_trip = started.elapsed().max(Duration::from_micros(200));
+    // Cut acquires off at 40 points spread over two round trips.
+    for step in 0..40u32 {
+        let cut = round_trip * step / 20;
+        if let Ok(Ok(Some(guard))) =
+            tokio::time::timeout(cut, locker.try_acquire(&lock, &options(5_000))).await
+        {
+            guard.release().await.unwrap();
+        }
+        // Undoing a cut-off acquire happens in the background: wait until the lock is
+        // free again (bounded), as the next step expects.
+        let free_by = Instant::now() + Duration::from_secs(5);
+        while locker.status(&lock).await.unwrap().is_some() {
+            assert!(
+                Instant::now() < free_by,
+                "step {step}: the lock stayed held"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    // The same client takes and releases the lock several times; after each release
+    // another client must find it free.
+    for round in 0..8 {
+        let guard = locker.acquire(&lock, &options(5_000)).await.unwrap();
+        assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+        let taken = other
+            .try_acquire(&lock, &options(5_000))
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("round {round}: the lock is still held after its release"));
+        taken.release().await.unwrap();
+    }
+}
+
 /// The notes' paused-holder scenario, for an engine's fenced store: A holds token N and
 /// pauses past its lease; B acquires N+1 and writes; A's late write is rejected by the
 /// store, and B may write again. `write(token, total)` makes one fenced write of
@@ -580,6 +660,8 @@ macro_rules! conformance_tests {
             dropping_a_guard_releases_it,
             local_waiters_take_turns,
             a_remote_waiter_is_not_starved_by_local_handoffs,
+            an_acquire_repeated_by_its_owner_gets_the_lock_it_has,
+            cancelled_acquires_leak_no_lock,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
