@@ -84,7 +84,7 @@ impl Error {
     }
 
     pub(crate) fn lost(reason: LossReason) -> Self {
-        let mut error = Error::new(ErrorKind::LockLost, format!("the lock was lost: {reason}"));
+        let mut error = Error::new(ErrorKind::LockLost, reason.to_string());
         error.loss = Some(reason);
         error
     }

@@ -328,3 +328,79 @@ async fn a_waiter_recovers_promptly_from_a_server_restart() {
     assert!(taken.fencing_token() > guard.fencing_token());
     drop(guard);
 }
+
+/// Waiters on many names keep hearing releases after their Pub/Sub connection is
+/// killed while other waiters are subscribing: every channel of the dead connection is
+/// closed, whoever notices the failure first, so its waiters subscribe again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_on_many_names_survive_a_pubsub_connection_kill() {
+    let server = RedisServer::spawn();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+    let holder = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let waiter = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let long = LockOptions::new()
+        .ttl(Duration::from_secs(30))
+        .wait(Duration::from_secs(25));
+    let names: Vec<String> = (0..40).map(|i| format!("many-{i}")).collect();
+    let mut guards = Vec::new();
+    for name in &names {
+        guards.push(holder.acquire(name, &long).await.unwrap());
+    }
+    let start_waiters = |names: &[String]| {
+        names
+            .iter()
+            .map(|name| {
+                let (waiter, name, long) = (waiter.clone(), name.clone(), long.clone());
+                tokio::spawn(async move { waiter.acquire(&name, &long).await })
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut waiting = start_waiters(&names[..20]);
+    // Wait until the first 20 are subscribed.
+    let subscribed_by = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let channels: Vec<String> = redis::cmd("PUBSUB")
+            .arg("CHANNELS")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        if channels.len() >= 20 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < subscribed_by,
+            "waiters never subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Kill the Pub/Sub connection while 20 more waiters subscribe.
+    let kill = {
+        let mut admin = admin.clone();
+        tokio::spawn(async move {
+            let _: redis::Value = redis::cmd("CLIENT")
+                .arg(&["KILL", "TYPE", "pubsub"])
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+        })
+    };
+    waiting.extend(start_waiters(&names[20..]));
+    kill.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let released = std::time::Instant::now();
+    for guard in guards {
+        guard.release().await.unwrap();
+    }
+    for task in waiting {
+        let guard = task.await.unwrap().expect("the waiter got its lock");
+        guard.release().await.unwrap();
+    }
+    // The holders' TTL is 30 s: only release notifications (or the re-check after a
+    // closed watch) wake waiters this fast.
+    assert!(
+        released.elapsed() < Duration::from_secs(5),
+        "waiters woke {:?} after the releases",
+        released.elapsed()
+    );
+}

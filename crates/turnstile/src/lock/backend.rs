@@ -204,6 +204,11 @@ impl ReleaseWatch {
         self
     }
 
+    /// The longest interval between re-checks, for a watch that polls.
+    pub(crate) fn poll_max(&self) -> Option<Duration> {
+        self.poll.map(|(_, max)| max)
+    }
+
     /// Whether the notification source is gone (the connection carrying it dropped);
     /// the waiter should subscribe again.
     pub fn is_closed(&self) -> bool {
@@ -213,15 +218,16 @@ impl ReleaseWatch {
     }
 
     /// Waits until a release is announced or `limit` passes, whichever is first, and
-    /// no longer than the poll interval. Returns `true` if a release was announced.
-    pub(crate) async fn wait(&mut self, limit: Duration) -> bool {
+    /// (with `poll`) no longer than the poll interval. Returns `true` if a release was
+    /// announced.
+    pub(crate) async fn wait(&mut self, limit: Duration, poll: bool) -> bool {
         let limit = match self.poll {
-            Some((_, max)) => {
+            Some((_, max)) if poll => {
                 let interval = self.next_poll.min(limit);
                 self.next_poll = (self.next_poll * 2).min(max);
                 interval
             }
-            None => limit,
+            _ => limit,
         };
         let notified = async {
             match self.receiver.as_mut() {

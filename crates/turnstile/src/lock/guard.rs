@@ -153,7 +153,8 @@ impl LockGuard {
             Arc::clone(&held),
             sent,
             options.get_watchdog(),
-            options.get_max_hold().map(|cap| sent + cap),
+            // A cap too far off to represent is no cap.
+            options.get_max_hold().and_then(|cap| sent.checked_add(cap)),
             stop_keeper.clone(),
         ));
         LockGuard {

@@ -22,6 +22,91 @@ use crate::fence::FencingToken;
 /// the holder's lease has left.
 const DEFAULT_RECHECK: Duration = Duration::from_secs(1);
 
+/// The least time a single attempt gets, even from a call that may not wait
+/// (`wait(Duration::ZERO)`): one round trip to a store that is up takes far less.
+pub const MIN_ATTEMPT_TIME: Duration = Duration::from_secs(1);
+
+/// After the hand-over cap, how long this process stands back when waiters elsewhere
+/// are woken by the same notification as this one (they need no poll interval).
+const YIELD_TO_NOTIFIED_WAITERS: Duration = Duration::from_millis(20);
+
+/// The time limit of one `acquire` or `try_acquire` call, applied to every request it
+/// makes.
+struct Bound<'a> {
+    name: &'a LockName,
+    store: String,
+    wait: Option<Duration>,
+    /// `None`: wait forever (or a bound so large that it cannot be represented).
+    deadline: Option<Instant>,
+    /// The deadline for one request: the call's, but at least [`MIN_ATTEMPT_TIME`].
+    attempt_deadline: Option<Instant>,
+}
+
+impl<'a> Bound<'a> {
+    fn new(name: &'a LockName, locker: &Locker, options: &LockOptions, started: Instant) -> Self {
+        let wait = options.get_wait();
+        let deadline = wait.and_then(|wait| started.checked_add(wait));
+        let attempt_deadline = deadline.map(|deadline| deadline.max(started + MIN_ATTEMPT_TIME));
+        Bound {
+            name,
+            store: locker.inner.backend.describe(),
+            wait,
+            deadline,
+            attempt_deadline,
+        }
+    }
+
+    fn timed_out(&self) -> Error {
+        Error::new(
+            ErrorKind::AcquireTimeout,
+            format!(
+                "lock \"{}\" is still held after waiting {}",
+                self.name,
+                describe_wait(self.wait.unwrap_or_default())
+            ),
+        )
+    }
+
+    /// Runs one request to the store within the call's bound.
+    async fn run<T>(&self, request: impl Future<Output = Result<T>>) -> Result<T> {
+        let Some(deadline) = self.attempt_deadline else {
+            return request.await;
+        };
+        tokio::time::timeout_at(deadline, request)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::StoreUnavailable,
+                    format!(
+                        "lock \"{}\": the store {} did not answer within the wait bound ({})",
+                        self.name,
+                        self.store,
+                        describe_wait(self.wait.unwrap_or_default().max(MIN_ATTEMPT_TIME))
+                    ),
+                ))
+            })
+    }
+
+    /// Waits for something local (the queue) within the call's own wait bound.
+    async fn run_waiting<T>(&self, wait: impl Future<Output = Result<T>>) -> Result<T> {
+        match self.deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, wait)
+                .await
+                .unwrap_or_else(|_| Err(self.timed_out())),
+            None => wait.await,
+        }
+    }
+}
+
+/// A duration as people write it: `300ms`, `2s`, `1.5s`.
+pub(crate) fn describe_wait(duration: Duration) -> String {
+    if duration < Duration::from_secs(1) {
+        format!("{}ms", duration.as_millis())
+    } else {
+        format!("{}s", (duration.as_secs_f64() * 1000.0).round() / 1000.0)
+    }
+}
+
 /// Hands out locks kept in one store.
 ///
 /// Cheap to clone; clones share the store connection and the local queue. Inside one
@@ -117,6 +202,9 @@ impl Locker {
     }
 
     /// Tries once to take the lock; `Ok(None)` if someone else holds it.
+    ///
+    /// The store gets up to [`MIN_ATTEMPT_TIME`] to answer; a store that does not is
+    /// reported as [`ErrorKind::StoreUnavailable`].
     pub async fn try_acquire<N>(&self, name: N, options: &LockOptions) -> Result<Option<LockGuard>>
     where
         N: IntoLockName,
@@ -124,12 +212,17 @@ impl Locker {
         options.validate()?;
         let name = name.into_lock_name()?;
         let owner = OwnerId::random();
-        match self
-            .attempt(&self.queue(&name), &name, &owner, options)
-            .await?
-        {
-            Attempt::Acquired(guard) => Ok(Some(guard)),
-            Attempt::Held { .. } => Ok(None),
+        let bound = Bound::new(&name, self, options, Instant::now());
+        let answer = bound
+            .run(self.attempt(&self.queue(&name), &name, &owner, options))
+            .await;
+        match answer {
+            Ok(Attempt::Acquired(guard)) => Ok(Some(guard)),
+            Ok(Attempt::Held { .. }) => Ok(None),
+            Err(error) => {
+                self.undo_uncertain(&name, &owner, &error);
+                Err(error)
+            }
         }
     }
 
@@ -140,35 +233,41 @@ impl Locker {
     /// sleep-retry loop. Dropping the returned future at any point is safe: a request
     /// already sent that turns out to have taken the lock is released in the background.
     ///
-    /// Errors: [`ErrorKind::AcquireTimeout`] when the wait bound passes. If the store
-    /// cannot be reached on the first try, the error comes back at once; a store that
-    /// becomes unreachable while this call waits (a restart, a failover) is retried with
-    /// a backoff until the wait bound, and its error is returned if that passes first.
+    /// The wait bound covers the whole call, every request to the store included; a
+    /// call that may not wait at all (`wait(Duration::ZERO)`) still gives the store up
+    /// to [`MIN_ATTEMPT_TIME`] to answer its one attempt.
+    ///
+    /// Errors: [`ErrorKind::AcquireTimeout`] when the wait bound passes while the lock
+    /// is held. If the store cannot be reached on the first try, the error comes back
+    /// at once; a store that becomes unreachable while this call waits (a restart, a
+    /// failover) is retried with a backoff until the wait bound, and
+    /// [`ErrorKind::StoreUnavailable`] is returned if that passes first.
     pub async fn acquire<N>(&self, name: N, options: &LockOptions) -> Result<LockGuard>
     where
         N: IntoLockName,
     {
         options.validate()?;
         let name = name.into_lock_name()?;
-        let deadline = options.get_wait().map(|wait| Instant::now() + wait);
-        let timed_out = || {
-            Error::new(
-                ErrorKind::AcquireTimeout,
-                format!(
-                    "lock {name:?} is still held after waiting {:?}",
-                    options.get_wait().unwrap_or_default()
-                ),
-            )
-        };
-
-        let queue = self.queue(&name);
-        let mut contender = match deadline {
-            Some(deadline) => tokio::time::timeout_at(deadline, queue.contender.lock())
-                .await
-                .map_err(|_| timed_out())?,
-            None => queue.contender.lock().await,
-        };
         let owner = OwnerId::random();
+        let result = self.acquire_as(&name, &owner, options).await;
+        if let Err(error) = &result {
+            self.undo_uncertain(&name, &owner, error);
+        }
+        result
+    }
+
+    async fn acquire_as(
+        &self,
+        name: &LockName,
+        owner: &OwnerId,
+        options: &LockOptions,
+    ) -> Result<LockGuard> {
+        let started = Instant::now();
+        let bound = Bound::new(name, self, options, started);
+        let queue = self.queue(name);
+        let mut contender = bound
+            .run_waiting(async { Ok(queue.contender.lock().await) })
+            .await?;
         // While a guard of this locker holds the lock, asking the store is pointless: the
         // holder hands the lock over or announces its release.
         let mut wait_first = queue.held_locally()
@@ -182,36 +281,36 @@ impl Locker {
             let remaining_ttl = if std::mem::take(&mut wait_first) {
                 Some(options.get_ttl())
             } else {
-                match self.attempt(&queue, &name, &owner, options).await {
+                match bound.run(self.attempt(&queue, name, owner, options)).await {
                     Ok(Attempt::Acquired(guard)) => return Ok(guard),
                     Ok(Attempt::Held { remaining_ttl }) => {
                         outage.answered();
                         remaining_ttl
                     }
                     Err(error) => {
-                        outage.pause_or_fail(error, deadline).await?;
+                        outage.pause_or_fail(error, bound.deadline).await?;
                         continue;
                     }
                 }
             };
             let now = Instant::now();
-            if deadline.is_some_and(|deadline| deadline <= now) {
-                return Err(timed_out());
+            if bound.deadline.is_some_and(|deadline| deadline <= now) {
+                return Err(bound.timed_out());
             }
             // Subscribe on the first refusal (the uncontended path never does), then
             // try again at once: a release between our attempt and the subscription
             // would otherwise go unnoticed until the re-check.
             if contender.as_ref().is_none_or(ReleaseWatch::is_closed) {
-                match self.inner.backend.watch_releases(&name).await {
+                match bound.run(self.inner.backend.watch_releases(name)).await {
                     Ok(watch) => *contender = Some(watch),
-                    Err(error) => outage.pause_or_fail(error, deadline).await?,
+                    Err(error) => outage.pause_or_fail(error, bound.deadline).await?,
                 }
                 continue;
             }
             let recheck = remaining_ttl
                 .map(|ttl| ttl + Duration::from_millis(1))
                 .unwrap_or(DEFAULT_RECHECK);
-            let limit = match deadline {
+            let limit = match bound.deadline {
                 Some(deadline) => recheck.min(deadline - now),
                 None => recheck,
             };
@@ -226,13 +325,17 @@ impl Locker {
                 ttl: options.get_ttl(),
                 reply,
             });
+            // While a task of this process holds the lock, only it can free it (by a
+            // hand-over or a release it announces locally), so there is nothing to
+            // poll for; polling then would only race the hand-over.
+            let poll = !queue.held_locally();
             let handoff = tokio::select! {
                 handoff = &mut handed => handoff.ok(),
-                _ = watch.wait(limit) => None,
+                _ = watch.wait(limit, poll) => None,
             };
             let handoff = match handoff {
                 Some(handoff) => Some(handoff),
-                None if queue.withdraw(&owner) => None,
+                None if queue.withdraw(owner) => None,
                 // A holder took the offer and is handing over right now: its answer
                 // comes within one round trip. If this future is dropped meanwhile, the
                 // holder sees the closed channel and undoes the acquisition.
@@ -246,13 +349,40 @@ impl Locker {
                 return Ok(LockGuard::start(
                     Arc::clone(&self.inner.backend),
                     Arc::clone(&queue),
-                    name,
-                    owner,
+                    name.clone(),
+                    owner.clone(),
                     token,
                     sent,
                     options,
                 ));
             }
+            // The lock passed between this process's tasks as often as it may in a row
+            // and was released to everyone: stand back for as long as waiters in other
+            // processes may take to notice (their poll interval), so one of them can
+            // get in before this process takes it again.
+            if queue.take_yield() {
+                let pause = watch.poll_max().unwrap_or(YIELD_TO_NOTIFIED_WAITERS);
+                let until = bound.deadline.map_or(Instant::now() + pause, |deadline| {
+                    deadline.min(Instant::now() + pause)
+                });
+                tokio::time::sleep_until(until).await;
+            }
+        }
+    }
+
+    /// After a failed call whose last request may have run on the store (its reply
+    /// was lost or cut off), releases whatever it may have taken. Releasing a lock this
+    /// owner does not hold changes nothing on any store.
+    fn undo_uncertain(&self, name: &LockName, owner: &OwnerId, error: &Error) {
+        if error.kind() != ErrorKind::StoreUnavailable {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let backend = Arc::clone(&self.inner.backend);
+            let (name, owner) = (name.clone(), owner.clone());
+            runtime.spawn(async move {
+                let _ = backend.release(&name, &owner).await;
+            });
         }
     }
 

@@ -33,8 +33,12 @@ pub use backend::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, ReleaseOutcome, ReleaseWatch, TryAcquire,
 };
 pub use guard::{LockGuard, LostSignal};
-pub use locker::Locker;
+pub use locker::{Locker, MIN_ATTEMPT_TIME};
 pub use signals::ReleaseSignals;
+
+/// The longest wait bound or hold cap accepted: 100 years. Longer ones are refused
+/// rather than overflow a clock; use [`LockOptions::wait_forever`] for no bound.
+pub const MAX_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// The longest lock name accepted, in bytes.
 pub const MAX_NAME_LEN: usize = 512;
@@ -224,15 +228,18 @@ impl LockOptions {
         LockOptions::default()
     }
 
-    /// The lease length. A holder that crashes frees the lock after at most this long;
-    /// while the guard lives the watchdog renews the lease every TTL/3.
+    /// The lease length, from 10 ms to one year (the default is 30 s). A holder that
+    /// crashes frees the lock after at most this long; while the guard lives the
+    /// watchdog renews the lease every TTL/3. Some engines round it or cap it further:
+    /// MySQL counts whole seconds, PostgreSQL session mode takes at most 24 days.
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
         self
     }
 
     /// How long [`Locker::acquire`] waits for a held lock before giving up with
-    /// [`ErrorKind::AcquireTimeout`]. `Duration::ZERO` tries once.
+    /// [`ErrorKind::AcquireTimeout`]; at most [`MAX_WAIT`] (use
+    /// [`wait_forever`](Self::wait_forever) for no bound). `Duration::ZERO` tries once.
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
         self
@@ -244,8 +251,9 @@ impl LockOptions {
         self
     }
 
-    /// Cap on how long one acquisition may be held in total, renewals included. When it
-    /// is reached the watchdog stops renewing and the lost signal fires.
+    /// Cap on how long one acquisition may be held in total, renewals included, at most
+    /// [`MAX_WAIT`]. When it is reached the watchdog stops renewing and the lost signal
+    /// fires.
     pub fn max_hold(mut self, max_hold: Duration) -> Self {
         self.max_hold = Some(max_hold);
         self
@@ -324,6 +332,17 @@ impl LockOptions {
                     self.ttl
                 ),
             ));
+        }
+        for (what, value) in [("wait", self.wait), ("cap on hold time", self.max_hold)] {
+            if value.is_some_and(|value| value > MAX_WAIT) {
+                return Err(Error::new(
+                    ErrorKind::InvalidOptions,
+                    format!(
+                        "the {what} must be at most 100 years; got {value:?} (to wait without a bound, use wait_forever)",
+                        value = value.unwrap_or_default()
+                    ),
+                ));
+            }
         }
         if self.max_hold.is_some_and(|cap| cap.is_zero()) {
             return Err(Error::new(
@@ -416,6 +435,8 @@ mod tests {
                 .ttl(Duration::from_secs(1))
                 .clock_drift(Duration::from_secs(1)),
             LockOptions::new().max_hold(Duration::ZERO),
+            LockOptions::new().wait(Duration::MAX),
+            LockOptions::new().max_hold(Duration::from_secs(10_000_000_000_000_000_000)),
         ] {
             assert_eq!(
                 bad.validate().unwrap_err().kind(),

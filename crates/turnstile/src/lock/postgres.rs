@@ -168,6 +168,7 @@ struct Sql {
     channel: String,
     acquire: Statement,
     reclaim: Statement,
+    hand_over: Statement,
     extend: Statement,
     release: Statement,
     inspect: Statement,
@@ -214,6 +215,18 @@ impl Sql {
                     WHERE name = $1 AND owner = $2 AND expires_at > clock_timestamp()
                     RETURNING 1)
                  SELECT token FROM {tokens} WHERE name = $1 AND EXISTS (SELECT 1 FROM renewed)"
+            )),
+            hand_over: statement(format!(
+                "WITH moved AS (
+                    UPDATE {locks} SET owner = $3,
+                        expires_at = clock_timestamp() + make_interval(secs => $4::float8 / 1000)
+                    WHERE name = $1 AND owner = $2 AND expires_at > clock_timestamp()
+                    RETURNING name),
+                 bumped AS (
+                    INSERT INTO {tokens} AS t (name, token) SELECT name, 1 FROM moved
+                    ON CONFLICT (name) DO UPDATE SET token = t.token + 1
+                    RETURNING token)
+                 SELECT (SELECT token FROM bumped) AS token"
             )),
             extend: statement(format!(
                 "WITH renewed AS (
@@ -453,7 +466,7 @@ impl PostgresLockStore {
         if leased {
             return Err(Error::new(
                 ErrorKind::Held,
-                format!("lock {name:?} is held by a lease; roll back and try again later"),
+                format!("lock \"{name}\" is held by a lease; roll back and try again later"),
             ));
         }
         // The token is issued outside the caller's transaction, on the store's own
@@ -694,6 +707,39 @@ impl LockBackend for PostgresLockStore {
 
     fn migrate(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(PostgresLockStore::migrate(self))
+    }
+
+    /// One statement: the lock passes from `from` to `to` with a new token and is never
+    /// free in between. If `from` no longer holds it, a release then an acquire.
+    fn hand_over<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: &'a OwnerId,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
+        Box::pin(async move {
+            let token: Option<i64> = sqlx::query_scalar(self.sql.hand_over.sql())
+                .bind(name.as_str())
+                .bind(from.as_str())
+                .bind(to.as_str())
+                .bind(ttl_millis(ttl))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(|error| map_error(error, "cannot hand the lock over"))?;
+            match token {
+                Some(token) => Ok((
+                    ReleaseOutcome::Released,
+                    TryAcquire::Acquired {
+                        token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
+                    },
+                )),
+                None => {
+                    let released = self.release(name, from).await?;
+                    Ok((released, self.try_acquire(name, to, ttl).await?))
+                }
+            }
+        })
     }
 
     fn describe(&self) -> String {

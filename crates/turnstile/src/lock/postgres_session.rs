@@ -56,8 +56,16 @@ const POLL_MAX: Duration = Duration::from_millis(100);
 /// application's own `hashtextextended(name, 0)` keys.
 const KEY_SEED: i64 = 0x7475_726e;
 
+/// The session's idle timeout for a lease of `ttl`: the server ends the session after
+/// the TTL without contact, plus a margin so that a holder whose renewal is merely late
+/// is not cut off; the holder itself stops trusting the lock before the TTL.
+fn server_lease(ttl: Duration) -> Duration {
+    ttl + ttl / 10 + Duration::from_millis(50)
+}
+
 struct Sql {
     acquire: Statement,
+    reissue: Statement,
     holder: Statement,
 }
 
@@ -140,6 +148,16 @@ impl PostgresSessionLockStore {
                         (SELECT count(*) FROM recorded) AS recorded,
                         (SELECT count(*) FROM lease) AS leased, pg_backend_pid() AS pid"
             )),
+            reissue: statement(format!(
+                "WITH bumped AS (
+                    UPDATE {tokens} SET token = token + 1 WHERE name = $1 RETURNING token),
+                 recorded AS (
+                    UPDATE {locks} SET owner = $2 || '@' || pg_backend_pid() WHERE name = $1
+                    RETURNING 1),
+                 lease AS (SELECT set_config('idle_session_timeout', $3, false))
+                 SELECT (SELECT token FROM bumped), (SELECT count(*) FROM recorded),
+                        (SELECT count(*) FROM lease)"
+            )),
             holder: statement(format!(
                 "WITH k AS (SELECT {key} AS key),
                  holder AS (
@@ -216,15 +234,12 @@ impl LockBackend for PostgresSessionLockStore {
             // if this future is dropped or a statement fails, never pooled.
             let mut connection = Dedicated::new(connection);
             let sent = Instant::now();
-            // The lease: the server ends the session after the TTL without contact, plus
-            // a margin so that a holder whose renewal is merely late is not cut off;
-            // the holder itself stops trusting the lock before the TTL. It is set in the
-            // statement that takes the lock, and only if it does.
-            let server_lease = ttl + ttl / 10 + Duration::from_millis(50);
+            // The lease (see `server_lease`) is set in the statement that takes the lock,
+            // and only if it does.
             let row = sqlx::query(self.sql.acquire.sql())
                 .bind(name.as_str())
                 .bind(owner.as_str())
-                .bind(ceil_millis(server_lease).to_string())
+                .bind(ceil_millis(server_lease(ttl)).to_string())
                 .fetch_one(&mut *connection)
                 .await
                 .map_err(|error| map_error(error, "cannot acquire the lock"))?;
@@ -269,6 +284,23 @@ impl LockBackend for PostgresSessionLockStore {
         owner: &'a OwnerId,
     ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
         Box::pin(session::release(self, name, owner))
+    }
+
+    fn hand_over<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: &'a OwnerId,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
+        Box::pin(session::hand_over(
+            self,
+            name,
+            from,
+            to,
+            ttl,
+            self.try_acquire(name, to, ttl),
+        ))
     }
 
     fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
@@ -372,6 +404,23 @@ impl SessionEngine for PostgresSessionLockStore {
 
     async fn close(&self, connection: Dedicated<Postgres>) {
         connection.close().await;
+    }
+
+    async fn reissue(
+        &self,
+        connection: &mut Dedicated<Postgres>,
+        name: &LockName,
+        to: &OwnerId,
+        ttl: Duration,
+    ) -> Result<FencingToken> {
+        let token: i64 = sqlx::query_scalar(self.sql.reissue.sql())
+            .bind(name.as_str())
+            .bind(to.as_str())
+            .bind(ceil_millis(server_lease(ttl)).to_string())
+            .fetch_one(&mut **connection)
+            .await
+            .map_err(|error| map_error(error, "cannot hand the lock over"))?;
+        Ok(FencingToken::new(u64::try_from(token).unwrap_or(0)))
     }
 
     async fn holder_id(&self, name: &LockName) -> Result<Option<u64>> {

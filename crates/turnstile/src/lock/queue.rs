@@ -2,7 +2,7 @@
 //! a release hands the lock straight to the contender when it can.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -25,6 +25,9 @@ pub(crate) struct LocalQueue {
     /// The contender, while it sleeps, offers itself here for a direct handoff.
     waiting: Mutex<Option<HandoffOffer>>,
     handoffs_in_a_row: AtomicU32,
+    /// Set when the hand-over cap sent a release to the store: the next local contender
+    /// stands back for a moment so that waiters elsewhere can get in.
+    yield_to_others: AtomicBool,
     /// Guards of this locker that hold the lock and have not started releasing it.
     local_holders: AtomicUsize,
 }
@@ -73,9 +76,16 @@ impl LocalQueue {
         waiting.as_ref()?;
         if self.handoffs_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 > MAX_HANDOFFS_IN_A_ROW {
             self.handoffs_in_a_row.store(0, Ordering::Relaxed);
+            self.yield_to_others.store(true, Ordering::SeqCst);
             return None;
         }
         waiting.take()
+    }
+
+    /// Whether the contender should stand back once before its next attempt (see
+    /// `yield_to_others`); clears the flag.
+    pub(crate) fn take_yield(&self) -> bool {
+        self.yield_to_others.swap(false, Ordering::SeqCst)
     }
 
     /// A guard of this locker now holds the lock.

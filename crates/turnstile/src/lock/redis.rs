@@ -400,7 +400,7 @@ impl RedisLockStore {
         };
         let mut store = RedisLockStore {
             connection,
-            notifier: Notifier::new(client, config.connect_timeout),
+            notifier: Notifier::new(client, config.connect_timeout, config.response_timeout),
             config,
             scripts: Arc::new(scripts),
             url: crate::store::redact(url),
@@ -631,18 +631,20 @@ impl LockBackend for RedisLockStore {
 struct Notifier {
     client: Client,
     connect_timeout: Duration,
+    response_timeout: Duration,
     signals: ReleaseSignals,
     sink: tokio::sync::Mutex<Option<(u64, PubSubSink)>>,
     generation: std::sync::atomic::AtomicU64,
 }
 
 impl Notifier {
-    fn new(client: Client, connect_timeout: Duration) -> Arc<Notifier> {
+    fn new(client: Client, connect_timeout: Duration, response_timeout: Duration) -> Arc<Notifier> {
         Arc::new_cyclic(|weak: &Weak<Notifier>| {
             let weak = weak.clone();
             Notifier {
                 client,
                 connect_timeout,
+                response_timeout,
                 signals: ReleaseSignals::with_idle_hook(move |channel| {
                     if let (Some(notifier), Ok(runtime)) =
                         (weak.upgrade(), tokio::runtime::Handle::try_current())
@@ -667,10 +669,22 @@ impl Notifier {
             let Some((_, live)) = sink.as_mut() else {
                 unreachable!("connected above");
             };
-            if let Err(error) = live.subscribe(&channel).await {
-                *sink = None;
-                return Err(map_error(error, "cannot subscribe to lock releases"));
-            }
+            // Bounded: the notifier's mutex is held meanwhile, and every waiter of this
+            // store needs it.
+            let error =
+                match tokio::time::timeout(self.response_timeout, live.subscribe(&channel)).await {
+                    Ok(Ok(())) => return Ok(watch),
+                    Ok(Err(error)) => map_error(error, "cannot subscribe to lock releases"),
+                    Err(_) => Error::new(
+                        ErrorKind::StoreUnavailable,
+                        format!(
+                            "Redis did not confirm the subscription to lock releases within {:?}",
+                            self.response_timeout
+                        ),
+                    ),
+                };
+            self.discard(&mut sink);
+            return Err(error);
         }
         Ok(watch)
     }
@@ -682,10 +696,21 @@ impl Notifier {
             return;
         }
         if let Some((_, live)) = sink.as_mut()
-            && live.unsubscribe(&channel).await.is_err()
+            && !matches!(
+                tokio::time::timeout(self.response_timeout, live.unsubscribe(&channel)).await,
+                Ok(Ok(()))
+            )
         {
-            *sink = None;
+            self.discard(&mut sink);
         }
+    }
+
+    /// Forgets a Pub/Sub connection that failed, and closes every watch: the channels
+    /// subscribed on it are no longer heard, so their waiters must subscribe again on a
+    /// new connection (they see their watch closed and do).
+    fn discard(&self, sink: &mut Option<(u64, PubSubSink)>) {
+        *sink = None;
+        self.signals.close_all();
     }
 
     async fn connect(self: &Arc<Self>) -> Result<(u64, PubSubSink)> {
@@ -717,8 +742,7 @@ impl Notifier {
                     .as_ref()
                     .is_some_and(|(current, _)| *current == generation)
                 {
-                    *sink = None;
-                    signals.close_all();
+                    notifier.discard(&mut sink);
                 }
             }
         });

@@ -9,7 +9,9 @@ use std::time::Duration;
 use sqlx::pool::PoolConnection;
 use tokio::time::Instant;
 
-use super::{ExtendOutcome, LockName, LossReason, OwnerId, ReleaseOutcome, ReleaseSignals};
+use super::{
+    ExtendOutcome, LockName, LossReason, OwnerId, ReleaseOutcome, ReleaseSignals, TryAcquire,
+};
 use crate::error::Result;
 use crate::fence::FencingToken;
 
@@ -138,7 +140,7 @@ pub(crate) trait SessionEngine: Send + Sync {
     /// A held session's connection.
     type Connection: Send;
     /// How the engine names a lock on the server.
-    type Key: Send + Sync;
+    type Key: Send + Sync + Clone;
 
     /// The sessions of the locks this store holds.
     fn sessions(&self) -> &HeldSessions<Self::Connection, Self::Key>;
@@ -166,6 +168,16 @@ pub(crate) trait SessionEngine: Send + Sync {
 
     /// Ends a session for good; the server frees whatever it held.
     fn close(&self, connection: Self::Connection) -> impl Future<Output = ()> + Send;
+
+    /// Gives the lock held on `connection` to `to` without letting go of it: issues a
+    /// new token, records `to` as the holder and sets the session's lease to `ttl`.
+    fn reissue<'a>(
+        &'a self,
+        connection: &'a mut Self::Connection,
+        name: &'a LockName,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<FencingToken>> + Send + 'a;
 
     /// The server id of the session that holds `name` now, if any.
     fn holder_id<'a>(
@@ -247,6 +259,50 @@ pub(crate) async fn extend<E: SessionEngine>(
         Ok(Ok(true)) => LossReason::TakenOver,
         _ => LossReason::Expired,
     }))
+}
+
+/// Hand-over for session engines: the holder's session keeps the lock and passes to
+/// the next owner with a new token, so the lock is never free in between (a waiter
+/// elsewhere cannot slip in, and there is no second round trip to take it again). If
+/// `from` no longer holds the lock, it is a release followed by an acquire.
+pub(crate) async fn hand_over<E: SessionEngine>(
+    engine: &E,
+    name: &LockName,
+    from: &OwnerId,
+    to: &OwnerId,
+    ttl: Duration,
+    acquire: impl Future<Output = Result<TryAcquire>>,
+) -> Result<(ReleaseOutcome, TryAcquire)> {
+    if let Some(shared) = engine.sessions().get(from) {
+        let mut session = shared.lock().await;
+        if still_holds(engine, &mut session).await
+            && let Some(mut connection) = session.connection.take()
+        {
+            engine.sessions().forget(from);
+            let sent = Instant::now();
+            let token = match engine.reissue(&mut connection, name, to, ttl).await {
+                Ok(token) => token,
+                Err(error) => {
+                    // In doubt about what the session holds now: end it, freeing the lock.
+                    engine.close(connection).await;
+                    engine.signals().notify(name.as_str());
+                    return Err(error);
+                }
+            };
+            let moved = Session {
+                connection: Some(connection),
+                server_id: session.server_id,
+                key: session.key.clone(),
+                token,
+                ttl,
+                last_contact: sent,
+            };
+            engine.sessions().insert(to, moved);
+            return Ok((ReleaseOutcome::Released, TryAcquire::Acquired { token }));
+        }
+    }
+    let released = release(engine, name, from).await?;
+    Ok((released, acquire.await?))
 }
 
 /// Release for session engines: unlock on the holder's session and recycle it, or, if

@@ -57,6 +57,13 @@ WHERE turnstile_locks.owner IS NULL OR turnstile_locks.expires_at_ms <= ?5
    OR turnstile_locks.owner = excluded.owner
 RETURNING token";
 
+/// Passes a live lock from its holder (?2) straight to the next owner (?3) with a new
+/// token: the lock is never free in between.
+const HAND_OVER: &str = "UPDATE turnstile_locks
+SET owner = ?3, token = max(token + 1, ?4), expires_at_ms = ?5
+WHERE name = ?1 AND owner = ?2 AND expires_at_ms > ?6
+RETURNING token";
+
 /// The first and the longest interval between re-checks by a waiter that no
 /// notification can reach (one in another process).
 const POLL_MIN: Duration = Duration::from_millis(2);
@@ -369,6 +376,41 @@ impl LockBackend for SqliteLockStore {
 
     fn migrate(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(SqliteLockStore::migrate(self))
+    }
+
+    fn hand_over<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: &'a OwnerId,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
+        Box::pin(async move {
+            let (now_ms, now_us) = wall_clock();
+            let token: Option<i64> = sqlx::query_scalar(HAND_OVER)
+                .bind(name.as_str())
+                .bind(from.as_str())
+                .bind(to.as_str())
+                .bind(now_us)
+                .bind(now_ms.saturating_add(millis_i64(ttl)))
+                .bind(now_ms)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|error| map_error(error, "cannot hand the lock over"))?;
+            match token {
+                Some(token) => Ok((
+                    ReleaseOutcome::Released,
+                    TryAcquire::Acquired {
+                        token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
+                    },
+                )),
+                // Not ours any more: release what there is to release, then try.
+                None => {
+                    let released = self.release(name, from).await?;
+                    Ok((released, self.try_acquire(name, to, ttl).await?))
+                }
+            }
+        })
     }
 
     fn describe(&self) -> String {

@@ -595,6 +595,50 @@ pub async fn cancelled_acquires_leak_no_lock(store: impl TestStore) {
     }
 }
 
+/// Two processes, each with two tasks running 100 ms critical sections: both make
+/// progress. (Hand-overs inside one process are capped; after the cap the process
+/// stands back long enough for the other's waiter to get in.)
+pub async fn two_processes_with_long_sections_both_make_progress(store: impl TestStore) {
+    let lock = name("fair");
+    let stop_at = Instant::now() + Duration::from_secs(4);
+    let mut tasks = Vec::new();
+    for process in 0..2 {
+        let locker = store.locker().await;
+        for _ in 0..2 {
+            let (locker, lock) = (locker.clone(), lock.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut sections = 0u32;
+                while Instant::now() < stop_at {
+                    let Ok(guard) = locker
+                        .acquire(&lock, &options(5_000).wait(Duration::from_secs(10)))
+                        .await
+                    else {
+                        continue;
+                    };
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    guard.release().await.unwrap();
+                    sections += 1;
+                }
+                (process, sections)
+            }));
+        }
+    }
+    let mut per_process = [0u32; 2];
+    for task in tasks {
+        let (process, sections) = task.await.unwrap();
+        per_process[process] += sections;
+    }
+    let (fewest, most) = (
+        per_process[0].min(per_process[1]),
+        per_process[0].max(per_process[1]),
+    );
+    assert!(most >= 20, "too few sections ran at all: {per_process:?}");
+    assert!(
+        f64::from(fewest) / f64::from(most) >= 0.5,
+        "one process starved the other: {per_process:?}"
+    );
+}
+
 /// The notes' paused-holder scenario, for an engine's fenced store: A holds token N and
 /// pauses past its lease; B acquires N+1 and writes; A's late write is rejected by the
 /// store, and B may write again. `write(token, total)` makes one fenced write of
@@ -662,6 +706,7 @@ macro_rules! conformance_tests {
             a_remote_waiter_is_not_starved_by_local_handoffs,
             an_acquire_repeated_by_its_owner_gets_the_lock_it_has,
             cancelled_acquires_leak_no_lock,
+            two_processes_with_long_sections_both_make_progress,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
