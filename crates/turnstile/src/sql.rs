@@ -47,6 +47,16 @@ pub(crate) fn map_error(error: sqlx::Error, context: &str) -> Error {
     Error::new(kind, context.to_owned()).with_source(error)
 }
 
+/// Whether a statement gave up waiting for a row lock (PostgreSQL `lock_timeout`,
+/// SQLSTATE 55P03).
+#[cfg(feature = "postgres")]
+pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| code == "55P03")
+}
+
 /// Checks a schema or table-name prefix: a plain SQL identifier, so it can be quoted
 /// safely into statements.
 #[allow(dead_code)]

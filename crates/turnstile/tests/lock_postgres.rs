@@ -439,3 +439,146 @@ mod session {
         );
     }
 }
+
+/// Waits (bounded) until `condition` holds.
+async fn eventually(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
+    let until = tokio::time::Instant::now() + limit;
+    while !condition() {
+        assert!(tokio::time::Instant::now() < until, "{what} did not happen within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A waiter in another process is woken by the release's NOTIFY (seen on its store's
+/// counter), and a release that nobody waits for sends no NOTIFY at all (each one
+/// serialises every committing transaction that sent one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_notify_waiters_and_only_when_someone_waits() {
+    use turnstile::lock::{LockBackend, LockName};
+    let url = shared_postgres().fresh_database("notify");
+    let holder_store = PostgresLockStore::connect(&url).await.unwrap();
+    let waiter_store = PostgresLockStore::connect(&url).await.unwrap();
+    let holder = Locker::new(holder_store.clone());
+    let waiter = Locker::new(waiter_store.clone());
+    // Start the waiter's LISTEN connection.
+    let _watch = waiter_store
+        .watch_releases(&LockName::new("warm-up").unwrap())
+        .await
+        .unwrap();
+    assert!(waiter_store.is_listening());
+
+    // Nobody waits: the release sends no notification.
+    let long = LockOptions::new().ttl(Duration::from_secs(30));
+    holder.acquire("quiet", &long).await.unwrap().release().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(waiter_store.notifications_received(), 0, "a release nobody waited for notified");
+
+    // Someone waits: woken by the notification, long before the holder's 30 s lease.
+    let guard = holder.acquire("busy", &long).await.unwrap();
+    let waiting = tokio::spawn(async move {
+        waiter
+            .acquire("busy", &long.clone().wait(Duration::from_secs(20)))
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released = tokio::time::Instant::now();
+    guard.release().await.unwrap();
+    let taken = waiting.await.unwrap().unwrap();
+    assert!(released.elapsed() < Duration::from_secs(2), "woke {:?} after", released.elapsed());
+    assert!(waiter_store.notifications_received() >= 1, "the waiter was not notified");
+    taken.release().await.unwrap();
+}
+
+/// A LISTEN connection that cannot be made at first (the server is down) is retried;
+/// waiters poll meanwhile and are notified again once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listen_connection_comes_back_after_the_server_does() {
+    use turnstile::lock::{LockBackend, LockName};
+    let server = PostgresServer::spawn();
+    let store = PostgresLockStore::connect(&server.url()).await.unwrap();
+    server.kill();
+    let name = LockName::new("later").unwrap();
+    let _watch = store.watch_releases(&name).await.unwrap();
+    assert!(!store.is_listening());
+    server.restart();
+    eventually("listening again", Duration::from_secs(20), || store.is_listening()).await;
+}
+
+/// The application's pool must leave a connection for renewals; the LISTEN connection
+/// is not taken from it.
+#[tokio::test]
+async fn an_application_pool_too_small_to_renew_is_refused() {
+    let url = shared_postgres().fresh_database("tinypool");
+    let tiny = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    let error = PostgresLockStore::from_pool(tiny, PostgresLockConfig::new())
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidOptions);
+    assert!(error.to_string().contains("at least 2"), "{error}");
+}
+
+/// A lease acquire meeting a transaction-scoped holder answers "held" within the
+/// store's short lock timeout instead of waiting for the transaction to end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_acquire_does_not_wait_for_a_transaction_scoped_holder() {
+    let url = shared_postgres().fresh_database("xwait");
+    let store = PostgresLockStore::connect(&url).await.unwrap();
+    let mut transaction = store.pool().begin().await.unwrap();
+    store
+        .lock_in_transaction(&mut transaction, "nightly")
+        .await
+        .unwrap();
+    let other = Locker::new(PostgresLockStore::connect(&url).await.unwrap());
+    let started = tokio::time::Instant::now();
+    let answer = other
+        .try_acquire("nightly", &LockOptions::new())
+        .await
+        .unwrap();
+    assert!(answer.is_none(), "the lock is held by the transaction");
+    assert!(started.elapsed() < Duration::from_secs(1), "waited {:?}", started.elapsed());
+    transaction.rollback().await.unwrap();
+    other
+        .try_acquire("nightly", &LockOptions::new())
+        .await
+        .unwrap()
+        .expect("free after the rollback")
+        .release()
+        .await
+        .unwrap();
+}
+
+/// A name used in session mode cannot be taken in lease mode, and the other way round:
+/// each says so clearly (before: "cannot subtract infinite timestamps").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_name_is_used_in_one_mode() {
+    let url = shared_postgres().fresh_database("modes");
+    let lease = Locker::connect(&url).await.unwrap();
+    let session = Locker::connect(&format!("{url}?turnstile_mode=session"))
+        .await
+        .unwrap();
+    let held = session.acquire("by-session", &LockOptions::new()).await.unwrap();
+    let error = lease
+        .try_acquire("by-session", &LockOptions::new())
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidOptions, "{error}");
+    assert!(error.to_string().contains("one mode per name"), "{error}");
+    held.release().await.unwrap();
+
+    lease
+        .acquire("by-lease", &LockOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let error = session
+        .try_acquire("by-lease", &LockOptions::new())
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidOptions, "{error}");
+}

@@ -38,6 +38,7 @@ use std::time::Duration;
 
 use sqlx::Row;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use tokio::sync::OnceCell;
 
 use super::{
@@ -48,6 +49,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::sql::{Statement, map_error, split_url_options, statement, validate_identifier};
 use sqlx::AssertSqlSafe;
+
+/// The database clock in microseconds since the Unix epoch: the floor of new tokens.
+pub(crate) const CLOCK_US: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::int8";
 
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
@@ -184,27 +188,39 @@ impl Sql {
         let locks = format!("{schema}.\"{}_locks\"", config.prefix);
         let fences = format!("{schema}.\"{}_fences\"", config.prefix);
         let tokens = format!("{schema}.\"{}_tokens\"", config.prefix);
-        // A lock row's token is the last one issued for its name, which is the holder's
-        // while the lock is held.
-        let bump = format!(
-            "INSERT INTO {tokens} AS t (name, token) SELECT name, 1 FROM attempt
-             ON CONFLICT (name) DO UPDATE SET token = t.token + 1
-             RETURNING token"
-        );
-        let remaining =
-            "GREATEST(0, CEIL(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000))::int8";
+        // A name's token row holds the last token issued for it, which is the holder's
+        // while the lock is held. New tokens are `max(last + 1, database clock in µs)`,
+        // so they keep increasing even if the row was pruned, and share their range with
+        // the other engines.
+        let bump = |from: &str| {
+            format!(
+                "INSERT INTO {tokens} AS t (name, token) SELECT name, {CLOCK_US} FROM {from}
+                 ON CONFLICT (name) DO UPDATE SET token = GREATEST(t.token + 1, EXCLUDED.token)
+                 RETURNING token"
+            )
+        };
+        let attempt_bump = bump("attempt");
+        let moved_bump = bump("moved");
+        // NULL for a row written by session mode, whose lease is the session's.
+        let remaining = "CASE WHEN isfinite(expires_at) THEN
+             GREATEST(0, CEIL(EXTRACT(EPOCH FROM (expires_at - clock_timestamp())) * 1000))::int8 END";
         Sql {
             acquire: statement(format!(
                 "WITH attempt AS (
                     INSERT INTO {locks} AS l (name, owner, expires_at)
                     VALUES ($1, $2, clock_timestamp() + make_interval(secs => $3::float8 / 1000))
                     ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
-                    WHERE l.owner IS NULL OR l.expires_at <= clock_timestamp()
+                    WHERE isfinite(l.expires_at) AND (l.owner IS NULL OR l.expires_at <= clock_timestamp())
                     RETURNING name),
-                 bumped AS ({bump})
+                 bumped AS ({attempt_bump}),
+                 waiting AS (
+                    UPDATE {locks} SET waiting_until = GREATEST(waiting_until, expires_at + interval '1 second')
+                    WHERE name = $1 AND isfinite(expires_at) AND NOT EXISTS (SELECT 1 FROM attempt)
+                    RETURNING 1)
                  SELECT (SELECT token FROM bumped) AS token,
                         (SELECT {remaining} FROM {locks} WHERE name = $1 AND owner IS NOT NULL) AS remaining_ms,
-                        (SELECT owner FROM {locks} WHERE name = $1) AS holder"
+                        (SELECT owner FROM {locks} WHERE name = $1) AS holder,
+                        (SELECT NOT isfinite(expires_at) FROM {locks} WHERE name = $1) AS session_mode"
             )),
             // Only for an owner that already holds the lock: a renewal that also returns
             // the token. Nobody can have been issued a token since the owner took the
@@ -222,10 +238,7 @@ impl Sql {
                         expires_at = clock_timestamp() + make_interval(secs => $4::float8 / 1000)
                     WHERE name = $1 AND owner = $2 AND expires_at > clock_timestamp()
                     RETURNING name),
-                 bumped AS (
-                    INSERT INTO {tokens} AS t (name, token) SELECT name, 1 FROM moved
-                    ON CONFLICT (name) DO UPDATE SET token = t.token + 1
-                    RETURNING token)
+                 bumped AS ({moved_bump})
                  SELECT (SELECT token FROM bumped) AS token"
             )),
             extend: statement(format!(
@@ -244,26 +257,34 @@ impl Sql {
                  released AS (
                     UPDATE {locks} SET owner = NULL, expires_at = clock_timestamp()
                     WHERE name = $1 AND owner = $2
-                    RETURNING pg_notify($3, $1))
+                    RETURNING waiting_until),
+                 notified AS (
+                    SELECT pg_notify($3, $1) FROM released WHERE waiting_until > clock_timestamp())
                  SELECT (SELECT live FROM mine) AS live,
+                        (SELECT count(*) FROM notified) AS notified,
                         (SELECT count(*) FROM released) AS released,
                         EXISTS (SELECT 1 FROM {locks} WHERE name = $1 AND owner <> $2
                                 AND expires_at > clock_timestamp()) AS taken"
             )),
             inspect: statement(format!(
                 "SELECT owner, token, {remaining} AS remaining_ms FROM {locks} JOIN {tokens} USING (name)
-                 WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()"
+                 WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()
+                   AND isfinite(expires_at)"
             )),
             force: statement(format!(
                 "WITH old AS (
                     SELECT owner, token, {remaining} AS remaining_ms FROM {locks} AS l JOIN {tokens} USING (name)
                     WHERE name = $1 AND owner IS NOT NULL AND expires_at > clock_timestamp()
+                      AND isfinite(expires_at)
                     FOR UPDATE OF l),
                  broken AS (
                     UPDATE {locks} SET owner = NULL, expires_at = clock_timestamp()
                     WHERE name = $1 AND EXISTS (SELECT 1 FROM old)
-                    RETURNING pg_notify($2, $1))
-                 SELECT owner, token, remaining_ms, (SELECT count(*) FROM broken) AS broken FROM old"
+                    RETURNING waiting_until),
+                 notified AS (
+                    SELECT pg_notify($2, $1) FROM broken WHERE waiting_until > clock_timestamp())
+                 SELECT owner, token, remaining_ms, (SELECT count(*) FROM broken) AS broken,
+                        (SELECT count(*) FROM notified) AS notified FROM old"
             )),
             ensure_row: statement(format!(
                 "INSERT INTO {locks} (name, owner, expires_at) VALUES ($1, NULL, clock_timestamp())
@@ -274,8 +295,8 @@ impl Sql {
                  FROM {locks} WHERE name = $1 FOR UPDATE"
             )),
             issue_token: statement(format!(
-                "INSERT INTO {tokens} AS t (name, token) VALUES ($1, 1)
-                 ON CONFLICT (name) DO UPDATE SET token = t.token + 1
+                "INSERT INTO {tokens} AS t (name, token) VALUES ($1, {CLOCK_US})
+                 ON CONFLICT (name) DO UPDATE SET token = GREATEST(t.token + 1, EXCLUDED.token)
                  RETURNING token"
             )),
             channel: format!("{}_released", config.prefix),
@@ -294,7 +315,14 @@ pub struct PostgresLockStore {
     config: PostgresLockConfig,
     sql: Arc<Sql>,
     signals: ReleaseSignals,
-    listener: Arc<OnceCell<bool>>,
+    listener: Arc<Listener>,
+    /// For the application's own transactions (see [`pool`](Self::pool)): the store's
+    /// connections carry short lock and statement timeouts that must not leak into
+    /// them.
+    app_pool: PgPool,
+    /// Issues transaction-scoped tokens: apart from `pool`, which callers may fill with
+    /// transactions waiting for the very lock whose holder needs a token.
+    issuer: PgPool,
     url: String,
 }
 
@@ -328,8 +356,23 @@ impl PostgresLockStore {
             .with_source(error)
         })?;
         // Tokens must survive a crash even where the server runs with
-        // synchronous_commit = off: a lost commit would issue a token again.
-        let options = options.options([("synchronous_commit", "on")]);
+        // synchronous_commit = off: a lost commit would issue a token again. No
+        // statement of the store's waits long for a row lock (a transaction-scoped
+        // holder's) or runs long: the callers' wait bounds stay in charge.
+        let options = options.options([
+            ("synchronous_commit", "on"),
+            ("lock_timeout", "250"),
+            ("statement_timeout", "10000"),
+        ]);
+        let app_pool = PgPoolOptions::new()
+            .max_connections(config.max_connections)
+            .min_connections(0)
+            .acquire_timeout(config.connect_timeout)
+            .connect_lazy_with(
+                PgConnectOptions::from_str(url)
+                    .map_err(|error| Error::new(ErrorKind::InvalidUrl, "bad URL").with_source(error))?
+                    .options([("synchronous_commit", "on")]),
+            );
         let pool = PgPoolOptions::new()
             .max_connections(config.max_connections)
             .acquire_timeout(config.connect_timeout)
@@ -349,7 +392,7 @@ impl PostgresLockStore {
                 }
                 error
             })?;
-        PostgresLockStore::with_pool_described(pool, config, redacted).await
+        PostgresLockStore::with_pool_described(pool, app_pool, config, redacted).await
     }
 
     /// Uses the application's own pool. Migrates on first use unless configured not to.
@@ -358,9 +401,24 @@ impl PostgresLockStore {
     /// on (the server's default) for its connections, or a crash can lose the last
     /// acquisitions and issue their tokens again. [`connect`](Self::connect) sets it on
     /// its own connections whatever the server's default.
+    ///
+    /// The pool needs at least two connections: renewals must find one while the
+    /// application holds another (say, in a transaction). Notifications use a connection
+    /// of their own, made with the pool's settings.
     pub async fn from_pool(pool: PgPool, config: PostgresLockConfig) -> Result<Self> {
         config.validate()?;
+        let size = pool.options().get_max_connections();
+        if size < 2 {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "the application's pool has {size} connection; Turnstile needs at least 2 \
+                     (renewals must get one while the application holds another)"
+                ),
+            ));
+        }
         PostgresLockStore::with_pool_described(
+            pool.clone(),
             pool,
             config,
             "postgres (application pool)".to_owned(),
@@ -370,15 +428,26 @@ impl PostgresLockStore {
 
     async fn with_pool_described(
         pool: PgPool,
+        app_pool: PgPool,
         config: PostgresLockConfig,
         url: String,
     ) -> Result<Self> {
+        let connect_options = (*pool.connect_options()).clone();
         let store = PostgresLockStore {
             sql: Arc::new(Sql::new(&config)),
+            listener: Arc::new(Listener::new(
+                connect_options.clone(),
+                config.connect_timeout,
+            )),
+            issuer: PgPoolOptions::new()
+                .max_connections(2)
+                .min_connections(0)
+                .acquire_timeout(config.connect_timeout)
+                .connect_lazy_with(connect_options),
             pool,
+            app_pool,
             config,
             signals: ReleaseSignals::new(),
-            listener: Arc::new(OnceCell::new()),
             url,
         };
         if store.config.migrate {
@@ -393,6 +462,12 @@ impl PostgresLockStore {
         let sql = &self.sql;
         let fail = |error| map_error(error, "cannot create Turnstile's PostgreSQL tables");
         let mut transaction = self.pool.begin().await.map_err(fail)?;
+        // Another process may be migrating: wait for it, longer than the store's usual
+        // timeouts allow.
+        sqlx::raw_sql("SET LOCAL lock_timeout = '60s'; SET LOCAL statement_timeout = 0")
+            .execute(&mut *transaction)
+            .await
+            .map_err(fail)?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext('turnstile:migrate'))")
             .execute(&mut *transaction)
             .await
@@ -409,6 +484,19 @@ impl PostgresLockStore {
             format!(
                 "CREATE TABLE IF NOT EXISTS {} (name TEXT PRIMARY KEY, token BIGINT NOT NULL)",
                 sql.tokens
+            ),
+            // Until when someone waits for the lock: a release notifies only then, since a
+            // NOTIFY serialises every committing transaction that sent one. Added only if
+            // missing: ALTER TABLE would take an exclusive lock on the table (and wait for
+            // every open transaction that touched it) even when there is nothing to do.
+            format!(
+                "DO $$ BEGIN
+                   IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{locks}'::regclass
+                                  AND attname = 'waiting_until' AND NOT attisdropped) THEN
+                     ALTER TABLE {locks} ADD COLUMN waiting_until TIMESTAMPTZ NOT NULL DEFAULT '-infinity';
+                   END IF;
+                 END $$",
+                locks = sql.locks
             ),
             format!(
                 "CREATE TABLE IF NOT EXISTS {} (resource TEXT PRIMARY KEY, token BIGINT NOT NULL)",
@@ -429,8 +517,8 @@ impl PostgresLockStore {
     ///
     /// The lock is a row lock (`SELECT … FOR UPDATE`) on the lock's row: another
     /// transaction-scoped locker waits for this transaction to end (bounded by the
-    /// server's `lock_timeout`), and a lease acquirer waits too and then finds the lock
-    /// free. If a lease (a [`LockGuard`](crate::LockGuard)) holds the lock now, this
+    /// `lock_timeout` of the caller's session), and a lease acquirer finds the lock held
+    /// (within the store's own 250 ms lock timeout). If a lease (a [`LockGuard`](crate::LockGuard)) holds the lock now, this
     /// returns [`ErrorKind::Held`] at once rather than wait for it; roll back and retry.
     /// The token comes from the same per-name counter as lease tokens, and is committed
     /// on its own: a rollback does not give the number back, so tokens stay strictly
@@ -469,12 +557,13 @@ impl PostgresLockStore {
                 format!("lock \"{name}\" is held by a lease; roll back and try again later"),
             ));
         }
-        // The token is issued outside the caller's transaction, on the store's own
-        // connection, so that a rollback cannot hand the same number out again. It is on
-        // another row than the lock, so this does not wait for the lock we now hold.
+        // The token is issued outside the caller's transaction, on a connection of the
+        // store's own (not the shared pool, which callers waiting for this very lock may
+        // have exhausted), so that a rollback cannot hand the same number out again. It
+        // is on another row than the lock, so this does not wait for the lock we hold.
         let token: i64 = sqlx::query_scalar(self.sql.issue_token.sql())
             .bind(name.as_str())
-            .fetch_one(&self.pool)
+            .fetch_one(&self.issuer)
             .await
             .map_err(fail)?;
         Ok(FencingToken::new(u64::try_from(token).unwrap_or(0)))
@@ -485,9 +574,13 @@ impl PostgresLockStore {
         (self.sql.locks.clone(), self.sql.tokens.clone())
     }
 
-    /// The connection pool.
+    /// A pool for the application's own work on this database — transactions that
+    /// take [`lock_in_transaction`](Self::lock_in_transaction), fenced writes — with
+    /// `synchronous_commit` on and none of the short timeouts the store's own
+    /// statements run under. (With [`from_pool`](Self::from_pool), the application's
+    /// pool.)
     pub fn pool(&self) -> &PgPool {
-        &self.pool
+        &self.app_pool
     }
 
     /// The fenced-write helper for this store's fence table.
@@ -495,41 +588,162 @@ impl PostgresLockStore {
         crate::fence::postgres::PostgresFence::new(self.sql.fences.clone())
     }
 
-    /// Starts the shared `LISTEN` connection once; `false` if it could not be started
-    /// (waiters then poll).
+    /// Starts the `LISTEN` connection on first use and says whether it is listening
+    /// now (waiters poll while it is not).
     async fn ensure_listener(&self) -> bool {
         if !self.config.notifications {
             return false;
         }
-        *self
-            .listener
+        self.listener
+            .started
             .get_or_init(|| async {
-                let Ok(mut listener) = PgListener::connect_with(&self.pool).await else {
-                    return false;
-                };
-                if listener.listen(&self.sql.channel).await.is_err() {
-                    return false;
-                }
-                let signals = self.signals.clone();
-                tokio::spawn(async move {
-                    loop {
-                        match listener.try_recv().await {
-                            Ok(Some(notification)) => signals.notify(notification.payload()),
-                            // The connection dropped and is re-established on the next
-                            // call: notifications may have been missed, so everyone
-                            // re-checks.
-                            Ok(None) => signals.notify_all(),
-                            Err(_) => {
-                                signals.notify_all();
-                                tokio::time::sleep(Duration::from_millis(200)).await;
-                            }
+                // The first connection is made here, so the first waiter already knows
+                // whether it will be notified; later ones are the task's business.
+                let first = listen(&self.listener.pool, &self.sql.channel).await;
+                self.listener
+                    .state
+                    .listening
+                    .store(first.is_ok(), Ordering::SeqCst);
+                let task = tokio::spawn(keep_listening(
+                    first,
+                    self.listener.pool.clone(),
+                    self.sql.channel.clone(),
+                    Arc::clone(&self.listener.state),
+                    self.signals.clone(),
+                ));
+                *self
+                    .listener
+                    .task
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(task);
+            })
+            .await;
+        self.listener.state.listening.load(Ordering::SeqCst)
+    }
+
+    /// How many release notifications this store's `LISTEN` connection has delivered:
+    /// a way to see that waiters are woken by notifications and not by polling.
+    pub fn notifications_received(&self) -> u64 {
+        self.listener.state.received.load(Ordering::Relaxed)
+    }
+
+    /// Whether the `LISTEN` connection is up now (`false` before the first waiter, with
+    /// notifications off, or while it reconnects; waiters poll meanwhile).
+    pub fn is_listening(&self) -> bool {
+        self.listener.state.listening.load(Ordering::SeqCst)
+    }
+}
+
+/// The `LISTEN` side of a store: its own connection (outside the store's pool, and
+/// outside an application's pool given to `from_pool`), a task that keeps it up, and
+/// the task's end when the last clone of the store is dropped.
+struct Listener {
+    pool: PgPool,
+    state: Arc<ListenerState>,
+    started: OnceCell<()>,
+    task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+#[derive(Default)]
+struct ListenerState {
+    listening: AtomicBool,
+    received: AtomicU64,
+}
+
+impl Listener {
+    fn new(connect_options: PgConnectOptions, connect_timeout: Duration) -> Listener {
+        Listener {
+            pool: PgPoolOptions::new()
+                .max_connections(1)
+                .min_connections(0)
+                .acquire_timeout(connect_timeout)
+                .connect_lazy_with(connect_options),
+            state: Arc::default(),
+            started: OnceCell::new(),
+            task: std::sync::Mutex::new(None),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Some(task) = self
+            .task
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            task.abort();
+        }
+    }
+}
+
+async fn listen(pool: &PgPool, channel: &str) -> std::result::Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener.listen(channel).await?;
+    Ok(listener)
+}
+
+/// Delivers notifications to waiters; when the connection fails, wakes every waiter
+/// (notifications may have been missed) and reconnects with a backoff from 100 ms to
+/// 30 s. Waiters poll while it is down.
+async fn keep_listening(
+    mut attempt: std::result::Result<PgListener, sqlx::Error>,
+    pool: PgPool,
+    channel: String,
+    state: Arc<ListenerState>,
+    signals: ReleaseSignals,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        match attempt {
+            Ok(mut listener) => {
+                state.listening.store(true, Ordering::SeqCst);
+                backoff = Duration::from_millis(100);
+                loop {
+                    match listener.try_recv().await {
+                        Ok(Some(notification)) => {
+                            state.received.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!("turnstile_lock_notifications_total", "store" => "postgres")
+                                .increment(1);
+                            signals.notify(notification.payload());
+                        }
+                        // The connection dropped; the next call re-establishes it.
+                        // Notifications may have been missed, so everyone re-checks.
+                        Ok(None) => signals.notify_all(),
+                        Err(error) => {
+                            tracing::warn!(
+                                %error,
+                                "the PostgreSQL LISTEN connection failed; lock waiters poll until it is back"
+                            );
+                            break;
                         }
                     }
-                });
-                true
-            })
-            .await
+                }
+                state.listening.store(false, Ordering::SeqCst);
+                signals.notify_all();
+            }
+            Err(error) => tracing::warn!(
+                %error,
+                retry_in = ?backoff,
+                "cannot LISTEN for lock releases; lock waiters poll until it works"
+            ),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(30));
+        attempt = listen(&pool, &channel).await;
     }
+}
+
+/// The error for a lock name taken in one mode and asked for in the other.
+pub(crate) fn one_mode_per_name(name: &LockName, used: &str, asked: &str) -> Error {
+    Error::new(
+        ErrorKind::InvalidOptions,
+        format!(
+            "lock \"{name}\" is used in {used} mode in this database, so it cannot be taken in {asked} mode; \
+             use one mode per name (`turnstile lock prune` forgets names no longer in use)"
+        ),
+    )
 }
 
 fn remaining(row: &PgRow) -> Result<Option<Duration>> {
@@ -567,13 +781,23 @@ impl LockBackend for PostgresLockStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<TryAcquire>> {
         Box::pin(async move {
-            let row = sqlx::query(self.sql.acquire.sql())
+            let row = match sqlx::query(self.sql.acquire.sql())
                 .bind(name.as_str())
                 .bind(owner.as_str())
                 .bind(ttl_millis(ttl))
                 .fetch_one(&self.pool)
                 .await
-                .map_err(|error| map_error(error, "cannot acquire the lock"))?;
+            {
+                Ok(row) => row,
+                // A transaction-scoped holder keeps the row locked past the store's
+                // lock timeout: the lock is held.
+                Err(error) if crate::sql::is_lock_timeout(&error) => {
+                    return Ok(TryAcquire::Held {
+                        remaining_ttl: None,
+                    });
+                }
+                Err(error) => return Err(map_error(error, "cannot acquire the lock")),
+            };
             let token: Option<i64> = row
                 .try_get("token")
                 .map_err(|e| map_error(e, "bad reply"))?;
@@ -581,6 +805,12 @@ impl LockBackend for PostgresLockStore {
                 return Ok(TryAcquire::Acquired {
                     token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
                 });
+            }
+            let session_mode: Option<bool> = row
+                .try_get("session_mode")
+                .map_err(|e| map_error(e, "bad reply"))?;
+            if session_mode == Some(true) {
+                return Err(one_mode_per_name(name, "session", "lease"));
             }
             let holder: Option<String> = row
                 .try_get("holder")

@@ -47,7 +47,7 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
-use crate::lock::postgres::{PostgresLockConfig, PostgresLockStore};
+use crate::lock::postgres::{CLOCK_US, PostgresLockConfig, PostgresLockStore, one_mode_per_name};
 use crate::sql::{Statement, map_error, statement};
 
 const POLL_MIN: Duration = Duration::from_millis(5);
@@ -133,10 +133,12 @@ impl PostgresSessionLockStore {
         let key = format!("hashtextextended($1, {KEY_SEED})");
         let sql = Sql {
             acquire: statement(format!(
-                "WITH got AS (SELECT pg_try_advisory_lock({key}) AS ok),
+                "WITH lease_mode AS (
+                    SELECT count(*) AS rows FROM {locks} WHERE name = $1 AND isfinite(expires_at)),
+                 got AS (SELECT pg_try_advisory_lock({key}) AS ok FROM lease_mode WHERE rows = 0),
                  bumped AS (
-                    INSERT INTO {tokens} AS t (name, token) SELECT $1, 1 FROM got WHERE ok
-                    ON CONFLICT (name) DO UPDATE SET token = t.token + 1
+                    INSERT INTO {tokens} AS t (name, token) SELECT $1, {CLOCK_US} FROM got WHERE ok
+                    ON CONFLICT (name) DO UPDATE SET token = GREATEST(t.token + 1, EXCLUDED.token)
                     RETURNING token),
                  recorded AS (
                     INSERT INTO {locks} AS l (name, owner, expires_at)
@@ -144,13 +146,16 @@ impl PostgresSessionLockStore {
                     ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner
                     RETURNING 1),
                  lease AS (SELECT set_config('idle_session_timeout', $3, false) FROM got WHERE ok)
-                 SELECT (SELECT ok FROM got) AS ok, (SELECT token FROM bumped) AS token,
+                 SELECT COALESCE((SELECT ok FROM got), false) AS ok,
+                        (SELECT rows FROM lease_mode) > 0 AS lease_mode,
+                        (SELECT token FROM bumped) AS token,
                         (SELECT count(*) FROM recorded) AS recorded,
                         (SELECT count(*) FROM lease) AS leased, pg_backend_pid() AS pid"
             )),
             reissue: statement(format!(
                 "WITH bumped AS (
-                    UPDATE {tokens} SET token = token + 1 WHERE name = $1 RETURNING token),
+                    UPDATE {tokens} SET token = GREATEST(token + 1, {CLOCK_US}) WHERE name = $1
+                    RETURNING token),
                  recorded AS (
                     UPDATE {locks} SET owner = $2 || '@' || pg_backend_pid() WHERE name = $1
                     RETURNING 1),
@@ -245,6 +250,11 @@ impl LockBackend for PostgresSessionLockStore {
                 .map_err(|error| map_error(error, "cannot acquire the lock"))?;
             let bad = |error| map_error(error, "bad reply");
             let ok: bool = row.try_get("ok").map_err(bad)?;
+            let lease_mode: bool = row.try_get("lease_mode").map_err(bad)?;
+            if lease_mode {
+                connection.recycle();
+                return Err(one_mode_per_name(name, "lease", "session"));
+            }
             if !ok {
                 connection.recycle();
                 return Ok(TryAcquire::Held {
