@@ -444,7 +444,10 @@ mod session {
 async fn eventually(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
     let until = tokio::time::Instant::now() + limit;
     while !condition() {
-        assert!(tokio::time::Instant::now() < until, "{what} did not happen within {limit:?}");
+        assert!(
+            tokio::time::Instant::now() < until,
+            "{what} did not happen within {limit:?}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -469,9 +472,19 @@ async fn releases_notify_waiters_and_only_when_someone_waits() {
 
     // Nobody waits: the release sends no notification.
     let long = LockOptions::new().ttl(Duration::from_secs(30));
-    holder.acquire("quiet", &long).await.unwrap().release().await.unwrap();
+    holder
+        .acquire("quiet", &long)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(waiter_store.notifications_received(), 0, "a release nobody waited for notified");
+    assert_eq!(
+        waiter_store.notifications_received(),
+        0,
+        "a release nobody waited for notified"
+    );
 
     // Someone waits: woken by the notification, long before the holder's 30 s lease.
     let guard = holder.acquire("busy", &long).await.unwrap();
@@ -484,8 +497,15 @@ async fn releases_notify_waiters_and_only_when_someone_waits() {
     let released = tokio::time::Instant::now();
     guard.release().await.unwrap();
     let taken = waiting.await.unwrap().unwrap();
-    assert!(released.elapsed() < Duration::from_secs(2), "woke {:?} after", released.elapsed());
-    assert!(waiter_store.notifications_received() >= 1, "the waiter was not notified");
+    assert!(
+        released.elapsed() < Duration::from_secs(2),
+        "woke {:?} after",
+        released.elapsed()
+    );
+    assert!(
+        waiter_store.notifications_received() >= 1,
+        "the waiter was not notified"
+    );
     taken.release().await.unwrap();
 }
 
@@ -501,7 +521,10 @@ async fn the_listen_connection_comes_back_after_the_server_does() {
     let _watch = store.watch_releases(&name).await.unwrap();
     assert!(!store.is_listening());
     server.restart();
-    eventually("listening again", Duration::from_secs(20), || store.is_listening()).await;
+    eventually("listening again", Duration::from_secs(20), || {
+        store.is_listening()
+    })
+    .await;
 }
 
 /// The application's pool must leave a connection for renewals; the LISTEN connection
@@ -539,7 +562,11 @@ async fn a_lease_acquire_does_not_wait_for_a_transaction_scoped_holder() {
         .await
         .unwrap();
     assert!(answer.is_none(), "the lock is held by the transaction");
-    assert!(started.elapsed() < Duration::from_secs(1), "waited {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "waited {:?}",
+        started.elapsed()
+    );
     transaction.rollback().await.unwrap();
     other
         .try_acquire("nightly", &LockOptions::new())
@@ -560,7 +587,10 @@ async fn one_name_is_used_in_one_mode() {
     let session = Locker::connect(&format!("{url}?turnstile_mode=session"))
         .await
         .unwrap();
-    let held = session.acquire("by-session", &LockOptions::new()).await.unwrap();
+    let held = session
+        .acquire("by-session", &LockOptions::new())
+        .await
+        .unwrap();
     let error = lease
         .try_acquire("by-session", &LockOptions::new())
         .await

@@ -358,10 +358,13 @@ impl Locker {
             }
             // The lock passed between this process's tasks as often as it may in a row
             // and was released to everyone: stand back for as long as waiters in other
-            // processes may take to notice (their poll interval), so one of them can
-            // get in before this process takes it again.
+            // processes may take to notice (their longest poll interval, and half as
+            // much again for their round trip and timer slack), so one of them can get
+            // in before this process takes it again.
             if queue.take_yield() {
-                let pause = watch.poll_max().unwrap_or(YIELD_TO_NOTIFIED_WAITERS);
+                let pause = watch
+                    .poll_max()
+                    .map_or(YIELD_TO_NOTIFIED_WAITERS, |max| max + max / 2);
                 let until = bound.deadline.map_or(Instant::now() + pause, |deadline| {
                     deadline.min(Instant::now() + pause)
                 });

@@ -56,6 +56,10 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::sql::{Statement, map_error, split_url_options, statement, validate_identifier};
 
+/// The server clock in microseconds since the Unix epoch, the floor of new tokens. Both
+/// parts read the statement's start time; neither depends on the session's time zone.
+const CLOCK_US: &str = "(UNIX_TIMESTAMP() * 1000000 + MICROSECOND(NOW(6)))";
+
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
 
@@ -155,6 +159,8 @@ struct Sql {
     tokens: String,
     xact_locks: String,
     issue_token: Statement,
+    xact_row_exists: Statement,
+    create_xact_row: Statement,
     take_in_transaction: Statement,
     holder: Statement,
     create: [Statement; 3],
@@ -224,10 +230,20 @@ impl MysqlLockStore {
             .min_connections(0)
             .acquire_timeout(config.connect_timeout)
             .connect_lazy_with(options.clone());
+        // Its statements never wait long for a row lock: creating a name's row can meet
+        // a transaction that holds it (then the row exists and the wait is pointless).
         let issuer = MySqlPoolOptions::new()
-            .max_connections(2)
+            .max_connections(4)
             .min_connections(0)
             .acquire_timeout(config.connect_timeout)
+            .after_connect(|connection, _| {
+                Box::pin(async move {
+                    sqlx::query("SET SESSION innodb_lock_wait_timeout = 1")
+                        .execute(connection)
+                        .await
+                        .map(|_| ())
+                })
+            })
             .connect_lazy_with(options);
         let fences = format!("`{}_fences`", config.prefix);
         let tokens = format!("`{}_tokens`", config.prefix);
@@ -236,13 +252,16 @@ impl MysqlLockStore {
         // `connection_id` describe the named-lock holder that took it last.
         let sql = Sql {
             issue_token: statement(format!(
-                "INSERT INTO {tokens} (name, token) VALUES (?, LAST_INSERT_ID(1))
-                 ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1)"
+                "INSERT INTO {tokens} (name, token) VALUES (?, LAST_INSERT_ID({CLOCK_US}))
+                 ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US}))"
             )),
-            // Creates the row if needed and locks it exclusively either way.
-            take_in_transaction: statement(format!(
-                "INSERT INTO {xact_locks} (name) VALUES (?) ON DUPLICATE KEY UPDATE name = name"
-            )),
+            // A plain read first: the common case (the row exists) takes no lock at all.
+            // Creating a missing row is a separate autocommit statement; locking it is
+            // a record lock on an existing row, which cannot deadlock with another
+            // locker the way an upsert's gap locks do.
+            xact_row_exists: statement(format!("SELECT COUNT(*) FROM {xact_locks} WHERE name = ?")),
+            create_xact_row: statement(format!("INSERT IGNORE INTO {xact_locks} (name) VALUES (?)")),
+            take_in_transaction: statement(format!("SELECT 1 FROM {xact_locks} WHERE name = ? FOR UPDATE")),
             holder: statement(format!(
                 "SELECT owner, holder_token, connection_id, CAST(IS_USED_LOCK(?) AS UNSIGNED) AS holder
                  FROM {tokens} WHERE name = ?"
@@ -340,13 +359,30 @@ impl MysqlLockStore {
         let name = name.into_lock_name()?;
         let key = lock_key(&name);
         let fail = |error| map_error(error, "cannot take the transaction-scoped lock");
-        // 1. The lock: the row lock, held until the caller's transaction ends.
+        // 1. The row to lock exists.
+        let exists: i64 = sqlx::query_scalar(self.sql.xact_row_exists.sql())
+            .bind(name.as_str().as_bytes())
+            .fetch_one(&self.issuer)
+            .await
+            .map_err(fail)?;
+        if exists == 0 {
+            match sqlx::query(self.sql.create_xact_row.sql())
+                .bind(name.as_str().as_bytes())
+                .execute(&self.issuer)
+                .await
+            {
+                // A lock wait means a transaction holds the row: it exists.
+                Err(error) if !is_lock_wait(&error) => return Err(fail(error)),
+                _ => {}
+            }
+        }
+        // 2. The lock: the row lock, held until the caller's transaction ends.
         sqlx::query(self.sql.take_in_transaction.sql())
             .bind(name.as_str().as_bytes())
             .execute(&mut *transaction)
             .await
             .map_err(fail)?;
-        // 2. A named-lock holder that got in before the row lock is seen here; one that
+        // 3. A named-lock holder that got in before the row lock is seen here; one that
         //    comes after finds the row locked and gives up.
         let named_lock_held: Option<i64> = sqlx::query_scalar("SELECT IS_USED_LOCK(?) IS NOT NULL")
             .bind(&key)
@@ -359,7 +395,7 @@ impl MysqlLockStore {
                 format!("lock \"{name}\" is held as a named lock; roll back and try again later"),
             ));
         }
-        // 3. Only now the token: larger than that of every holder before us.
+        // 4. Only now the token: larger than that of every holder before us.
         let token = sqlx::query(self.sql.issue_token.sql())
             .bind(name.as_str().as_bytes())
             .execute(&self.issuer)
@@ -448,9 +484,10 @@ fn acquire_batch(
          SELECT GET_LOCK('{key}', 0) INTO @ts_got;
          SELECT COUNT(*) FROM {xact_locks} WHERE name = X'{name_hex}' FOR UPDATE NOWAIT;
          INSERT INTO {tokens} (name, token, holder_token, owner, connection_id)
-           SELECT X'{name_hex}', LAST_INSERT_ID(1), 1, '{owner}', CONNECTION_ID() FROM DUAL WHERE @ts_got = 1
-           ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1), holder_token = token,
-             owner = '{owner}', connection_id = CONNECTION_ID();
+           SELECT X'{name_hex}', LAST_INSERT_ID({CLOCK_US}), {CLOCK_US}, '{owner}', CONNECTION_ID()
+             FROM DUAL WHERE @ts_got = 1
+           ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US})),
+             holder_token = token, owner = '{owner}', connection_id = CONNECTION_ID();
          SET SESSION wait_timeout = IF(@ts_got = 1, {lease_secs}, @@GLOBAL.wait_timeout);
          SELECT CAST(@ts_got AS SIGNED) AS got, CAST(CONNECTION_ID() AS UNSIGNED) AS id,
            CAST(LAST_INSERT_ID() AS UNSIGNED) AS token"
@@ -681,7 +718,7 @@ impl SessionEngine for MysqlLockStore {
         // Text, not prepared, for the reason given at `acquire_batch`.
         let query = format!(
             "SET SESSION wait_timeout = {lease};
-             UPDATE {tokens} SET token = LAST_INSERT_ID(token + 1), holder_token = token,
+             UPDATE {tokens} SET token = LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US})), holder_token = token,
                owner = '{owner}', connection_id = CONNECTION_ID() WHERE name = X'{name}';
              SELECT CAST(LAST_INSERT_ID() AS UNSIGNED) AS token",
             lease = wait_timeout_secs(ttl),

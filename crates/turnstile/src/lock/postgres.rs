@@ -370,7 +370,9 @@ impl PostgresLockStore {
             .acquire_timeout(config.connect_timeout)
             .connect_lazy_with(
                 PgConnectOptions::from_str(url)
-                    .map_err(|error| Error::new(ErrorKind::InvalidUrl, "bad URL").with_source(error))?
+                    .map_err(|error| {
+                        Error::new(ErrorKind::InvalidUrl, "bad URL").with_source(error)
+                    })?
                     .options([("synchronous_commit", "on")]),
             );
         let pool = PgPoolOptions::new()
@@ -611,11 +613,7 @@ impl PostgresLockStore {
                     Arc::clone(&self.listener.state),
                     self.signals.clone(),
                 ));
-                *self
-                    .listener
-                    .task
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner()) = Some(task);
+                *self.listener.task.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
             })
             .await;
         self.listener.state.listening.load(Ordering::SeqCst)
