@@ -311,7 +311,8 @@ impl Sql {
 /// Locks in a PostgreSQL table (lease mode).
 #[derive(Clone)]
 pub struct PostgresLockStore {
-    pool: PgPool,
+    /// The store's own statements, with short lock and statement timeouts.
+    ops: PgPool,
     config: PostgresLockConfig,
     sql: Arc<Sql>,
     signals: ReleaseSignals,
@@ -319,7 +320,7 @@ pub struct PostgresLockStore {
     /// For the application's own transactions (see [`pool`](Self::pool)): the store's
     /// connections carry short lock and statement timeouts that must not leak into
     /// them.
-    app_pool: PgPool,
+    pool: PgPool,
     /// Issues transaction-scoped tokens: apart from `pool`, which callers may fill with
     /// transactions waiting for the very lock whose holder needs a token.
     issuer: PgPool,
@@ -446,8 +447,8 @@ impl PostgresLockStore {
                 .min_connections(0)
                 .acquire_timeout(config.connect_timeout)
                 .connect_lazy_with(connect_options),
-            pool,
-            app_pool,
+            ops: pool,
+            pool: app_pool,
             config,
             signals: ReleaseSignals::new(),
             url,
@@ -463,7 +464,7 @@ impl PostgresLockStore {
     pub async fn migrate(&self) -> Result<()> {
         let sql = &self.sql;
         let fail = |error| map_error(error, "cannot create Turnstile's PostgreSQL tables");
-        let mut transaction = self.pool.begin().await.map_err(fail)?;
+        let mut transaction = self.ops.begin().await.map_err(fail)?;
         // Another process may be migrating: wait for it, longer than the store's usual
         // timeouts allow.
         sqlx::raw_sql("SET LOCAL lock_timeout = '60s'; SET LOCAL statement_timeout = 0")
@@ -582,7 +583,7 @@ impl PostgresLockStore {
     /// statements run under. (With [`from_pool`](Self::from_pool), the application's
     /// pool.)
     pub fn pool(&self) -> &PgPool {
-        &self.app_pool
+        &self.pool
     }
 
     /// The fenced-write helper for this store's fence table.
@@ -783,7 +784,7 @@ impl LockBackend for PostgresLockStore {
                 .bind(name.as_str())
                 .bind(owner.as_str())
                 .bind(ttl_millis(ttl))
-                .fetch_one(&self.pool)
+                .fetch_one(&self.ops)
                 .await
             {
                 Ok(row) => row,
@@ -819,7 +820,7 @@ impl LockBackend for PostgresLockStore {
                     .bind(name.as_str())
                     .bind(owner.as_str())
                     .bind(ttl_millis(ttl))
-                    .fetch_optional(&self.pool)
+                    .fetch_optional(&self.ops)
                     .await
                     .map_err(|error| map_error(error, "cannot acquire the lock"))?;
                 if let Some(token) = token {
@@ -845,7 +846,7 @@ impl LockBackend for PostgresLockStore {
                 .bind(name.as_str())
                 .bind(owner.as_str())
                 .bind(ttl_millis(ttl))
-                .fetch_one(&self.pool)
+                .fetch_one(&self.ops)
                 .await
                 .map_err(|error| map_error(error, "cannot extend the lock"))?;
             let renewed: bool = row
@@ -872,7 +873,7 @@ impl LockBackend for PostgresLockStore {
                 .bind(name.as_str())
                 .bind(owner.as_str())
                 .bind(&self.sql.channel)
-                .fetch_one(&self.pool)
+                .fetch_one(&self.ops)
                 .await
                 .map_err(|error| map_error(error, "cannot release the lock"))?;
             let live: Option<bool> = row.try_get("live").map_err(|e| map_error(e, "bad reply"))?;
@@ -898,7 +899,7 @@ impl LockBackend for PostgresLockStore {
         Box::pin(async move {
             let row = sqlx::query(self.sql.inspect.sql())
                 .bind(name.as_str())
-                .fetch_optional(&self.pool)
+                .fetch_optional(&self.ops)
                 .await
                 .map_err(|error| map_error(error, "cannot read the lock"))?;
             row.as_ref().map(holder).transpose()
@@ -910,7 +911,7 @@ impl LockBackend for PostgresLockStore {
             let row = sqlx::query(self.sql.force.sql())
                 .bind(name.as_str())
                 .bind(&self.sql.channel)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&self.ops)
                 .await
                 .map_err(|error| map_error(error, "cannot break the lock"))?;
             let held = row.as_ref().map(holder).transpose()?;
@@ -952,7 +953,7 @@ impl LockBackend for PostgresLockStore {
                 .bind(from.as_str())
                 .bind(to.as_str())
                 .bind(ttl_millis(ttl))
-                .fetch_one(&self.pool)
+                .fetch_one(&self.ops)
                 .await
                 .map_err(|error| map_error(error, "cannot hand the lock over"))?;
             match token {
