@@ -22,6 +22,9 @@ pub enum ErrorKind {
     UnsupportedStore,
     /// The store could not be reached or did not answer in time. Usually worth retrying.
     StoreUnavailable,
+    /// The store refused this client for good: wrong credentials, an unknown database,
+    /// a missing permission. Retrying does not help; the configuration must change.
+    Configuration,
     /// The store answered with an error or with data Turnstile did not expect.
     Store,
     /// `acquire` waited as long as it was allowed to and the lock was still held.
@@ -45,6 +48,7 @@ impl ErrorKind {
             ErrorKind::InvalidUrl => "invalid store URL",
             ErrorKind::UnsupportedStore => "unsupported store",
             ErrorKind::StoreUnavailable => "store unavailable",
+            ErrorKind::Configuration => "store configuration error",
             ErrorKind::Store => "store error",
             ErrorKind::AcquireTimeout => "lock not acquired in time",
             ErrorKind::Held => "lock held",
@@ -61,6 +65,9 @@ pub struct Error {
     message: String,
     loss: Option<LossReason>,
     source: Option<Box<dyn StdError + Send + Sync + 'static>>,
+    /// Whether `Display` repeats the source: not when the message already says all it
+    /// has to say (a server's own sentence, quoted).
+    show_source: bool,
 }
 
 /// `Result` with Turnstile's [`Error`].
@@ -74,12 +81,25 @@ impl Error {
             message: message.into(),
             loss: None,
             source: None,
+            show_source: true,
         }
     }
 
     /// Attaches the underlying error (a driver's, an I/O error) as the source.
     pub fn with_source(mut self, source: impl StdError + Send + Sync + 'static) -> Self {
         self.source = Some(Box::new(source));
+        self
+    }
+
+    /// Attaches the source without repeating it in `Display` (the message already quotes
+    /// what matters of it).
+    #[allow(dead_code)]
+    pub(crate) fn with_quiet_source(
+        mut self,
+        source: impl StdError + Send + Sync + 'static,
+    ) -> Self {
+        self.source = Some(Box::new(source));
+        self.show_source = false;
         self
     }
 
@@ -115,7 +135,7 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.kind.describe(), self.message)?;
-        if let Some(source) = &self.source {
+        if let Some(source) = self.source.as_ref().filter(|_| self.show_source) {
             write!(f, " ({source})")?;
         }
         Ok(())

@@ -67,5 +67,16 @@ mod sql;
 pub mod store;
 
 pub use error::{Error, ErrorKind, Result};
+
+/// The `sqlx` this crate was built with (0.9): its types appear in the API of the SQL
+/// engines (pools, connections, transactions). Use it, or the same version in your
+/// own `Cargo.toml`, so that your transaction is the type Turnstile takes.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub use sqlx;
+
 pub use fence::{FenceOutcome, FencingToken};
 pub use lock::{LockGuard, LockOptions, Locker};
+/// The `redis` crate this crate was built with (1.x): its connection type appears in the
+/// API of the Redis engine.
+#[cfg(feature = "redis")]
+pub use redis;

@@ -26,8 +26,29 @@ pub(crate) fn statement(text: String) -> Statement {
     Statement(text.into())
 }
 
-/// Maps a driver error: connection trouble is [`ErrorKind::StoreUnavailable`].
+/// SQLSTATE classes and codes (PostgreSQL) and error numbers (MySQL / MariaDB) that
+/// mean the configuration is wrong: credentials, database name, permissions.
+fn is_configuration_error(db: &dyn sqlx::error::DatabaseError) -> bool {
+    #[cfg(feature = "mysql")]
+    if let Some(mysql) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        // 1044/1045 access denied, 1049 unknown database, 1142/1143/1227 privileges.
+        return matches!(mysql.number(), 1044 | 1045 | 1049 | 1142 | 1143 | 1227);
+    }
+    // 28000/28P01 authentication, 3D000 unknown database, 42501 insufficient privilege.
+    db.code()
+        .is_some_and(|code| matches!(code.as_ref(), "28000" | "28P01" | "3D000" | "42501"))
+}
+
+/// Maps a driver error: connection trouble is [`ErrorKind::StoreUnavailable`]; a
+/// refusal that no retry can fix (credentials, unknown database, permissions) is
+/// [`ErrorKind::Configuration`], with the server's own sentence as the message.
 pub(crate) fn map_error(error: sqlx::Error, context: &str) -> Error {
+    if let Some(db) = error.as_database_error()
+        && is_configuration_error(db)
+    {
+        let message = format!("{context}: the server says \"{}\"", db.message());
+        return Error::new(ErrorKind::Configuration, message).with_quiet_source(error);
+    }
     let kind = match &error {
         sqlx::Error::Io(_)
         | sqlx::Error::PoolTimedOut
@@ -57,6 +78,35 @@ pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
         .is_some_and(|code| code == "55P03")
 }
 
+/// Turns a failure to open a store's pool into the error that says why: the pool
+/// reports only that it timed out, so one direct connection attempt (within
+/// `limit`) finds the cause — connection refused, authentication failed, unknown
+/// database. Configuration errors keep their kind; anything else means the store is
+/// unavailable.
+pub(crate) async fn connect_failure<O>(
+    error: sqlx::Error,
+    options: &O,
+    what: &str,
+    limit: std::time::Duration,
+) -> Error
+where
+    O: sqlx::ConnectOptions,
+    O::Connection: Sized,
+{
+    let error = match error {
+        sqlx::Error::PoolTimedOut => match tokio::time::timeout(limit, options.connect()).await {
+            Ok(Err(cause)) => cause,
+            _ => sqlx::Error::PoolTimedOut,
+        },
+        other => other,
+    };
+    let error = map_error(error, what);
+    match error.kind() {
+        ErrorKind::Configuration | ErrorKind::StoreUnavailable => error,
+        _ => Error::new(ErrorKind::StoreUnavailable, what.to_owned()).with_source(error),
+    }
+}
+
 /// Checks a schema or table-name prefix: a plain SQL identifier, so it can be quoted
 /// safely into statements.
 #[allow(dead_code)]
@@ -79,31 +129,6 @@ pub(crate) fn validate_identifier(what: &str, value: &str) -> Result<()> {
     }
 }
 
-/// Splits Turnstile's own `turnstile_*` options off a database URL's query string,
-/// returning the URL the driver should see and the options.
-#[allow(dead_code)]
-pub(crate) fn split_url_options(url: &str) -> (String, Vec<(String, String)>) {
-    let Some((base, query)) = url.split_once('?') else {
-        return (url.to_owned(), Vec::new());
-    };
-    let mut kept = Vec::new();
-    let mut ours = Vec::new();
-    for pair in query.split('&').filter(|pair| !pair.is_empty()) {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-        if let Some(option) = key.strip_prefix("turnstile_") {
-            ours.push((option.to_owned(), value.to_owned()));
-        } else {
-            kept.push(pair);
-        }
-    }
-    let url = if kept.is_empty() {
-        base.to_owned()
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    };
-    (url, ours)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,14 +139,5 @@ mod tests {
         for bad in ["", "1abc", "a-b", "a\"b", &"x".repeat(49)] {
             assert!(validate_identifier("schema", bad).is_err(), "{bad}");
         }
-    }
-
-    #[test]
-    fn our_options_are_split_off() {
-        let (url, ours) =
-            split_url_options("postgres://h/db?sslmode=disable&turnstile_schema=locks");
-        assert_eq!(url, "postgres://h/db?sslmode=disable");
-        assert_eq!(ours, vec![("schema".to_owned(), "locks".to_owned())]);
-        assert_eq!(split_url_options("postgres://h/db").0, "postgres://h/db");
     }
 }

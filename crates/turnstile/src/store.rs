@@ -5,11 +5,14 @@ use std::sync::Arc;
 use crate::error::{Error, ErrorKind, Result};
 use crate::lock::LockBackend;
 
-/// The URL schemes this build understands, for error messages.
+/// The URL schemes Turnstile understands, for error messages (whether this build
+/// supports each depends on its cargo features).
 pub const SCHEMES: &[&str] = &[
     "sqlite://PATH",
     "redis://HOST[:PORT][/DB]",
     "rediss://HOST[:PORT][/DB]",
+    "postgres://USER@HOST[:PORT]/DB",
+    "mysql://USER@HOST[:PORT]/DB (or mariadb://)",
 ];
 
 /// Opens the lock store a URL names.
@@ -25,6 +28,13 @@ pub const SCHEMES: &[&str] = &[
 /// [`ErrorKind::StoreUnavailable`] when the store cannot be reached within a few seconds.
 pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>> {
     let url = url.trim();
+    // `sqlite:PATH`, as sqlx writes it, is accepted as well as `sqlite://PATH`.
+    if url
+        .get(..7)
+        .is_some_and(|start| start.eq_ignore_ascii_case("sqlite:"))
+    {
+        return open_sqlite(url).await;
+    }
     let Some((scheme, _)) = url.split_once("://") else {
         return Err(Error::new(
             ErrorKind::InvalidUrl,
@@ -87,7 +97,7 @@ async fn open_mysql(url: &str) -> Result<Arc<dyn LockBackend>> {
 
 #[cfg(feature = "postgres")]
 async fn open_postgres(url: &str) -> Result<Arc<dyn LockBackend>> {
-    let (_, options) = crate::sql::split_url_options(url);
+    let (_, options) = split_url_options(url);
     let mode = options
         .iter()
         .find(|(key, _)| key == "mode")
@@ -141,12 +151,45 @@ pub(crate) fn redact(url: &str) -> String {
         None => (rest, ""),
     };
     match authority.rsplit_once('@') {
-        Some((credentials, host)) => {
-            let user = credentials.split(':').next().unwrap_or("");
-            format!("{scheme}://{user}:***@{host}{path}")
-        }
+        Some((credentials, host)) => match credentials.split_once(':') {
+            Some((user, _password)) => format!("{scheme}://{user}:***@{host}{path}"),
+            None => url.to_owned(),
+        },
         None => url.to_owned(),
     }
+}
+
+/// Splits Turnstile's own `turnstile_*` options off a store URL's query string,
+/// returning the URL the driver should see and the options (without the prefix).
+pub(crate) fn split_url_options(url: &str) -> (String, Vec<(String, String)>) {
+    let Some((base, query)) = url.split_once('?') else {
+        return (url.to_owned(), Vec::new());
+    };
+    let mut kept = Vec::new();
+    let mut ours = Vec::new();
+    for pair in query.split('&').filter(|pair| !pair.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if let Some(option) = key.strip_prefix("turnstile_") {
+            ours.push((option.to_owned(), value.to_owned()));
+        } else {
+            kept.push(pair);
+        }
+    }
+    let url = if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    };
+    (url, ours)
+}
+
+/// The error for a `turnstile_*` URL option an engine does not know.
+#[allow(dead_code)]
+pub(crate) fn unknown_option(key: &str, value: &str, known: &str) -> crate::Error {
+    crate::Error::new(
+        ErrorKind::InvalidUrl,
+        format!("unknown or invalid option turnstile_{key}={value:?}; known: {known}"),
+    )
 }
 
 #[cfg(test)]
@@ -156,8 +199,18 @@ mod tests {
     #[test]
     fn passwords_are_redacted() {
         assert_eq!(redact("redis://u:secret@h:1/0"), "redis://u:***@h:1/0");
+        assert_eq!(redact("postgres://app@h/db"), "postgres://app@h/db");
         assert_eq!(redact("redis://h:1"), "redis://h:1");
         assert_eq!(redact("sqlite:///tmp/a"), "sqlite:///tmp/a");
+    }
+
+    #[test]
+    fn our_options_are_split_off() {
+        let (url, ours) =
+            split_url_options("postgres://h/db?sslmode=disable&turnstile_schema=locks");
+        assert_eq!(url, "postgres://h/db?sslmode=disable");
+        assert_eq!(ours, vec![("schema".to_owned(), "locks".to_owned())]);
+        assert_eq!(split_url_options("postgres://h/db").0, "postgres://h/db");
     }
 
     #[tokio::test]

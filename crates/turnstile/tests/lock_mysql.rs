@@ -330,3 +330,21 @@ async fn a_dead_session_is_lost_at_once_even_when_the_lookup_cannot_run() {
     );
     drop(hostages);
 }
+
+/// An unknown database or a wrong user is a configuration error, not a retryable one.
+#[tokio::test]
+async fn refusals_are_configuration_errors() {
+    let port = shared_mariadb().port();
+    for url in [
+        format!("mysql://turnstile@127.0.0.1:{port}/nosuchdb"),
+        format!("mysql://nosuchuser:pw@127.0.0.1:{port}/test"),
+    ] {
+        let error = MysqlLockStore::connect(&url).await.unwrap_err();
+        assert_eq!(
+            error.kind(),
+            turnstile::ErrorKind::Configuration,
+            "{url}: {error}"
+        );
+        assert!(!error.is_retryable());
+    }
+}

@@ -612,3 +612,36 @@ async fn one_name_is_used_in_one_mode() {
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::InvalidOptions, "{error}");
 }
+
+/// A wrong user or an unknown database is a configuration error: not retryable, one
+/// sentence with the server's words, no driver internals.
+#[tokio::test]
+async fn refusals_are_configuration_errors_that_say_why() {
+    let server = shared_postgres();
+    let port = server.port();
+    for (url, says) in [
+        (
+            format!("postgres://nosuchuser@127.0.0.1:{port}/postgres"),
+            "nosuchuser",
+        ),
+        (
+            format!("postgres://postgres@127.0.0.1:{port}/nosuchdb"),
+            "nosuchdb",
+        ),
+    ] {
+        let error = PostgresLockStore::connect(&url).await.unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Configuration, "{url}: {error}");
+        assert!(!error.is_retryable());
+        let text = error.to_string();
+        assert!(text.contains(says), "{text}");
+        assert!(!text.contains(" at line "), "driver internals in {text}");
+    }
+    // Nothing listens: unavailable, and the cause is named.
+    let closed = turnstile_test_support::free_port();
+    let error =
+        PostgresLockStore::connect(&format!("postgres://postgres@127.0.0.1:{closed}/postgres"))
+            .await
+            .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
+    assert!(!error.to_string().contains("pool timed out"), "{error}");
+}

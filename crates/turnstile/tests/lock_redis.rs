@@ -404,3 +404,40 @@ async fn waiters_on_many_names_survive_a_pubsub_connection_kill() {
         released.elapsed()
     );
 }
+
+/// `turnstile_prefix` in a Redis URL puts the keys under that prefix, for locks and
+/// fenced writes alike; an unknown `turnstile_*` option is refused.
+#[tokio::test]
+async fn the_url_sets_the_key_prefix() {
+    let server = shared_redis();
+    let prefix = unique_name("urlprefix");
+    let url = format!("{}?turnstile_prefix={prefix}", server.url());
+    let store = RedisLockStore::connect(&url).await.unwrap();
+    assert_eq!(store.prefix(), prefix);
+    let locker = Locker::new(store);
+    let guard = locker.acquire("k", &LockOptions::new()).await.unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(format!("{prefix}:{{k}}:lock"))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert!(exists, "the lock key is not under the URL's prefix");
+    let fenced = RedisFencedStore::connect(&url).await.unwrap();
+    fenced
+        .write("res", guard.fencing_token(), b"v")
+        .await
+        .unwrap();
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(format!("{prefix}:{{res}}:value"))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert!(exists, "the fenced value is not under the URL's prefix");
+    guard.release().await.unwrap();
+    let error = RedisLockStore::connect(&format!("{}?turnstile_prefx=x", server.url()))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidUrl);
+}

@@ -21,7 +21,7 @@ use redis::aio::ConnectionManager;
 
 use super::{FenceOutcome, FencingToken, validate_resource};
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::redis::{connect_manager, map_error, open_client};
+use crate::lock::redis::{RedisLockConfig, connect_manager, map_error, open_client};
 
 // Tokens are compared as decimal strings (length first), so every u64 compares
 // exactly; Lua numbers are doubles and would not.
@@ -55,12 +55,23 @@ impl std::fmt::Debug for RedisFencedStore {
 }
 
 impl RedisFencedStore {
-    /// Connects with the key prefix `turnstile`.
+    /// Connects with the key prefix in the URL's `turnstile_prefix` option (the same
+    /// option the lock store takes), `turnstile` by default.
     pub async fn connect(url: &str) -> Result<Self> {
-        let client = open_client(url, None)?;
-        let connection =
-            connect_manager(client, url, Duration::from_secs(3), Duration::from_secs(3)).await?;
-        Ok(RedisFencedStore::with_connection(connection, "turnstile"))
+        let (driver_url, options) = crate::store::split_url_options(url);
+        let config = RedisLockConfig::default().apply_url_options(&options)?;
+        let client = open_client(&driver_url, None)?;
+        let connection = connect_manager(
+            client,
+            &driver_url,
+            Duration::from_secs(3),
+            Duration::from_secs(3),
+        )
+        .await?;
+        Ok(RedisFencedStore::with_connection(
+            connection,
+            config.get_prefix(),
+        ))
     }
 
     /// Uses an existing connection (for example [`RedisLockStore::connection`](crate::lock::redis::RedisLockStore::connection)).

@@ -54,7 +54,8 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
-use crate::sql::{Statement, map_error, split_url_options, statement, validate_identifier};
+use crate::sql::{Statement, map_error, statement, validate_identifier};
+use crate::store::split_url_options;
 
 /// The server clock in microseconds since the Unix epoch, the floor of new tokens. Both
 /// parts read the statement's start time; neither depends on the session's time zone.
@@ -223,8 +224,19 @@ impl MysqlLockStore {
             .max_connections(config.max_connections)
             .acquire_timeout(config.connect_timeout)
             .connect_with(options.clone())
-            .await
-            .map_err(|error| unavailable(error, &what))?;
+            .await;
+        let pool = match pool {
+            Ok(pool) => pool,
+            Err(error) => {
+                return Err(crate::sql::connect_failure(
+                    error,
+                    &options,
+                    &what,
+                    config.connect_timeout,
+                )
+                .await);
+            }
+        };
         let sessions = MySqlPoolOptions::new()
             .max_connections(config.max_held)
             .min_connections(0)

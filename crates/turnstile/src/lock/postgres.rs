@@ -47,7 +47,8 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
-use crate::sql::{Statement, map_error, split_url_options, statement, validate_identifier};
+use crate::sql::{Statement, map_error, statement, validate_identifier};
+use crate::store::split_url_options;
 use sqlx::AssertSqlSafe;
 
 /// The database clock in microseconds since the Unix epoch: the floor of new tokens.
@@ -376,25 +377,24 @@ impl PostgresLockStore {
                     })?
                     .options([("synchronous_commit", "on")]),
             );
-        let pool = PgPoolOptions::new()
+        let pool = match PgPoolOptions::new()
             .max_connections(config.max_connections)
             .acquire_timeout(config.connect_timeout)
-            .connect_with(options)
+            .connect_with(options.clone())
             .await
-            .map_err(|error| {
-                let mut error = map_error(
+        {
+            Ok(pool) => pool,
+            Err(error) => {
+                let what = format!("cannot connect to PostgreSQL at {redacted}");
+                return Err(crate::sql::connect_failure(
                     error,
-                    &format!("cannot connect to PostgreSQL at {redacted}"),
-                );
-                if error.kind() == ErrorKind::Store {
-                    error = Error::new(
-                        ErrorKind::StoreUnavailable,
-                        format!("cannot connect to PostgreSQL at {redacted}"),
-                    )
-                    .with_source(error);
-                }
-                error
-            })?;
+                    &options,
+                    &what,
+                    config.connect_timeout,
+                )
+                .await);
+            }
+        };
         PostgresLockStore::with_pool_described(pool, app_pool, config, redacted).await
     }
 

@@ -197,6 +197,11 @@ impl RedisLockConfig {
         self
     }
 
+    /// The key prefix.
+    pub fn get_prefix(&self) -> &str {
+        &self.prefix
+    }
+
     /// How long the last issued fencing token is kept after the last acquisition of a
     /// name. After that, new tokens rely on the server clock alone (see the module docs).
     pub fn fence_retention(mut self, retention: Duration) -> Self {
@@ -222,6 +227,17 @@ impl RedisLockConfig {
     pub fn tls_root_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.tls_root_certificate = Some(pem.into());
         self
+    }
+
+    /// Applies a URL's `turnstile_*` options: `turnstile_prefix=P`.
+    pub(crate) fn apply_url_options(mut self, options: &[(String, String)]) -> Result<Self> {
+        for (key, value) in options {
+            self = match key.as_str() {
+                "prefix" => self.prefix(value.clone()),
+                _ => return Err(crate::store::unknown_option(key, value, "turnstile_prefix")),
+            };
+        }
+        Ok(self)
     }
 
     fn validate(&self) -> Result<()> {
@@ -276,8 +292,15 @@ impl std::fmt::Debug for RedisLockStore {
     }
 }
 
-/// Maps a driver error: connection trouble is [`ErrorKind::StoreUnavailable`].
+/// Maps a driver error: connection trouble is [`ErrorKind::StoreUnavailable`]; a
+/// refused password or a missing ACL permission is [`ErrorKind::Configuration`].
 pub(crate) fn map_error(error: redis::RedisError, context: &str) -> Error {
+    if error.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(error.code(), Some("NOPERM" | "WRONGPASS" | "NOAUTH"))
+    {
+        let message = format!("{context}: Redis refused this client ({error})");
+        return Error::new(ErrorKind::Configuration, message).with_quiet_source(error);
+    }
     let kind = if error.is_io_error()
         || error.is_timeout()
         || error.is_connection_refusal()
@@ -373,9 +396,12 @@ pub(crate) async fn connect_manager(
 }
 
 impl RedisLockStore {
-    /// Connects with default settings.
+    /// Connects with the settings in the URL's `turnstile_*` options
+    /// (`redis://host/0?turnstile_prefix=app`), or the defaults.
     pub async fn connect(url: &str) -> Result<Self> {
-        RedisLockStore::connect_with(url, RedisLockConfig::default()).await
+        let (driver_url, options) = crate::store::split_url_options(url);
+        let config = RedisLockConfig::default().apply_url_options(&options)?;
+        RedisLockStore::connect_with(&driver_url, config).await
     }
 
     /// Connects with `config`. Fails within about the connect timeout if Redis is not

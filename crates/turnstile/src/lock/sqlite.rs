@@ -188,7 +188,11 @@ pub(crate) fn parse_url(url: &str) -> Result<PathBuf> {
                 format!("{url:?} is not a sqlite:// URL"),
             )
         })?;
-    let path = rest.split('?').next().unwrap_or_default();
+    let (path, options) = crate::store::split_url_options(rest);
+    if let Some((key, value)) = options.first() {
+        return Err(crate::store::unknown_option(key, value, "none for SQLite"));
+    }
+    let path = path.split('?').next().unwrap_or_default();
     if path.is_empty() || path == ":memory:" {
         return Err(Error::new(
             ErrorKind::InvalidUrl,
