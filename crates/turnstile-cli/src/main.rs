@@ -96,20 +96,22 @@ pub(crate) struct StoreArgs {
 struct ExecArgs {
     #[command(flatten)]
     store: StoreArgs,
-    /// Lease length; the lock is renewed every TTL/3 while the command runs.
-    #[arg(long, default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    /// Lease length, at most 365 days; the lock is renewed every TTL/3 while the
+    /// command runs.
+    #[arg(long, default_value = "30s", value_parser = parse_ttl, value_name = "DURATION")]
     ttl: Duration,
-    /// How long to wait for the lock (default: as long as it takes).
+    /// How long to wait for the lock, at most 100 years (default: as long as it takes).
     #[arg(long, value_parser = parse_wait, value_name = "DURATION", conflicts_with = "no_wait")]
     wait: Option<Duration>,
     /// Fail at once (exit 75) if the lock is held.
     #[arg(long)]
     no_wait: bool,
-    /// Treat the lock as lost after this long in total, even if renewals succeed.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    /// Treat the lock as lost after this long in total (at most 100 years), even if
+    /// renewals succeed.
+    #[arg(long, value_parser = parse_max_hold, value_name = "DURATION")]
     max_hold: Option<Duration>,
     /// After SIGTERM, how long the command gets before SIGKILL when the lock is lost.
-    #[arg(long, default_value = "10s", value_parser = parse_wait, value_name = "DURATION")]
+    #[arg(long, default_value = "10s", value_parser = parse_kill_after, value_name = "DURATION")]
     kill_after: Duration,
     /// The lock's name.
     name: String,
@@ -129,17 +131,61 @@ struct StatusArgs {
     name: String,
 }
 
+/// The longest lease the library accepts.
+const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The longest `--wait`, `--max-hold` or `--kill-after`: 100 years of 365.25 days, as
+/// humantime counts a year. Far beyond any real use, yet small enough that adding it
+/// to a clock reading cannot overflow (which would panic).
+const MAX_SPAN: Duration = Duration::from_secs(100 * 31_557_600);
+
+/// Parses `--ttl`: positive, at most 365 days.
+fn parse_ttl(text: &str) -> Result<Duration, String> {
+    at_most(parse_positive(text)?, MAX_TTL, "too long; at most 365 days")
+}
+
+/// Parses `--wait`: may be zero, at most 100 years.
+fn parse_wait(text: &str) -> Result<Duration, String> {
+    at_most(
+        parse_span(text)?,
+        MAX_SPAN,
+        "too long; at most 100 years, or omit --wait to wait forever",
+    )
+}
+
+/// Parses `--max-hold`: positive, at most 100 years.
+fn parse_max_hold(text: &str) -> Result<Duration, String> {
+    at_most(
+        parse_positive(text)?,
+        MAX_SPAN,
+        "too long; at most 100 years, or omit --max-hold for no cap",
+    )
+}
+
+/// Parses `--kill-after`: may be zero, at most 100 years.
+fn parse_kill_after(text: &str) -> Result<Duration, String> {
+    at_most(parse_span(text)?, MAX_SPAN, "too long; at most 100 years")
+}
+
+/// `duration`, or `too_long` if it exceeds `limit`.
+fn at_most(duration: Duration, limit: Duration, too_long: &str) -> Result<Duration, String> {
+    if duration > limit {
+        return Err(too_long.to_owned());
+    }
+    Ok(duration)
+}
+
 /// Parses a positive duration such as `30s`, `500ms`, `2m`.
-pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
-    let duration = parse_wait(text)?;
+fn parse_positive(text: &str) -> Result<Duration, String> {
+    let duration = parse_span(text)?;
     if duration.is_zero() {
         return Err("must be greater than zero".to_owned());
     }
     Ok(duration)
 }
 
-/// Parses a duration that may be zero.
-fn parse_wait(text: &str) -> Result<Duration, String> {
+/// Parses a duration that may be zero; it must have a unit.
+fn parse_span(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     if text.parse::<f64>().is_ok() {
         return Err(format!(
@@ -324,12 +370,34 @@ mod tests {
 
     #[test]
     fn durations_need_units_and_ttls_must_be_positive() {
-        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert!(parse_duration("0s").is_err());
-        assert!(parse_duration("5").unwrap_err().contains("no unit"));
-        assert!(parse_duration("soon").is_err());
+        assert_eq!(parse_ttl("1500ms"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_ttl("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_ttl("0s").is_err());
+        assert!(parse_ttl("5").unwrap_err().contains("no unit"));
+        assert!(parse_ttl("soon").is_err());
+        assert!(parse_max_hold("0s").is_err());
         assert_eq!(parse_wait("0s"), Ok(Duration::ZERO));
+        assert_eq!(parse_kill_after("0s"), Ok(Duration::ZERO));
+    }
+
+    #[test]
+    fn durations_are_bounded_so_deadlines_cannot_overflow() {
+        assert_eq!(parse_ttl("365days"), Ok(MAX_TTL));
+        assert!(
+            parse_ttl("366days")
+                .unwrap_err()
+                .contains("at most 365 days")
+        );
+        for parse in [parse_wait, parse_max_hold, parse_kill_after] {
+            assert_eq!(parse("100years"), Ok(MAX_SPAN));
+            assert!(parse("101years").unwrap_err().contains("at most 100 years"));
+            assert!(
+                parse("10000000000000000000s")
+                    .unwrap_err()
+                    .contains("too long")
+            );
+        }
+        assert!(parse_wait("101years").unwrap_err().contains("omit --wait"));
     }
 
     #[test]

@@ -320,6 +320,30 @@ fn bad_input_gets_a_specific_error_and_a_documented_code() {
 }
 
 #[test]
+fn absurdly_long_durations_are_refused_with_exit_64_not_a_panic() {
+    let sandbox = Sandbox::new();
+    let huge = "10000000000000000000s";
+    for (flag, limit) in [
+        ("--ttl", "at most 365 days"),
+        (
+            "--wait",
+            "at most 100 years, or omit --wait to wait forever",
+        ),
+        ("--max-hold", "at most 100 years"),
+        ("--kill-after", "at most 100 years"),
+    ] {
+        let output = sandbox.run(&["lock", "exec", flag, huge, "long", "--", "true"]);
+        let message = stderr(&output);
+        assert_eq!(code(&output), 64, "{flag}: {message}");
+        assert!(
+            message.contains(flag) && message.contains(huge) && message.contains(limit),
+            "{flag}: {message}"
+        );
+        assert!(!message.contains("panicked"), "{flag}: {message}");
+    }
+}
+
+#[test]
 fn an_unreachable_store_is_reported_within_seconds() {
     let sandbox = Sandbox::new();
     let port = turnstile_test_support::free_port();
