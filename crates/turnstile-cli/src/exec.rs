@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{SignalKind, signal};
+use tokio::time::{Instant, sleep, sleep_until};
 use turnstile::lock::{LockGuard, LockName, LockOptions, Locker};
 
 use crate::{ExecArgs, exit, fail};
@@ -47,7 +48,11 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         .env("TURNSTILE_FENCING_TOKEN", guard.fencing_token().to_string())
         .env("TURNSTILE_LOCK_NAME", name.as_str())
         .stdin(Stdio::inherit())
-        .kill_on_drop(true);
+        .kill_on_drop(true)
+        // Its own process group, so that everything the command starts (background
+        // jobs, pipelines) is signalled with it; signalling only the direct child left
+        // a shell's jobs running after the lock was lost.
+        .process_group(0);
     let child = match command.spawn() {
         Ok(child) => child,
         Err(error) => {
@@ -61,20 +66,39 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
             return ExitCode::from(code);
         }
     };
-    supervise(child, guard, args.kill_after).await
+    let Some(group) = ProcessGroup::led_by(&child) else {
+        // Only possible if the child was already reaped, which nothing here does.
+        eprintln!("turnstile: lost track of the command right after starting it");
+        let _ = guard.release().await;
+        return ExitCode::from(exit::SOFTWARE);
+    };
+    supervise(child, group, guard, args.kill_after).await
 }
 
-/// Waits for the child, forwarding SIGTERM and SIGHUP to it; terminates it if the lock
-/// is lost. SIGINT is not forwarded: a terminal already sends it to the child, which
-/// shares our process group.
-async fn supervise(mut child: Child, guard: LockGuard, kill_after: Duration) -> ExitCode {
-    let (Ok(mut terminate), Ok(mut hangup), Ok(mut interrupt)) = (
+/// Waits for the child, forwarding SIGINT, SIGTERM, SIGHUP and SIGQUIT to its process
+/// group; terminates the group if the lock is lost.
+///
+/// The command's group is not the terminal's foreground group, so the terminal's
+/// SIGINT (Ctrl-C) and SIGQUIT reach only turnstile, which passes them on. SIGTSTP
+/// (Ctrl-Z) is refused: it would stop turnstile, and so the renewals, while the command
+/// ran on.
+async fn supervise(
+    mut child: Child,
+    group: ProcessGroup,
+    guard: LockGuard,
+    kill_after: Duration,
+) -> ExitCode {
+    let (Ok(mut terminate), Ok(mut hangup), Ok(mut interrupt), Ok(mut quit), Ok(mut suspend)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::hangup()),
         signal(SignalKind::interrupt()),
+        signal(SignalKind::quit()),
+        signal(SignalKind::from_raw(libc::SIGTSTP)),
     ) else {
         eprintln!("turnstile: cannot install signal handlers");
-        let _ = child.kill().await;
+        group.signal(libc::SIGKILL);
+        let _ = child.wait().await;
+        let _ = guard.release().await;
         return ExitCode::from(exit::SOFTWARE);
     };
     let lost = guard.lost();
@@ -99,31 +123,76 @@ async fn supervise(mut child: Child, guard: LockGuard, kill_after: Duration) -> 
                     "turnstile: lock {:?} lost ({reason}); terminating the command",
                     guard.name().as_str()
                 );
-                terminate_child(&mut child, kill_after).await;
+                terminate_group(&mut child, group, Instant::now() + kill_after).await;
                 let _ = guard.release().await;
                 return ExitCode::from(exit::LOST);
             }
-            _ = terminate.recv() => forward(&child, libc::SIGTERM),
-            _ = hangup.recv() => forward(&child, libc::SIGHUP),
-            _ = interrupt.recv() => {}
+            _ = terminate.recv() => group.signal(libc::SIGTERM),
+            _ = hangup.recv() => group.signal(libc::SIGHUP),
+            _ = interrupt.recv() => group.signal(libc::SIGINT),
+            _ = quit.recv() => group.signal(libc::SIGQUIT),
+            _ = suspend.recv() => eprintln!(
+                "turnstile: not suspending: the command would run on while its lock went unrenewed"
+            ),
         }
     }
 }
 
-/// SIGTERM, then SIGKILL if the child is still running after `grace`.
-async fn terminate_child(child: &mut Child, grace: Duration) {
-    forward(child, libc::SIGTERM);
-    if tokio::time::timeout(grace, child.wait()).await.is_err() {
-        let _ = child.kill().await;
+/// How often to look whether a terminated group has emptied once the child is reaped.
+const GROUP_POLL: Duration = Duration::from_millis(20);
+
+/// SIGTERM to the whole group; SIGKILL at `kill_at` to whatever of it still runs.
+/// Returns once the child is reaped and the group has emptied, or after the SIGKILL.
+async fn terminate_group(child: &mut Child, group: ProcessGroup, kill_at: Instant) {
+    group.signal(libc::SIGTERM);
+    // A stopped process acts on SIGTERM only once continued.
+    group.signal(libc::SIGCONT);
+    let mut reaped = false;
+    loop {
+        if reaped && group.is_empty() {
+            return;
+        }
+        tokio::select! {
+            // An error here means there is no child left to wait for.
+            _ = child.wait(), if !reaped => reaped = true,
+            () = sleep(GROUP_POLL), if reaped => {}
+            () = sleep_until(kill_at) => break,
+        }
     }
+    group.signal(libc::SIGKILL);
+    let _ = child.wait().await;
 }
 
-fn forward(child: &Child, signal: libc::c_int) {
-    if let Some(pid) = child.id().and_then(|pid| libc::pid_t::try_from(pid).ok()) {
-        // SAFETY: signalling our own child, which we have not reaped yet.
+/// The process group the command leads (it was started with `process_group(0)`).
+#[derive(Debug, Clone, Copy)]
+struct ProcessGroup {
+    id: libc::pid_t,
+}
+
+impl ProcessGroup {
+    /// The group led by `child`, while the child has not been reaped.
+    fn led_by(child: &Child) -> Option<ProcessGroup> {
+        let id = libc::pid_t::try_from(child.id()?).ok()?;
+        Some(ProcessGroup { id })
+    }
+
+    /// Sends `signal` to every process in the group.
+    ///
+    /// The group id is the child's pid, which the kernel does not hand out again while
+    /// the child is unreaped or any process is still in the group; callers stop
+    /// signalling once both are gone.
+    fn signal(self, signal: libc::c_int) {
+        // SAFETY: kill has no memory-safety preconditions; a negative pid names a group.
         unsafe {
-            libc::kill(pid, signal);
+            libc::kill(-self.id, signal);
         }
+    }
+
+    /// Whether no process (zombies included) is left in the group.
+    fn is_empty(self) -> bool {
+        // SAFETY: as in `signal`; signal 0 only checks that the group exists.
+        let result = unsafe { libc::kill(-self.id, 0) };
+        result == -1 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
     }
 }
 

@@ -63,10 +63,16 @@ enum LockCommand {
     /// Run a command while holding a lock, renewing it; stop the command if the lock is lost.
     ///
     /// The command gets TURNSTILE_FENCING_TOKEN and TURNSTILE_LOCK_NAME in its
-    /// environment. Exit status: the command's own; 75 if the lock was not acquired in
-    /// time; 76 if the lock was lost and the command terminated (SIGTERM, then SIGKILL
-    /// after --kill-after); 64 bad input; 69 store unavailable; 126/127 command not
-    /// executable / not found.
+    /// environment. It runs in its own process group, so what it starts (background
+    /// jobs, pipelines) is signalled with it: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to
+    /// turnstile (Ctrl-C included) are passed on to the group, and if the lock is lost
+    /// the group gets SIGTERM, then SIGKILL after --kill-after. Outside the terminal's
+    /// foreground group, the command cannot read from the terminal, and Ctrl-Z is
+    /// refused (it would stop the renewals, not the command).
+    ///
+    /// Exit status: the command's own; 75 if the lock was not acquired in time; 76 if
+    /// the lock was lost and the command terminated; 64 bad input; 69 store
+    /// unavailable; 126/127 command not executable / not found.
     Exec(ExecArgs),
     /// Show whether a lock is held, by whom, with which fencing token and how long is left.
     Status(StatusArgs),

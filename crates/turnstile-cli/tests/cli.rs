@@ -69,6 +69,69 @@ fn wait_for_file(path: &Path) {
     }
 }
 
+/// The pid a command wrote to `path`. Commands write it to `path.tmp` and rename it, so
+/// the file is complete once it appears.
+fn read_pid(path: &Path) -> libc::pid_t {
+    wait_for_file(path);
+    let text = std::fs::read_to_string(path).unwrap();
+    text.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{} holds {text:?}", path.display()))
+}
+
+/// Shell words that write the shell's value of `$pid` to `path` the way [`read_pid`]
+/// expects.
+fn write_pid(pid: &str, path: &Path) -> String {
+    format!("echo {pid} > {0}.tmp; mv {0}.tmp {0}", path.display())
+}
+
+/// Whether `pid` has ended: gone, or a zombie not reaped yet (an orphan waits for
+/// init to reap it).
+fn has_ended(pid: libc::pid_t) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the command name, which is in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_none_or(|state| state == "Z" || state == "X"),
+    }
+}
+
+/// Waits up to `bound` for `pid` to end. If it does not, kills it, so a failing test
+/// leaves nothing behind, and returns false.
+fn ends_within(pid: libc::pid_t, bound: Duration) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < bound {
+        if has_ended(pid) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    false
+}
+
+/// Waits up to `bound` for `child` to exit; if it does not, kills it and returns None.
+fn exit_within(
+    child: &mut std::process::Child,
+    bound: Duration,
+) -> Option<std::process::ExitStatus> {
+    let started = Instant::now();
+    while started.elapsed() < bound {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
 #[test]
 fn exec_runs_the_command_with_its_token_and_passes_its_exit_code() {
     let sandbox = Sandbox::new();
@@ -235,6 +298,64 @@ fn a_command_that_ignores_sigterm_is_killed_after_the_grace_period() {
     assert_eq!(code(&sandbox.run(&["lock", "break", "stubborn"])), 0);
     let output = holder.wait_with_output().unwrap();
     assert_eq!(code(&output), 76);
+}
+
+#[test]
+fn losing_the_lock_terminates_the_commands_background_jobs_too() {
+    let sandbox = Sandbox::new();
+    let first = sandbox.path("first.pid");
+    let second = sandbox.path("second.pid");
+    // The jobs' output goes elsewhere, so that they do not hold turnstile's stderr open.
+    let script = format!(
+        "sleep 60 >/dev/null 2>&1 & {}; sleep 60 >/dev/null 2>&1 & {}; wait",
+        write_pid("$!", &first),
+        write_pid("$!", &second)
+    );
+    let mut holder = sandbox
+        .turnstile(&[
+            "lock", "exec", "--ttl", "600ms", "jobs", "--", "sh", "-c", &script,
+        ])
+        .spawn()
+        .unwrap();
+    let jobs = [read_pid(&first), read_pid(&second)];
+    assert_eq!(code(&sandbox.run(&["lock", "break", "jobs"])), 0);
+    let status = exit_within(&mut holder, Duration::from_secs(10));
+    // Every job is waited for (and killed if need be) before anything is asserted.
+    let outlived: Vec<_> = jobs
+        .into_iter()
+        .filter(|&job| !ends_within(job, Duration::from_secs(5)))
+        .collect();
+    assert_eq!(status.and_then(|status| status.code()), Some(76));
+    assert!(
+        outlived.is_empty(),
+        "background jobs {outlived:?} outlived the lock"
+    );
+}
+
+#[test]
+fn sigint_to_turnstile_reaches_the_command() {
+    let sandbox = Sandbox::new();
+    let started = sandbox.path("started.pid");
+    let interrupted = sandbox.path("interrupted");
+    let script = format!(
+        "trap 'touch {}; exit 3' INT; {}; while true; do sleep 0.05; done",
+        interrupted.display(),
+        write_pid("$$", &started)
+    );
+    let mut holder = sandbox
+        .turnstile(&["lock", "exec", "ctrl-c", "--", "sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let command = read_pid(&started);
+    // SAFETY: signalling a child process we started.
+    unsafe {
+        libc::kill(i32::try_from(holder.id()).unwrap(), libc::SIGINT);
+    }
+    let status = exit_within(&mut holder, Duration::from_secs(10));
+    let command_ended = ends_within(command, Duration::from_secs(5));
+    assert_eq!(status.and_then(|status| status.code()), Some(3));
+    assert!(interrupted.exists());
+    assert!(command_ended);
 }
 
 #[test]
