@@ -53,6 +53,8 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         // jobs, pipelines) is signalled with it; signalling only the direct child left
         // a shell's jobs running after the lock was lost.
         .process_group(0);
+    #[cfg(target_os = "linux")]
+    die_with_turnstile(&mut command);
     let child = match command.spawn() {
         Ok(child) => child,
         Err(error) => {
@@ -73,6 +75,35 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         return ExitCode::from(exit::SOFTWARE);
     };
     supervise(child, group, guard, args.kill_after).await
+}
+
+/// Has the kernel SIGKILL the command when turnstile dies, so that a `kill -9` of
+/// turnstile cannot leave the command running with no one renewing its lock (another
+/// host would take the lock one TTL later and the two would overlap).
+///
+/// Only the direct child gets this signal. Whatever it started survives a `kill -9` of
+/// turnstile; every other way turnstile ends signals the whole process group first.
+#[cfg(target_os = "linux")]
+fn die_with_turnstile(command: &mut Command) {
+    let turnstile = libc::pid_t::try_from(std::process::id()).unwrap_or(libc::pid_t::MAX);
+    // SAFETY: the closure runs in the forked child before exec; it allocates nothing
+    // and calls only async-signal-safe functions (prctl, getppid, _exit).
+    unsafe {
+        command.pre_exec(move || {
+            // The signal fires when the *thread* that forked exits, not the process.
+            // turnstile forks from the main thread (its runtime is current-thread),
+            // which lives as long as the process does.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // turnstile died between the fork and the prctl: the signal will never
+            // come, and no one would renew the lock.
+            if libc::getppid() != turnstile {
+                libc::_exit(1);
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Waits for the child, forwarding SIGINT, SIGTERM, SIGHUP and SIGQUIT to its process

@@ -70,6 +70,11 @@ enum LockCommand {
     /// foreground group, the command cannot read from the terminal, and Ctrl-Z is
     /// refused (it would stop the renewals, not the command).
     ///
+    /// If turnstile itself is killed (kill -9), the kernel kills the command (on
+    /// Linux), but only the command itself: processes it started keep running with no
+    /// lock. When the lock is lost turnstile signals the whole group itself, so only
+    /// turnstile dying abruptly (kill -9, a crash) leaves them running.
+    ///
     /// Exit status: the command's own; 75 if the lock was not acquired in time; 76 if
     /// the lock was lost and the command terminated; 64 bad input; 69 store
     /// unavailable; 126/127 command not executable / not found.

@@ -359,6 +359,24 @@ fn sigint_to_turnstile_reaches_the_command() {
 }
 
 #[test]
+fn killing_turnstile_with_sigkill_kills_the_command() {
+    let sandbox = Sandbox::new();
+    let started = sandbox.path("command.pid");
+    let script = format!("{}; exec sleep 60", write_pid("$$", &started));
+    let mut holder = sandbox
+        .turnstile(&["lock", "exec", "orphan", "--", "sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let command = read_pid(&started);
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    assert!(
+        ends_within(command, Duration::from_secs(5)),
+        "the command outlived turnstile"
+    );
+}
+
+#[test]
 fn losing_the_redis_server_terminates_the_command_with_exit_76() {
     let server = RedisServer::spawn();
     let sandbox = Sandbox::new();
