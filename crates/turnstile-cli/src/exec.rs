@@ -33,6 +33,13 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
     if let Err(error) = options.validate() {
         return fail(&error);
     }
+    let kill_after = match kill_after_within(args.ttl, options.get_clock_drift(), args.kill_after) {
+        Ok(kill_after) => kill_after,
+        Err(message) => {
+            eprintln!("turnstile: {message}");
+            return ExitCode::from(exit::USAGE);
+        }
+    };
     let locker: Locker = match args.store.locker().await {
         Ok(locker) => locker,
         Err(error) => return fail(&error),
@@ -74,7 +81,41 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         let _ = guard.release().await;
         return ExitCode::from(exit::SOFTWARE);
     };
-    supervise(child, group, guard, args.kill_after).await
+    supervise(child, group, guard, kill_after).await
+}
+
+/// The default `--kill-after`, for TTLs long enough to fit it (see [`kill_after_within`]).
+const DEFAULT_KILL_AFTER: Duration = Duration::from_secs(10);
+
+/// The grace between SIGTERM and SIGKILL: `requested`, or by default 10 s or TTL/3,
+/// whichever is shorter.
+///
+/// When renewals stop succeeding, termination starts `kill_after` before the lease
+/// runs out, so that the SIGKILL lands before another holder can get the lock. The
+/// watchdog renews every TTL/3, and the lease is counted from when a renewal was sent,
+/// less the clock-drift allowance; termination must start after the next renewal is
+/// due, or it would start every time. Hence `kill_after` < 2/3 TTL - drift.
+fn kill_after_within(
+    ttl: Duration,
+    drift: Duration,
+    requested: Option<Duration>,
+) -> Result<Duration, String> {
+    let limit = (ttl * 2 / 3).saturating_sub(drift);
+    let Some(kill_after) = requested else {
+        return Ok(DEFAULT_KILL_AFTER.min(ttl / 3));
+    };
+    if kill_after >= limit {
+        return Err(format!(
+            "--kill-after {} does not fit in --ttl {}: when renewals fail, SIGTERM goes out \
+             --kill-after before the lease runs out, which must be later than the next \
+             renewal (due at TTL/3); use a --kill-after under {} (two thirds of the TTL, \
+             less the clock-drift allowance) or a longer --ttl",
+            humantime::format_duration(kill_after),
+            humantime::format_duration(ttl),
+            humantime::format_duration(limit)
+        ));
+    }
+    Ok(kill_after)
 }
 
 /// Has the kernel SIGKILL the command when turnstile dies, so that a `kill -9` of
@@ -107,7 +148,8 @@ fn die_with_turnstile(command: &mut Command) {
 }
 
 /// Waits for the child, forwarding SIGINT, SIGTERM, SIGHUP and SIGQUIT to its process
-/// group; terminates the group if the lock is lost.
+/// group; terminates the group if the lock is lost, or `kill_after` before the lease
+/// runs out if renewals have not extended it by then.
 ///
 /// The command's group is not the terminal's foreground group, so the terminal's
 /// SIGINT (Ctrl-C) and SIGQUIT reach only turnstile, which passes them on. SIGTSTP
@@ -134,6 +176,10 @@ async fn supervise(
     };
     let lost = guard.lost();
     tokio::pin!(lost);
+    // The library fires the lost signal only when the lease has run out, too late for
+    // any grace; so termination starts `kill_after` earlier unless a renewal moves the
+    // lease on first.
+    let mut terminate_at = termination_start(guard.valid_until(), kill_after);
     loop {
         tokio::select! {
             status = child.wait() => {
@@ -154,7 +200,25 @@ async fn supervise(
                     "turnstile: lock {:?} lost ({reason}); terminating the command",
                     guard.name().as_str()
                 );
-                terminate_group(&mut child, group, Instant::now() + kill_after).await;
+                // Whatever the reason, the grace never runs past the lease as known here.
+                let kill_at = (Instant::now() + kill_after).min(guard.valid_until());
+                terminate_group(&mut child, group, kill_at).await;
+                let _ = guard.release().await;
+                return ExitCode::from(exit::LOST);
+            }
+            () = sleep_until(terminate_at) => {
+                let valid_until = guard.valid_until();
+                let renewed_start = termination_start(valid_until, kill_after);
+                if renewed_start > terminate_at {
+                    terminate_at = renewed_start;
+                    continue;
+                }
+                eprintln!(
+                    "turnstile: lock {:?} not renewed in time (its lease runs out in {:.1}s); terminating the command",
+                    guard.name().as_str(),
+                    valid_until.saturating_duration_since(Instant::now()).as_secs_f64()
+                );
+                terminate_group(&mut child, group, valid_until).await;
                 let _ = guard.release().await;
                 return ExitCode::from(exit::LOST);
             }
@@ -167,6 +231,13 @@ async fn supervise(
             ),
         }
     }
+}
+
+/// When to start terminating the command if the lease is still to end at `valid_until`.
+fn termination_start(valid_until: Instant, kill_after: Duration) -> Instant {
+    valid_until
+        .checked_sub(kill_after)
+        .unwrap_or_else(Instant::now)
 }
 
 /// How often to look whether a terminated group has emptied once the child is reaped.
@@ -234,5 +305,40 @@ fn exit_code_of(status: ExitStatus) -> u8 {
         (Some(code), _) => u8::try_from(code & 0xff).unwrap_or(exit::SOFTWARE),
         (None, Some(signal)) => u8::try_from((128 + signal) & 0xff).unwrap_or(exit::SOFTWARE),
         (None, None) => exit::SOFTWARE,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn the_kill_grace_defaults_to_10s_or_a_third_of_the_ttl() {
+        let drift = 302 * MS;
+        assert_eq!(
+            kill_after_within(Duration::from_secs(30), drift, None),
+            Ok(Duration::from_secs(10))
+        );
+        assert_eq!(
+            kill_after_within(Duration::from_secs(3), 32 * MS, None),
+            Ok(Duration::from_secs(1))
+        );
+    }
+
+    #[test]
+    fn the_kill_grace_must_end_before_the_lease_can() {
+        let ttl = Duration::from_secs(3);
+        let drift = 32 * MS;
+        assert_eq!(
+            kill_after_within(ttl, drift, Some(1967 * MS)),
+            Ok(1967 * MS)
+        );
+        let refused = kill_after_within(ttl, drift, Some(1968 * MS)).unwrap_err();
+        assert!(refused.contains("--kill-after 1s 968ms"), "{refused}");
+        assert!(refused.contains("--ttl 3s"), "{refused}");
+        assert!(refused.contains("under 1s 968ms"), "{refused}");
+        assert!(kill_after_within(ttl, drift, Some(Duration::from_secs(10))).is_err());
     }
 }

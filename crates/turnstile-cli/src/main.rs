@@ -66,9 +66,11 @@ enum LockCommand {
     /// environment. It runs in its own process group, so what it starts (background
     /// jobs, pipelines) is signalled with it: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to
     /// turnstile (Ctrl-C included) are passed on to the group, and if the lock is lost
-    /// the group gets SIGTERM, then SIGKILL after --kill-after. Outside the terminal's
-    /// foreground group, the command cannot read from the terminal, and Ctrl-Z is
-    /// refused (it would stop the renewals, not the command).
+    /// the group gets SIGTERM, then SIGKILL after --kill-after. If renewals keep
+    /// failing (the store is unreachable), SIGTERM goes out --kill-after before the
+    /// lease runs out and SIGKILL when it does, so the command is dead by then. Outside
+    /// the terminal's foreground group, the command cannot read from the terminal, and
+    /// Ctrl-Z is refused (it would stop the renewals, not the command).
     ///
     /// If turnstile itself is killed (kill -9), the kernel kills the command (on
     /// Linux), but only the command itself: processes it started keep running with no
@@ -76,8 +78,9 @@ enum LockCommand {
     /// turnstile dying abruptly (kill -9, a crash) leaves them running.
     ///
     /// Exit status: the command's own; 75 if the lock was not acquired in time; 76 if
-    /// the lock was lost and the command terminated; 64 bad input; 69 store
-    /// unavailable; 126/127 command not executable / not found.
+    /// the lock was lost (or was about to run out unrenewed) and the command was
+    /// terminated; 64 bad input; 69 store unavailable; 126/127 command not executable /
+    /// not found.
     Exec(ExecArgs),
     /// Show whether a lock is held, by whom, with which fencing token and how long is left.
     Status(StatusArgs),
@@ -122,8 +125,14 @@ struct ExecArgs {
     #[arg(long, value_parser = parse_max_hold, value_name = "DURATION")]
     max_hold: Option<Duration>,
     /// After SIGTERM, how long the command gets before SIGKILL when the lock is lost.
-    #[arg(long, default_value = "10s", value_parser = parse_kill_after, value_name = "DURATION")]
-    kill_after: Duration,
+    ///
+    /// When renewals stop succeeding, SIGTERM goes out this long before the lease runs
+    /// out, so that the SIGKILL lands before another holder can take the lock. It must
+    /// therefore be shorter than two thirds of --ttl (less a clock-drift allowance of
+    /// 1% of the TTL + 2ms): termination has to start after the next renewal is due at
+    /// TTL/3. Default: 10s, or TTL/3 if that is shorter. At most 100 years.
+    #[arg(long, value_parser = parse_kill_after, value_name = "DURATION")]
+    kill_after: Option<Duration>,
     /// The lock's name.
     name: String,
     /// The command and its arguments (after `--`).

@@ -404,6 +404,98 @@ fn losing_the_redis_server_terminates_the_command_with_exit_76() {
     assert_eq!(code(&output), 76, "{}", stderr(&output));
 }
 
+/// Waits until the lock's lease was renewed a moment ago: the store says nearly all of
+/// `ttl` is left.
+fn wait_for_a_fresh_renewal(sandbox: &Sandbox, store: &str, name: &str, ttl: Duration) {
+    let started = Instant::now();
+    loop {
+        let output = sandbox.run(&["lock", "status", "--json", "--store", store, name]);
+        let status: serde_json::Value = serde_json::from_str(&stdout(&output))
+            .unwrap_or_else(|_| panic!("{}", stderr(&output)));
+        let left = status["remaining_ttl_ms"]
+            .as_u64()
+            .map(Duration::from_millis);
+        if left.is_some_and(|left| left + Duration::from_millis(150) >= ttl) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no renewal seen: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_store_that_stops_answering_gets_the_command_killed_before_the_lease_runs_out() {
+    let server = RedisServer::spawn();
+    let sandbox = Sandbox::new();
+    let started = sandbox.path("command.pid");
+    // The command ignores SIGTERM: only the SIGKILL ends it.
+    let script = format!(
+        "trap '' TERM; {}; while true; do sleep 0.05; done",
+        write_pid("$$", &started)
+    );
+    let ttl = Duration::from_secs(3);
+    let mut holder = sandbox
+        .turnstile(&[
+            "lock",
+            "exec",
+            "--store",
+            &server.url(),
+            "--ttl",
+            "3s",
+            "--kill-after",
+            "1500ms",
+            "partitioned",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .spawn()
+        .unwrap();
+    let command = read_pid(&started);
+    // Freeze the store right after a renewal, so the lease has nearly its whole TTL
+    // left. Sending SIGTERM only when the lease had run out, and SIGKILL --kill-after
+    // later, would end the command about TTL + 1.5s from here.
+    wait_for_a_fresh_renewal(&sandbox, &server.url(), "partitioned", ttl);
+    server.pause();
+    let ended = ends_within(command, ttl + Duration::from_millis(500));
+    server.resume();
+    let status = exit_within(&mut holder, Duration::from_secs(10));
+    assert!(
+        ended,
+        "the command was still running 500ms after its lease ran out"
+    );
+    assert_eq!(status.and_then(|status| status.code()), Some(76));
+}
+
+#[test]
+fn a_kill_grace_that_does_not_fit_in_the_ttl_is_refused() {
+    let sandbox = Sandbox::new();
+    let output = sandbox.run(&[
+        "lock",
+        "exec",
+        "--ttl",
+        "3s",
+        "--kill-after",
+        "2s",
+        "grace",
+        "--",
+        "true",
+    ]);
+    assert_eq!(code(&output), 64, "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("--kill-after 2s does not fit in --ttl 3s"),
+        "{}",
+        stderr(&output)
+    );
+    // Without --kill-after, a short TTL gets a grace of TTL/3 instead of 10s.
+    let output = sandbox.run(&["lock", "exec", "--ttl", "3s", "grace", "--", "true"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+}
+
 #[test]
 fn bad_input_gets_a_specific_error_and_a_documented_code() {
     let sandbox = Sandbox::new();
