@@ -62,6 +62,14 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         .process_group(0);
     #[cfg(target_os = "linux")]
     die_with_turnstile(&mut command);
+    if let Some(why) = too_late_to_start(&guard, kill_after) {
+        eprintln!(
+            "turnstile: lock {:?} {why}; not running the command",
+            guard.name().as_str()
+        );
+        let _ = guard.release().await;
+        return ExitCode::from(exit::LOST);
+    }
     let child = match command.spawn() {
         Ok(child) => child,
         Err(error) => {
@@ -112,10 +120,37 @@ fn kill_after_within(
              less the clock-drift allowance) or a longer --ttl",
             humantime::format_duration(kill_after),
             humantime::format_duration(ttl),
-            humantime::format_duration(limit)
+            in_ms(limit)
         ));
     }
     Ok(kill_after)
+}
+
+/// Why the command must not start, if the lock is already lost or the lease has too
+/// little left: an acquire that took longer than the TTL to answer succeeds with a
+/// lease counted from when it was sent. The command would only be terminated at once.
+fn too_late_to_start(guard: &LockGuard, kill_after: Duration) -> Option<String> {
+    if guard.is_lost() {
+        let reason = guard
+            .loss_reason()
+            .map_or_else(|| "reason unknown".to_owned(), |reason| reason.to_string());
+        return Some(format!(
+            "was lost before the command could start ({reason})"
+        ));
+    }
+    // The library notices an elapsed lease only when its keeper task next runs, which
+    // on this single-threaded runtime is after the spawn; so look at the lease itself.
+    let now = Instant::now();
+    if termination_start(guard.valid_until(), kill_after) <= now {
+        let left = guard.valid_until().saturating_duration_since(now);
+        return Some(format!(
+            "was acquired too late to use: the store answered so late that the lease \
+             has {:.3}s left, less than the --kill-after grace of {}",
+            left.as_secs_f64(),
+            in_ms(kill_after)
+        ));
+    }
+    None
 }
 
 /// Has the kernel SIGKILL the command when turnstile dies, so that a `kill -9` of
@@ -231,6 +266,13 @@ async fn supervise(
             ),
         }
     }
+}
+
+/// A computed `duration` for a message, rounded down to the millisecond: "166ms 666us
+/// 666ns" reads badly.
+fn in_ms(duration: Duration) -> humantime::FormattedDuration {
+    let millis = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
+    humantime::format_duration(Duration::from_millis(millis))
 }
 
 /// When to start terminating the command if the lease is still to end at `valid_until`.

@@ -68,8 +68,10 @@ enum LockCommand {
     /// turnstile (Ctrl-C included) are passed on to the group, and if the lock is lost
     /// the group gets SIGTERM, then SIGKILL after --kill-after. If renewals keep
     /// failing (the store is unreachable), SIGTERM goes out --kill-after before the
-    /// lease runs out and SIGKILL when it does, so the command is dead by then. Outside
-    /// the terminal's foreground group, the command cannot read from the terminal, and
+    /// lease runs out and SIGKILL when it does, so the command is dead by then; and the
+    /// command is not started if less than --kill-after of the lease is left once the
+    /// lock is acquired (a store slower to answer than the TTL). Outside the
+    /// terminal's foreground group, the command cannot read from the terminal, and
     /// Ctrl-Z is refused (it would stop the renewals, not the command).
     ///
     /// If turnstile itself is killed (kill -9), the kernel kills the command (on

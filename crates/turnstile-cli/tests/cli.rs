@@ -471,6 +471,55 @@ fn a_store_that_stops_answering_gets_the_command_killed_before_the_lease_runs_ou
     assert_eq!(status.and_then(|status| status.code()), Some(76));
 }
 
+/// Sends one command to the Redis server on `port` and returns its first reply line.
+fn redis_command(port: u16, words: &[&str]) -> String {
+    use std::io::{BufRead, BufReader, Write};
+    let mut request = format!("*{}\r\n", words.len());
+    for word in words {
+        request.push_str(&format!("${}\r\n{word}\r\n", word.len()));
+    }
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut reply = String::new();
+    BufReader::new(stream).read_line(&mut reply).unwrap();
+    reply.trim_end().to_owned()
+}
+
+#[test]
+fn a_lease_that_ran_out_during_the_acquire_does_not_start_the_command() {
+    let server = RedisServer::spawn();
+    let sandbox = Sandbox::new();
+    let ran = sandbox.path("ran");
+    // Writes, the acquire script among them, wait 2s: the acquire then succeeds, but
+    // its 500ms lease, counted from when it was sent, has long run out.
+    assert_eq!(
+        redis_command(server.port(), &["CLIENT", "PAUSE", "2000", "WRITE"]),
+        "+OK"
+    );
+    let output = sandbox.run(&[
+        "lock",
+        "exec",
+        "--store",
+        &server.url(),
+        "--ttl",
+        "500ms",
+        "late",
+        "--",
+        "touch",
+        &ran.display().to_string(),
+    ]);
+    assert_eq!(code(&output), 76, "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("not running the command"),
+        "{}",
+        stderr(&output)
+    );
+    assert!(!ran.exists(), "the command ran");
+    // The lock was released, not left to expire.
+    let status = sandbox.run(&["lock", "status", "--store", &server.url(), "late"]);
+    assert!(stdout(&status).contains("is free"), "{}", stdout(&status));
+}
+
 #[test]
 fn a_kill_grace_that_does_not_fit_in_the_ttl_is_refused() {
     let sandbox = Sandbox::new();
