@@ -156,10 +156,11 @@ struct StatusArgs {
 /// The longest lease the library accepts.
 const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// The longest `--wait`, `--max-hold` or `--kill-after`: 100 years of 365.25 days, as
-/// humantime counts a year. Far beyond any real use, yet small enough that adding it
-/// to a clock reading cannot overflow (which would panic).
-const MAX_SPAN: Duration = Duration::from_secs(100 * 31_557_600);
+/// The longest `--wait`, `--max-hold` or `--kill-after`: 100 years of 365 days, the
+/// bound the library puts on waits and hold caps (humantime's "100years" counts 365.25
+/// days and is just over). Far beyond any real use, yet small enough that adding it to
+/// a clock reading cannot overflow (which would panic).
+const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// Parses `--ttl`: positive, at most 365 days.
 fn parse_ttl(text: &str) -> Result<Duration, String> {
@@ -411,8 +412,12 @@ mod tests {
                 .contains("at most 365 days")
         );
         for parse in [parse_wait, parse_max_hold, parse_kill_after] {
-            assert_eq!(parse("100years"), Ok(MAX_SPAN));
-            assert!(parse("101years").unwrap_err().contains("at most 100 years"));
+            assert_eq!(parse("36500days"), Ok(MAX_SPAN));
+            assert!(
+                parse("36501days")
+                    .unwrap_err()
+                    .contains("at most 100 years")
+            );
             assert!(
                 parse("10000000000000000000s")
                     .unwrap_err()
