@@ -157,8 +157,9 @@ fn too_late_to_start(guard: &LockGuard, kill_after: Duration) -> Option<String> 
 /// turnstile cannot leave the command running with no one renewing its lock (another
 /// host would take the lock one TTL later and the two would overlap).
 ///
-/// Only the direct child gets this signal. Whatever it started survives a `kill -9` of
-/// turnstile; every other way turnstile ends signals the whole process group first.
+/// Only the direct child gets this signal: whatever it started survives a `kill -9` of
+/// turnstile. When the lock is lost turnstile signals the whole process group itself,
+/// so only turnstile dying abruptly leaves those processes running.
 #[cfg(target_os = "linux")]
 fn die_with_turnstile(command: &mut Command) {
     let turnstile = libc::pid_t::try_from(std::process::id()).unwrap_or(libc::pid_t::MAX);
