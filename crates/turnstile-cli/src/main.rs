@@ -63,10 +63,26 @@ enum LockCommand {
     /// Run a command while holding a lock, renewing it; stop the command if the lock is lost.
     ///
     /// The command gets TURNSTILE_FENCING_TOKEN and TURNSTILE_LOCK_NAME in its
-    /// environment. Exit status: the command's own; 75 if the lock was not acquired in
-    /// time; 76 if the lock was lost and the command terminated (SIGTERM, then SIGKILL
-    /// after --kill-after); 64 bad input; 69 store unavailable; 126/127 command not
-    /// executable / not found.
+    /// environment. It runs in its own process group, so what it starts (background
+    /// jobs, pipelines) is signalled with it: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to
+    /// turnstile (Ctrl-C included) are passed on to the group, and if the lock is lost
+    /// the group gets SIGTERM, then SIGKILL after --kill-after. If renewals keep
+    /// failing (the store is unreachable), SIGTERM goes out --kill-after before the
+    /// lease runs out and SIGKILL when it does, so the command is dead by then; and the
+    /// command is not started if less than --kill-after of the lease is left once the
+    /// lock is acquired (a store slower to answer than the TTL). Outside the
+    /// terminal's foreground group, the command cannot read from the terminal, and
+    /// Ctrl-Z is refused (it would stop the renewals, not the command).
+    ///
+    /// If turnstile itself is killed (kill -9), the kernel kills the command (on
+    /// Linux), but only the command itself: processes it started keep running with no
+    /// lock. When the lock is lost turnstile signals the whole group itself, so only
+    /// turnstile dying abruptly (kill -9, a crash) leaves them running.
+    ///
+    /// Exit status: the command's own; 75 if the lock was not acquired in time; 76 if
+    /// the lock was lost (or was about to run out unrenewed) and the command was
+    /// terminated; 64 bad input; 69 store unavailable; 126/127 command not executable /
+    /// not found.
     Exec(ExecArgs),
     /// Show whether a lock is held, by whom, with which fencing token and how long is left.
     Status(StatusArgs),
@@ -96,21 +112,29 @@ pub(crate) struct StoreArgs {
 struct ExecArgs {
     #[command(flatten)]
     store: StoreArgs,
-    /// Lease length; the lock is renewed every TTL/3 while the command runs.
-    #[arg(long, default_value = "30s", value_parser = parse_duration, value_name = "DURATION")]
+    /// Lease length, at most 365 days; the lock is renewed every TTL/3 while the
+    /// command runs.
+    #[arg(long, default_value = "30s", value_parser = parse_ttl, value_name = "DURATION")]
     ttl: Duration,
-    /// How long to wait for the lock (default: as long as it takes).
+    /// How long to wait for the lock, at most 100 years (default: as long as it takes).
     #[arg(long, value_parser = parse_wait, value_name = "DURATION", conflicts_with = "no_wait")]
     wait: Option<Duration>,
     /// Fail at once (exit 75) if the lock is held.
     #[arg(long)]
     no_wait: bool,
-    /// Treat the lock as lost after this long in total, even if renewals succeed.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    /// Treat the lock as lost after this long in total (at most 100 years), even if
+    /// renewals succeed.
+    #[arg(long, value_parser = parse_max_hold, value_name = "DURATION")]
     max_hold: Option<Duration>,
     /// After SIGTERM, how long the command gets before SIGKILL when the lock is lost.
-    #[arg(long, default_value = "10s", value_parser = parse_wait, value_name = "DURATION")]
-    kill_after: Duration,
+    ///
+    /// When renewals stop succeeding, SIGTERM goes out this long before the lease runs
+    /// out, so that the SIGKILL lands before another holder can take the lock. It must
+    /// therefore be shorter than two thirds of --ttl (less a clock-drift allowance of
+    /// 1% of the TTL + 2ms): termination has to start after the next renewal is due at
+    /// TTL/3. Default: 10s, or TTL/3 if that is shorter. At most 100 years.
+    #[arg(long, value_parser = parse_kill_after, value_name = "DURATION")]
+    kill_after: Option<Duration>,
     /// The lock's name.
     name: String,
     /// The command and its arguments (after `--`).
@@ -129,17 +153,62 @@ struct StatusArgs {
     name: String,
 }
 
+/// The longest lease the library accepts.
+const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The longest `--wait`, `--max-hold` or `--kill-after`: 100 years of 365 days, the
+/// bound the library puts on waits and hold caps (humantime's "100years" counts 365.25
+/// days and is just over). Far beyond any real use, yet small enough that adding it to
+/// a clock reading cannot overflow (which would panic).
+const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Parses `--ttl`: positive, at most 365 days.
+fn parse_ttl(text: &str) -> Result<Duration, String> {
+    at_most(parse_positive(text)?, MAX_TTL, "too long; at most 365 days")
+}
+
+/// Parses `--wait`: may be zero, at most 100 years.
+fn parse_wait(text: &str) -> Result<Duration, String> {
+    at_most(
+        parse_span(text)?,
+        MAX_SPAN,
+        "too long; at most 100 years, or omit --wait to wait forever",
+    )
+}
+
+/// Parses `--max-hold`: positive, at most 100 years.
+fn parse_max_hold(text: &str) -> Result<Duration, String> {
+    at_most(
+        parse_positive(text)?,
+        MAX_SPAN,
+        "too long; at most 100 years, or omit --max-hold for no cap",
+    )
+}
+
+/// Parses `--kill-after`: may be zero, at most 100 years.
+fn parse_kill_after(text: &str) -> Result<Duration, String> {
+    at_most(parse_span(text)?, MAX_SPAN, "too long; at most 100 years")
+}
+
+/// `duration`, or `too_long` if it exceeds `limit`.
+fn at_most(duration: Duration, limit: Duration, too_long: &str) -> Result<Duration, String> {
+    if duration > limit {
+        return Err(too_long.to_owned());
+    }
+    Ok(duration)
+}
+
 /// Parses a positive duration such as `30s`, `500ms`, `2m`.
-pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
-    let duration = parse_wait(text)?;
+fn parse_positive(text: &str) -> Result<Duration, String> {
+    let duration = parse_span(text)?;
     if duration.is_zero() {
         return Err("must be greater than zero".to_owned());
     }
     Ok(duration)
 }
 
-/// Parses a duration that may be zero.
-fn parse_wait(text: &str) -> Result<Duration, String> {
+/// Parses a duration that may be zero; it must have a unit.
+fn parse_span(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     if text.parse::<f64>().is_ok() {
         return Err(format!(
@@ -324,12 +393,38 @@ mod tests {
 
     #[test]
     fn durations_need_units_and_ttls_must_be_positive() {
-        assert_eq!(parse_duration("1500ms"), Ok(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert!(parse_duration("0s").is_err());
-        assert!(parse_duration("5").unwrap_err().contains("no unit"));
-        assert!(parse_duration("soon").is_err());
+        assert_eq!(parse_ttl("1500ms"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_ttl("2m"), Ok(Duration::from_secs(120)));
+        assert!(parse_ttl("0s").is_err());
+        assert!(parse_ttl("5").unwrap_err().contains("no unit"));
+        assert!(parse_ttl("soon").is_err());
+        assert!(parse_max_hold("0s").is_err());
         assert_eq!(parse_wait("0s"), Ok(Duration::ZERO));
+        assert_eq!(parse_kill_after("0s"), Ok(Duration::ZERO));
+    }
+
+    #[test]
+    fn durations_are_bounded_so_deadlines_cannot_overflow() {
+        assert_eq!(parse_ttl("365days"), Ok(MAX_TTL));
+        assert!(
+            parse_ttl("366days")
+                .unwrap_err()
+                .contains("at most 365 days")
+        );
+        for parse in [parse_wait, parse_max_hold, parse_kill_after] {
+            assert_eq!(parse("36500days"), Ok(MAX_SPAN));
+            assert!(
+                parse("36501days")
+                    .unwrap_err()
+                    .contains("at most 100 years")
+            );
+            assert!(
+                parse("10000000000000000000s")
+                    .unwrap_err()
+                    .contains("too long")
+            );
+        }
+        assert!(parse_wait("101years").unwrap_err().contains("omit --wait"));
     }
 
     #[test]

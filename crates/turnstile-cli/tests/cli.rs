@@ -69,6 +69,69 @@ fn wait_for_file(path: &Path) {
     }
 }
 
+/// The pid a command wrote to `path`. Commands write it to `path.tmp` and rename it, so
+/// the file is complete once it appears.
+fn read_pid(path: &Path) -> libc::pid_t {
+    wait_for_file(path);
+    let text = std::fs::read_to_string(path).unwrap();
+    text.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{} holds {text:?}", path.display()))
+}
+
+/// Shell words that write the shell's value of `$pid` to `path` the way [`read_pid`]
+/// expects.
+fn write_pid(pid: &str, path: &Path) -> String {
+    format!("echo {pid} > {0}.tmp; mv {0}.tmp {0}", path.display())
+}
+
+/// Whether `pid` has ended: gone, or a zombie not reaped yet (an orphan waits for
+/// init to reap it).
+fn has_ended(pid: libc::pid_t) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the command name, which is in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_none_or(|state| state == "Z" || state == "X"),
+    }
+}
+
+/// Waits up to `bound` for `pid` to end. If it does not, kills it, so a failing test
+/// leaves nothing behind, and returns false.
+fn ends_within(pid: libc::pid_t, bound: Duration) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < bound {
+        if has_ended(pid) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    false
+}
+
+/// Waits up to `bound` for `child` to exit; if it does not, kills it and returns None.
+fn exit_within(
+    child: &mut std::process::Child,
+    bound: Duration,
+) -> Option<std::process::ExitStatus> {
+    let started = Instant::now();
+    while started.elapsed() < bound {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
 #[test]
 fn exec_runs_the_command_with_its_token_and_passes_its_exit_code() {
     let sandbox = Sandbox::new();
@@ -238,6 +301,82 @@ fn a_command_that_ignores_sigterm_is_killed_after_the_grace_period() {
 }
 
 #[test]
+fn losing_the_lock_terminates_the_commands_background_jobs_too() {
+    let sandbox = Sandbox::new();
+    let first = sandbox.path("first.pid");
+    let second = sandbox.path("second.pid");
+    // The jobs' output goes elsewhere, so that they do not hold turnstile's stderr open.
+    let script = format!(
+        "sleep 60 >/dev/null 2>&1 & {}; sleep 60 >/dev/null 2>&1 & {}; wait",
+        write_pid("$!", &first),
+        write_pid("$!", &second)
+    );
+    let mut holder = sandbox
+        .turnstile(&[
+            "lock", "exec", "--ttl", "600ms", "jobs", "--", "sh", "-c", &script,
+        ])
+        .spawn()
+        .unwrap();
+    let jobs = [read_pid(&first), read_pid(&second)];
+    assert_eq!(code(&sandbox.run(&["lock", "break", "jobs"])), 0);
+    let status = exit_within(&mut holder, Duration::from_secs(10));
+    // Every job is waited for (and killed if need be) before anything is asserted.
+    let outlived: Vec<_> = jobs
+        .into_iter()
+        .filter(|&job| !ends_within(job, Duration::from_secs(5)))
+        .collect();
+    assert_eq!(status.and_then(|status| status.code()), Some(76));
+    assert!(
+        outlived.is_empty(),
+        "background jobs {outlived:?} outlived the lock"
+    );
+}
+
+#[test]
+fn sigint_to_turnstile_reaches_the_command() {
+    let sandbox = Sandbox::new();
+    let started = sandbox.path("started.pid");
+    let interrupted = sandbox.path("interrupted");
+    let script = format!(
+        "trap 'touch {}; exit 3' INT; {}; while true; do sleep 0.05; done",
+        interrupted.display(),
+        write_pid("$$", &started)
+    );
+    let mut holder = sandbox
+        .turnstile(&["lock", "exec", "ctrl-c", "--", "sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let command = read_pid(&started);
+    // SAFETY: signalling a child process we started.
+    unsafe {
+        libc::kill(i32::try_from(holder.id()).unwrap(), libc::SIGINT);
+    }
+    let status = exit_within(&mut holder, Duration::from_secs(10));
+    let command_ended = ends_within(command, Duration::from_secs(5));
+    assert_eq!(status.and_then(|status| status.code()), Some(3));
+    assert!(interrupted.exists());
+    assert!(command_ended);
+}
+
+#[test]
+fn killing_turnstile_with_sigkill_kills_the_command() {
+    let sandbox = Sandbox::new();
+    let started = sandbox.path("command.pid");
+    let script = format!("{}; exec sleep 60", write_pid("$$", &started));
+    let mut holder = sandbox
+        .turnstile(&["lock", "exec", "orphan", "--", "sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let command = read_pid(&started);
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    assert!(
+        ends_within(command, Duration::from_secs(5)),
+        "the command outlived turnstile"
+    );
+}
+
+#[test]
 fn losing_the_redis_server_terminates_the_command_with_exit_76() {
     let server = RedisServer::spawn();
     let sandbox = Sandbox::new();
@@ -263,6 +402,147 @@ fn losing_the_redis_server_terminates_the_command_with_exit_76() {
     server.kill();
     let output = holder.wait_with_output().unwrap();
     assert_eq!(code(&output), 76, "{}", stderr(&output));
+}
+
+/// Waits until the lock's lease was renewed a moment ago: the store says nearly all of
+/// `ttl` is left.
+fn wait_for_a_fresh_renewal(sandbox: &Sandbox, store: &str, name: &str, ttl: Duration) {
+    let started = Instant::now();
+    loop {
+        let output = sandbox.run(&["lock", "status", "--json", "--store", store, name]);
+        let status: serde_json::Value = serde_json::from_str(&stdout(&output))
+            .unwrap_or_else(|_| panic!("{}", stderr(&output)));
+        let left = status["remaining_ttl_ms"]
+            .as_u64()
+            .map(Duration::from_millis);
+        if left.is_some_and(|left| left + Duration::from_millis(150) >= ttl) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "no renewal seen: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_store_that_stops_answering_gets_the_command_killed_before_the_lease_runs_out() {
+    let server = RedisServer::spawn();
+    let sandbox = Sandbox::new();
+    let started = sandbox.path("command.pid");
+    // The command ignores SIGTERM: only the SIGKILL ends it.
+    let script = format!(
+        "trap '' TERM; {}; while true; do sleep 0.05; done",
+        write_pid("$$", &started)
+    );
+    let ttl = Duration::from_secs(3);
+    let mut holder = sandbox
+        .turnstile(&[
+            "lock",
+            "exec",
+            "--store",
+            &server.url(),
+            "--ttl",
+            "3s",
+            "--kill-after",
+            "1500ms",
+            "partitioned",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .spawn()
+        .unwrap();
+    let command = read_pid(&started);
+    // Freeze the store right after a renewal, so the lease has nearly its whole TTL
+    // left. Sending SIGTERM only when the lease had run out, and SIGKILL --kill-after
+    // later, would end the command about TTL + 1.5s from here.
+    wait_for_a_fresh_renewal(&sandbox, &server.url(), "partitioned", ttl);
+    server.pause();
+    let ended = ends_within(command, ttl + Duration::from_millis(500));
+    server.resume();
+    let status = exit_within(&mut holder, Duration::from_secs(10));
+    assert!(
+        ended,
+        "the command was still running 500ms after its lease ran out"
+    );
+    assert_eq!(status.and_then(|status| status.code()), Some(76));
+}
+
+/// Sends one command to the Redis server on `port` and returns its first reply line.
+fn redis_command(port: u16, words: &[&str]) -> String {
+    use std::io::{BufRead, BufReader, Write};
+    let mut request = format!("*{}\r\n", words.len());
+    for word in words {
+        request.push_str(&format!("${}\r\n{word}\r\n", word.len()));
+    }
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut reply = String::new();
+    BufReader::new(stream).read_line(&mut reply).unwrap();
+    reply.trim_end().to_owned()
+}
+
+#[test]
+fn a_lease_that_ran_out_during_the_acquire_does_not_start_the_command() {
+    let server = RedisServer::spawn();
+    let sandbox = Sandbox::new();
+    let ran = sandbox.path("ran");
+    // Writes, the acquire script among them, wait 2s: the acquire then succeeds, but
+    // its 500ms lease, counted from when it was sent, has long run out.
+    assert_eq!(
+        redis_command(server.port(), &["CLIENT", "PAUSE", "2000", "WRITE"]),
+        "+OK"
+    );
+    let output = sandbox.run(&[
+        "lock",
+        "exec",
+        "--store",
+        &server.url(),
+        "--ttl",
+        "500ms",
+        "late",
+        "--",
+        "touch",
+        &ran.display().to_string(),
+    ]);
+    assert_eq!(code(&output), 76, "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("not running the command"),
+        "{}",
+        stderr(&output)
+    );
+    assert!(!ran.exists(), "the command ran");
+    // The lock was released, not left to expire.
+    let status = sandbox.run(&["lock", "status", "--store", &server.url(), "late"]);
+    assert!(stdout(&status).contains("is free"), "{}", stdout(&status));
+}
+
+#[test]
+fn a_kill_grace_that_does_not_fit_in_the_ttl_is_refused() {
+    let sandbox = Sandbox::new();
+    let output = sandbox.run(&[
+        "lock",
+        "exec",
+        "--ttl",
+        "3s",
+        "--kill-after",
+        "2s",
+        "grace",
+        "--",
+        "true",
+    ]);
+    assert_eq!(code(&output), 64, "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("--kill-after 2s does not fit in --ttl 3s"),
+        "{}",
+        stderr(&output)
+    );
+    // Without --kill-after, a short TTL gets a grace of TTL/3 instead of 10s.
+    let output = sandbox.run(&["lock", "exec", "--ttl", "3s", "grace", "--", "true"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
 }
 
 #[test]
@@ -316,6 +596,30 @@ fn bad_input_gets_a_specific_error_and_a_documented_code() {
             "{args:?}: {}",
             stderr(&output)
         );
+    }
+}
+
+#[test]
+fn absurdly_long_durations_are_refused_with_exit_64_not_a_panic() {
+    let sandbox = Sandbox::new();
+    let huge = "10000000000000000000s";
+    for (flag, limit) in [
+        ("--ttl", "at most 365 days"),
+        (
+            "--wait",
+            "at most 100 years, or omit --wait to wait forever",
+        ),
+        ("--max-hold", "at most 100 years"),
+        ("--kill-after", "at most 100 years"),
+    ] {
+        let output = sandbox.run(&["lock", "exec", flag, huge, "long", "--", "true"]);
+        let message = stderr(&output);
+        assert_eq!(code(&output), 64, "{flag}: {message}");
+        assert!(
+            message.contains(flag) && message.contains(huge) && message.contains(limit),
+            "{flag}: {message}"
+        );
+        assert!(!message.contains("panicked"), "{flag}: {message}");
     }
 }
 
