@@ -22,6 +22,9 @@ pub(crate) mod exit {
     pub(crate) const UNAVAILABLE: u8 = 69;
     /// The store answered with an error, or something else went wrong inside turnstile.
     pub(crate) const SOFTWARE: u8 = 70;
+    /// The store refused us for good: wrong credentials, unknown database, missing
+    /// permission. Fix the URL or the grants; retrying does not help.
+    pub(crate) const CONFIG: u8 = 78;
     /// The lock was not acquired within the wait (or at once, with `--no-wait`).
     pub(crate) const NOT_ACQUIRED: u8 = 75;
     /// The lock was lost while the command ran; the command was terminated.
@@ -81,7 +84,8 @@ enum LockCommand {
     ///
     /// Exit status: the command's own; 75 if the lock was not acquired in time; 76 if
     /// the lock was lost (or was about to run out unrenewed) and the command was
-    /// terminated; 64 bad input; 69 store unavailable; 126/127 command not executable /
+    /// terminated; 64 bad input; 69 store unavailable; 70 store error; 78 store refused
+    /// the configuration (credentials, database, permissions); 126/127 command not executable /
     /// not found.
     Exec(ExecArgs),
     /// Show whether a lock is held, by whom, with which fencing token and how long is left.
@@ -262,6 +266,7 @@ pub(crate) fn exit_code_for(error: &Error) -> u8 {
     match error.kind() {
         ErrorKind::InvalidName | ErrorKind::InvalidOptions | ErrorKind::InvalidUrl => exit::USAGE,
         ErrorKind::StoreUnavailable | ErrorKind::UnsupportedStore => exit::UNAVAILABLE,
+        ErrorKind::Configuration => exit::CONFIG,
         ErrorKind::AcquireTimeout | ErrorKind::Held => exit::NOT_ACQUIRED,
         ErrorKind::LockLost => exit::LOST,
         _ => exit::SOFTWARE,
