@@ -92,6 +92,10 @@ enum LockCommand {
     Status(StatusArgs),
     /// Force-release a lock whoever holds it (an operator's tool); says what it broke.
     Break(StatusArgs),
+    /// Forget lock names nobody has held for a while (SQL stores keep a row per name
+    /// ever used). Held locks are never touched, and tokens of a name used again still
+    /// increase. Redis needs no pruning: its keys expire.
+    Prune(PruneArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -147,6 +151,18 @@ struct ExecArgs {
 }
 
 #[derive(Args, Debug)]
+struct PruneArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+    /// Forget names whose lease ended at least this long ago (at least 1s), e.g. 7d.
+    #[arg(long, value_parser = parse_unused_for, value_name = "DURATION")]
+    unused_for: Duration,
+    /// Print one JSON object instead of a sentence.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
 struct StatusArgs {
     #[command(flatten)]
     store: StoreArgs,
@@ -186,6 +202,16 @@ fn parse_max_hold(text: &str) -> Result<Duration, String> {
         parse_positive(text)?,
         MAX_SPAN,
         "too long; at most 100 years, or omit --max-hold for no cap",
+    )
+}
+
+/// Parses `--unused-for`: positive, at most 100 years (the library wants at least 1s
+/// and says so itself).
+fn parse_unused_for(text: &str) -> Result<Duration, String> {
+    at_most(
+        parse_positive(text)?,
+        MAX_SPAN,
+        "too long; at most 100 years",
     )
 }
 
@@ -348,6 +374,33 @@ async fn status(args: StatusArgs, breaking: bool) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+async fn prune(args: PruneArgs) -> ExitCode {
+    let locker = match args.store.locker().await {
+        Ok(locker) => locker,
+        Err(error) => return fail(&error),
+    };
+    match locker.prune(args.unused_for).await {
+        Ok(removed) if args.json => {
+            let value = serde_json::json!({
+                "pruned": removed,
+                "unused_for_ms": u64::try_from(args.unused_for.as_millis()).unwrap_or(u64::MAX),
+                "store": locker.backend().describe(),
+            });
+            println!("{value}");
+            ExitCode::SUCCESS
+        }
+        Ok(removed) => {
+            println!(
+                "{}: forgot {removed} lock name(s) unused for {}",
+                locker.backend().describe(),
+                humantime::format_duration(args.unused_for)
+            );
+            ExitCode::SUCCESS
+        }
+        Err(error) => fail(&error),
+    }
+}
+
 async fn migrate(args: StoreOnlyArgs) -> ExitCode {
     let locker = match args.store.locker().await {
         Ok(locker) => locker,
@@ -386,6 +439,7 @@ fn main() -> ExitCode {
             Command::Lock(LockCommand::Exec(args)) => exec::run(args).await,
             Command::Lock(LockCommand::Status(args)) => status(args, false).await,
             Command::Lock(LockCommand::Break(args)) => status(args, true).await,
+            Command::Lock(LockCommand::Prune(args)) => prune(args).await,
             Command::Bench(BenchCommand::Lock(args)) => bench::run(args).await,
             Command::Migrate(args) => migrate(args).await,
         }

@@ -769,3 +769,22 @@ fn postgres_stores_work_from_the_command_line() {
 fn mysql_stores_work_from_the_command_line() {
     exec_status_break_round_trip(&turnstile_test_support::shared_mariadb().fresh_database("cli"));
 }
+
+#[test]
+fn prune_forgets_names_unused_long_enough() {
+    let sandbox = Sandbox::new();
+    let output = sandbox.run(&["lock", "exec", "nightly", "--", "true"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    std::thread::sleep(Duration::from_millis(1_100));
+    let output = sandbox.run(&["lock", "prune", "--unused-for", "1s", "--json"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let answer: serde_json::Value = serde_json::from_str(stdout(&output).trim()).unwrap();
+    assert_eq!(answer["pruned"], 1, "{answer}");
+    let output = sandbox.run(&["lock", "prune", "--unused-for", "10ms"]);
+    assert_eq!(code(&output), 64, "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("at least 1s"),
+        "{}",
+        stderr(&output)
+    );
+}

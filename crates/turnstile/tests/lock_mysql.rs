@@ -348,3 +348,40 @@ async fn refusals_are_configuration_errors() {
         assert!(!error.is_retryable());
     }
 }
+
+/// Token durability with the clock floor out of the way: the stored token is far ahead
+/// of the clock, so only the committed counter keeps the next token larger across a
+/// crash of the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_ahead_of_the_clock_survives_a_crash() {
+    let server = MariaDbServer::spawn();
+    let url = server.url();
+    let store = MysqlLockStore::connect(&url).await.unwrap();
+    let name = turnstile_test_support::unique_name("ahead");
+    let locker = Locker::new(store.clone());
+    locker
+        .acquire(&name, &options())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let ahead: u64 = 1 << 60;
+    sqlx::query("UPDATE turnstile_tokens SET token = ? WHERE name = ?")
+        .bind(ahead)
+        .bind(name.as_bytes())
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let first = locker.acquire(&name, &options()).await.unwrap();
+    assert_eq!(first.fencing_token(), FencingToken::new(ahead + 1));
+    drop(first);
+    drop(locker);
+    server.kill();
+    server.restart();
+    let after = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let second = after.acquire(&name, &options()).await.unwrap();
+    assert_eq!(second.fencing_token(), FencingToken::new(ahead + 2));
+    second.release().await.unwrap();
+    server.kill();
+}

@@ -645,3 +645,54 @@ async fn refusals_are_configuration_errors_that_say_why() {
     assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
     assert!(!error.to_string().contains("pool timed out"), "{error}");
 }
+
+/// Token durability with the clock floor out of the way: the stored token is far ahead
+/// of the clock, so only the committed counter can keep the next token larger. The test
+/// server runs with `synchronous_commit = off`; the store forces it on for its own
+/// connections, or the crash would lose the last token and issue it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_ahead_of_the_clock_survives_a_crash() {
+    let server = PostgresServer::spawn();
+    let url = server.url();
+    let store = PostgresLockStore::connect(&url).await.unwrap();
+    let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(setting, "on");
+    let locker = Locker::new(store.clone());
+    locker
+        .acquire("ahead", &LockOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let ahead: i64 = 1 << 60;
+    sqlx::query("UPDATE turnstile_tokens SET token = $1 WHERE name = 'ahead'")
+        .bind(ahead)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    // A short lease: the crash leaves it held until it runs out.
+    let first = locker
+        .acquire(
+            "ahead",
+            &LockOptions::new()
+                .ttl(Duration::from_secs(1))
+                .watchdog(false),
+        )
+        .await
+        .unwrap();
+    assert_eq!(first.fencing_token(), FencingToken::new(ahead as u64 + 1));
+    std::mem::forget(first);
+    drop(locker);
+    server.crash_and_restart();
+    let after = Locker::new(PostgresLockStore::connect(&url).await.unwrap());
+    let second = after
+        .acquire("ahead", &LockOptions::new().wait(Duration::from_secs(40)))
+        .await
+        .unwrap();
+    assert_eq!(second.fencing_token(), FencingToken::new(ahead as u64 + 2));
+    second.release().await.unwrap();
+}

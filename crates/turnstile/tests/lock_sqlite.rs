@@ -107,3 +107,40 @@ async fn a_paused_holders_late_write_is_rejected() {
     conformance::a_paused_holders_late_write_is_rejected(&Locker::new(store), lease, write, read)
         .await;
 }
+
+/// Tokens count up from the stored one when it is ahead of the clock (the `last + 1`
+/// side of `max(last + 1, clock)`), across a reopening of the file: the stored token,
+/// not the clock, is what keeps them increasing here.
+#[tokio::test]
+async fn tokens_count_up_from_a_stored_token_ahead_of_the_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.sqlite3");
+    let store = SqliteLockStore::open(&path).await.unwrap();
+    let locker = Locker::new(store.clone());
+    locker
+        .acquire("ahead", &LockOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    // A token a year ahead of the clock.
+    let ahead: i64 = 1 << 60;
+    sqlx::query("UPDATE turnstile_locks SET token = ?1 WHERE name = 'ahead'")
+        .bind(ahead)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let first = locker.acquire("ahead", &LockOptions::new()).await.unwrap();
+    assert_eq!(first.fencing_token(), FencingToken::new(ahead as u64 + 1));
+    first.release().await.unwrap();
+    drop(locker);
+    store.pool().close().await;
+    let reopened = Locker::new(SqliteLockStore::open(&path).await.unwrap());
+    let second = reopened
+        .acquire("ahead", &LockOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(second.fencing_token(), FencingToken::new(ahead as u64 + 2));
+    second.release().await.unwrap();
+}

@@ -72,6 +72,18 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         Box::pin(async { Ok(()) })
     }
 
+    /// Forgets what the store keeps for lock names that nobody has held for at least
+    /// `unused_for` (SQL rows, tokens), and returns how many names it forgot. Locks
+    /// held now, or whose lease ended more recently, are left alone; fencing tokens of
+    /// a forgotten name keep increasing, since every engine floors new tokens by its
+    /// clock. [`Locker::prune`](super::Locker::prune) checks `unused_for` first.
+    ///
+    /// The default forgets nothing: a store whose keys expire on their own (Redis).
+    fn prune(&self, unused_for: Duration) -> BoxFuture<'_, Result<u64>> {
+        let _ = unused_for;
+        Box::pin(async { Ok(0) })
+    }
+
     /// Releases the lock held by `from` and tries to take it for `to`, used to hand a
     /// lock straight to the next waiter in the same process.
     ///

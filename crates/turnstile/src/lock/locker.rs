@@ -481,6 +481,30 @@ impl Locker {
         }
     }
 
+    /// Forgets the store's records of lock names that nobody has held for at least
+    /// `unused_for` (at least one second), returning how many it forgot: the rows of SQL
+    /// stores grow with every name ever used. Held locks are never touched, and the
+    /// fencing tokens of a name used again later still increase (they are floored by the
+    /// store's clock). On Redis there is nothing to do: lock keys go with their release
+    /// or lease, fence keys after the fence retention.
+    ///
+    /// Errors: [`ErrorKind::InvalidOptions`] for less than a second.
+    pub async fn prune(&self, unused_for: Duration) -> Result<u64> {
+        if unused_for < Duration::from_secs(1) {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "prune forgets names unused for at least 1s (tokens are floored by the clock \
+                     in microseconds, so a younger name could be issued a token again); got {}",
+                    describe_wait(unused_for)
+                ),
+            ));
+        }
+        let removed = self.inner.backend.prune(unused_for).await?;
+        tracing::info!(removed, unused_for = ?unused_for, "pruned unused lock names");
+        Ok(removed)
+    }
+
     /// The current holder of `name`, if any.
     pub async fn status<N>(&self, name: N) -> Result<Option<LockInfo>>
     where

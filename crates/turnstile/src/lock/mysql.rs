@@ -161,6 +161,9 @@ struct Sql {
     xact_locks: String,
     issue_token: Statement,
     xact_row_exists: Statement,
+    prune_tokens: Statement,
+    orphan_xact_rows: Statement,
+    delete_xact_row: Statement,
     create_xact_row: Statement,
     take_in_transaction: Statement,
     holder: Statement,
@@ -272,6 +275,21 @@ impl MysqlLockStore {
             // a record lock on an existing row, which cannot deadlock with another
             // locker the way an upsert's gap locks do.
             xact_row_exists: statement(format!("SELECT COUNT(*) FROM {xact_locks} WHERE name = ?")),
+            // A name is unused when its last token is older than the limit and nobody
+            // holds its named lock (the key computed as `lock_key` does).
+            prune_tokens: statement(format!(
+                "DELETE FROM {tokens}
+                 WHERE token < {CLOCK_US} - ? * 1000000
+                   AND IS_USED_LOCK(IF(name REGEXP '^[a-z0-9_:./-]{{1,60}}$',
+                                       CONCAT('ts:', name),
+                                       CONCAT('ts#', LEFT(SHA2(name, 256), 61)))) IS NULL"
+            )),
+            orphan_xact_rows: statement(format!(
+                "SELECT name FROM {xact_locks} x
+                 WHERE NOT EXISTS (SELECT 1 FROM {tokens} t WHERE t.name = x.name)
+                 FOR UPDATE SKIP LOCKED"
+            )),
+            delete_xact_row: statement(format!("DELETE FROM {xact_locks} WHERE name = ?")),
             create_xact_row: statement(format!("INSERT IGNORE INTO {xact_locks} (name) VALUES (?)")),
             take_in_transaction: statement(format!("SELECT 1 FROM {xact_locks} WHERE name = ? FOR UPDATE")),
             holder: statement(format!(
@@ -371,30 +389,46 @@ impl MysqlLockStore {
         let name = name.into_lock_name()?;
         let key = lock_key(&name);
         let fail = |error| map_error(error, "cannot take the transaction-scoped lock");
-        // 1. The row to lock exists.
-        let exists: i64 = sqlx::query_scalar(self.sql.xact_row_exists.sql())
-            .bind(name.as_str().as_bytes())
-            .fetch_one(&self.issuer)
-            .await
-            .map_err(fail)?;
-        if exists == 0 {
-            match sqlx::query(self.sql.create_xact_row.sql())
+        // 1. The lock: the row lock on the name's row, held until the caller's
+        //    transaction ends. The row is created first if missing; if `prune` deletes it
+        //    between the two steps, the lock finds no row and it goes round again.
+        let mut locked = false;
+        for _ in 0..3 {
+            let exists: i64 = sqlx::query_scalar(self.sql.xact_row_exists.sql())
                 .bind(name.as_str().as_bytes())
-                .execute(&self.issuer)
+                .fetch_one(&self.issuer)
                 .await
-            {
-                // A lock wait means a transaction holds the row: it exists.
-                Err(error) if !is_lock_wait(&error) => return Err(fail(error)),
-                _ => {}
+                .map_err(fail)?;
+            if exists == 0 {
+                match sqlx::query(self.sql.create_xact_row.sql())
+                    .bind(name.as_str().as_bytes())
+                    .execute(&self.issuer)
+                    .await
+                {
+                    // A lock wait means a transaction holds the row: it exists.
+                    Err(error) if !is_lock_wait(&error) => return Err(fail(error)),
+                    _ => {}
+                }
+            }
+            let row = sqlx::query(self.sql.take_in_transaction.sql())
+                .bind(name.as_str().as_bytes())
+                .fetch_optional(&mut *transaction)
+                .await
+                .map_err(fail)?;
+            if row.is_some() {
+                locked = true;
+                break;
             }
         }
-        // 2. The lock: the row lock, held until the caller's transaction ends.
-        sqlx::query(self.sql.take_in_transaction.sql())
-            .bind(name.as_str().as_bytes())
-            .execute(&mut *transaction)
-            .await
-            .map_err(fail)?;
-        // 3. A named-lock holder that got in before the row lock is seen here; one that
+        if !locked {
+            return Err(Error::new(
+                ErrorKind::Store,
+                format!(
+                    "the row of lock \"{name}\" kept disappearing (is a prune running in a loop?)"
+                ),
+            ));
+        }
+        // 2. A named-lock holder that got in before the row lock is seen here; one that
         //    comes after finds the row locked and gives up.
         let named_lock_held: Option<i64> = sqlx::query_scalar("SELECT IS_USED_LOCK(?) IS NOT NULL")
             .bind(&key)
@@ -407,7 +441,7 @@ impl MysqlLockStore {
                 format!("lock \"{name}\" is held as a named lock; roll back and try again later"),
             ));
         }
-        // 4. Only now the token: larger than that of every holder before us.
+        // 3. Only now the token: larger than that of every holder before us.
         let token = sqlx::query(self.sql.issue_token.sql())
             .bind(name.as_str().as_bytes())
             .execute(&self.issuer)
@@ -661,6 +695,34 @@ impl LockBackend for MysqlLockStore {
 
     fn migrate(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(MysqlLockStore::migrate(self))
+    }
+
+    fn prune(&self, unused_for: Duration) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let fail = |error| map_error(error, "cannot prune unused lock names");
+            let removed = sqlx::query(self.sql.prune_tokens.sql())
+                .bind(unused_for.as_secs())
+                .execute(&self.pool)
+                .await
+                .map_err(fail)?
+                .rows_affected();
+            // Transaction-scoped rows of forgotten names; those locked now are skipped
+            // (the issuer's sessions do not wait long for row locks anyway).
+            let mut transaction = self.issuer.begin().await.map_err(fail)?;
+            let orphans: Vec<Vec<u8>> = sqlx::query_scalar(self.sql.orphan_xact_rows.sql())
+                .fetch_all(&mut *transaction)
+                .await
+                .map_err(fail)?;
+            for name in orphans {
+                sqlx::query(self.sql.delete_xact_row.sql())
+                    .bind(name)
+                    .execute(&mut *transaction)
+                    .await
+                    .map_err(fail)?;
+            }
+            transaction.commit().await.map_err(fail)?;
+            Ok(removed)
+        })
     }
 
     fn describe(&self) -> String {

@@ -174,6 +174,7 @@ struct Sql {
     acquire: Statement,
     reclaim: Statement,
     hand_over: Statement,
+    prune: Statement,
     extend: Statement,
     release: Statement,
     inspect: Statement,
@@ -241,6 +242,21 @@ impl Sql {
                     RETURNING name),
                  bumped AS ({moved_bump})
                  SELECT (SELECT token FROM bumped) AS token"
+            )),
+            // Lease-mode rows whose lease ended long enough ago; rows a transaction holds
+            // are skipped, and session-mode rows are left alone (their lease is the
+            // session's, which the table does not see).
+            prune: statement(format!(
+                "WITH old AS (
+                    SELECT name FROM {locks}
+                    WHERE isfinite(expires_at)
+                      AND expires_at <= clock_timestamp() - make_interval(secs => $1::float8)
+                    FOR UPDATE SKIP LOCKED),
+                 gone AS (DELETE FROM {locks} l USING old WHERE l.name = old.name RETURNING l.name),
+                 tokens_gone AS (
+                    DELETE FROM {tokens} t USING gone WHERE t.name = gone.name
+                    AND t.token < {CLOCK_US} - ($1::float8 * 1000000)::int8)
+                 SELECT count(*) FROM gone"
             )),
             extend: statement(format!(
                 "WITH renewed AS (
@@ -936,6 +952,17 @@ impl LockBackend for PostgresLockStore {
 
     fn migrate(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(PostgresLockStore::migrate(self))
+    }
+
+    fn prune(&self, unused_for: Duration) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let removed: i64 = sqlx::query_scalar(self.sql.prune.sql())
+                .bind(unused_for.as_secs_f64())
+                .fetch_one(&self.ops)
+                .await
+                .map_err(|error| map_error(error, "cannot prune unused lock names"))?;
+            Ok(u64::try_from(removed).unwrap_or(0))
+        })
     }
 
     /// One statement: the lock passes from `from` to `to` with a new token and is never

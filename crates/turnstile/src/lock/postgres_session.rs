@@ -64,6 +64,7 @@ fn server_lease(ttl: Duration) -> Duration {
 }
 
 struct Sql {
+    prune: Statement,
     acquire: Statement,
     reissue: Statement,
     holder: Statement,
@@ -151,6 +152,22 @@ impl PostgresSessionLockStore {
                         (SELECT token FROM bumped) AS token,
                         (SELECT count(*) FROM recorded) AS recorded,
                         (SELECT count(*) FROM lease) AS leased, pg_backend_pid() AS pid"
+            )),
+            prune: statement(format!(
+                "WITH gone AS (
+                    DELETE FROM {locks} l
+                    WHERE NOT isfinite(l.expires_at)
+                      AND EXISTS (SELECT 1 FROM {tokens} t WHERE t.name = l.name
+                                  AND t.token < {CLOCK_US} - ($1::float8 * 1000000)::int8)
+                      AND NOT EXISTS (
+                        SELECT 1 FROM pg_locks p
+                        WHERE p.locktype = 'advisory' AND p.granted AND p.objsubid = 1
+                          AND p.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                          AND p.classid = ((hashtextextended(l.name, {KEY_SEED}) >> 32) & 4294967295)::oid
+                          AND p.objid = (hashtextextended(l.name, {KEY_SEED}) & 4294967295)::oid)
+                    RETURNING l.name),
+                 tokens_gone AS (DELETE FROM {tokens} t USING gone WHERE t.name = gone.name)
+                 SELECT count(*) FROM gone"
             )),
             reissue: statement(format!(
                 "WITH bumped AS (
@@ -356,6 +373,21 @@ impl LockBackend for PostgresSessionLockStore {
 
     fn migrate(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(self.tables.migrate())
+    }
+
+    /// Prunes the shared tables: lease-mode rows as lease mode does, and session-mode
+    /// rows whose last token is older than `unused_for` and whose advisory lock no
+    /// session holds now.
+    fn prune(&self, unused_for: Duration) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let leases = LockBackend::prune(&self.tables, unused_for).await?;
+            let sessions: i64 = sqlx::query_scalar(self.sql.prune.sql())
+                .bind(unused_for.as_secs_f64())
+                .fetch_one(self.tables.pool())
+                .await
+                .map_err(|error| map_error(error, "cannot prune unused lock names"))?;
+            Ok(leases + u64::try_from(sessions).unwrap_or(0))
+        })
     }
 
     fn describe(&self) -> String {

@@ -292,9 +292,10 @@ impl LockBackend for SqliteLockStore {
             let (now_ms, _) = wall_clock();
             let owner_hex = owner.as_str();
             // Each step is atomic on its own, and once the row is not ours it never
-            // becomes ours again, so the steps cannot report a wrong outcome.
+            // becomes ours again, so the steps cannot report a wrong outcome. A freed
+            // row keeps when it was last in use (for `prune`).
             let live = sqlx::query(
-                "UPDATE turnstile_locks SET owner = NULL, expires_at_ms = 0
+                "UPDATE turnstile_locks SET owner = NULL, expires_at_ms = ?3
                  WHERE name = ?1 AND owner = ?2 AND expires_at_ms > ?3",
             )
             .bind(name.as_str())
@@ -309,11 +310,12 @@ impl LockBackend for SqliteLockStore {
                 return Ok(ReleaseOutcome::Released);
             }
             let expired_ours = sqlx::query(
-                "UPDATE turnstile_locks SET owner = NULL, expires_at_ms = 0
+                "UPDATE turnstile_locks SET owner = NULL, expires_at_ms = min(expires_at_ms, ?3)
                  WHERE name = ?1 AND owner = ?2",
             )
             .bind(name.as_str())
             .bind(owner_hex)
+            .bind(now_ms)
             .execute(&self.pool)
             .await
             .map_err(|error| map_error(error, "cannot release the lock"))?
@@ -353,9 +355,10 @@ impl LockBackend for SqliteLockStore {
             let held = row.map(|row| lock_info(&row, now_ms)).transpose()?;
             if held.is_some() {
                 sqlx::query(
-                    "UPDATE turnstile_locks SET owner = NULL, expires_at_ms = 0 WHERE name = ?1",
+                    "UPDATE turnstile_locks SET owner = NULL, expires_at_ms = ?2 WHERE name = ?1",
                 )
                 .bind(name.as_str())
+                .bind(now_ms)
                 .execute(&mut *transaction)
                 .await
                 .map_err(|error| map_error(error, "cannot break the lock"))?;
@@ -380,6 +383,20 @@ impl LockBackend for SqliteLockStore {
 
     fn migrate(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(SqliteLockStore::migrate(self))
+    }
+
+    fn prune(&self, unused_for: Duration) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let (now_ms, _) = wall_clock();
+            let before = now_ms.saturating_sub(millis_i64(unused_for));
+            let removed = sqlx::query("DELETE FROM turnstile_locks WHERE expires_at_ms <= ?1")
+                .bind(before)
+                .execute(&self.pool)
+                .await
+                .map_err(|error| map_error(error, "cannot prune lock rows"))?
+                .rows_affected();
+            Ok(removed)
+        })
     }
 
     fn hand_over<'a>(

@@ -680,6 +680,38 @@ pub async fn a_paused_holders_late_write_is_rejected<W, WriteFut, R, ReadFut>(
     b.release().await.unwrap();
 }
 
+/// Pruning forgets names unused for long enough, leaves held locks alone, and a
+/// forgotten name's next token is still larger than its last one.
+pub async fn pruning_forgets_unused_names_and_tokens_keep_increasing(store: impl TestStore) {
+    let (unused, held) = (name("pruned"), name("kept"));
+    let locker = store.locker().await;
+    let first = locker.acquire(&unused, &options(5_000)).await.unwrap();
+    let first_token = first.fencing_token();
+    first.release().await.unwrap();
+    let holding = locker.acquire(&held, &options(5_000)).await.unwrap();
+    let error = locker.prune(Duration::from_millis(500)).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidOptions);
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let removed = locker.prune(Duration::from_secs(1)).await.unwrap();
+    // Redis keeps nothing to prune (its keys expire); every SQL store had a row.
+    let redis = locker.backend().describe().starts_with("redis");
+    assert!(redis || removed >= 1, "nothing was pruned");
+    let status = locker
+        .status(&held)
+        .await
+        .unwrap()
+        .expect("a held lock survives pruning");
+    assert_eq!(status.fencing_token, holding.fencing_token());
+    let again = locker.acquire(&unused, &options(5_000)).await.unwrap();
+    assert!(
+        again.fencing_token() > first_token,
+        "token {} after pruning, {first_token} before",
+        again.fencing_token()
+    );
+    again.release().await.unwrap();
+    holding.release().await.unwrap();
+}
+
 /// Generates one `#[tokio::test]` per conformance check for the store `$make` builds.
 #[macro_export]
 macro_rules! conformance_tests {
@@ -707,6 +739,7 @@ macro_rules! conformance_tests {
             an_acquire_repeated_by_its_owner_gets_the_lock_it_has,
             cancelled_acquires_leak_no_lock,
             two_processes_with_long_sections_both_make_progress,
+            pruning_forgets_unused_names_and_tokens_keep_increasing,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
