@@ -7,9 +7,10 @@
 //! has seen per resource and refuses a write carrying a smaller one. The late writer is
 //! stopped by the store, not by hope.
 //!
-//! The engine-specific modules ([`redis`] and
-//! [`sqlite`], behind their cargo features) implement that check
-//! atomically on the protected side.
+//! The engine-specific modules — [`sqlite`], [`redis`], [`postgres`] and [`mysql`], each
+//! behind its cargo feature — implement that check atomically on the protected side:
+//! the SQL ones inside the application's own transaction, Redis in a script that
+//! writes the value too.
 
 use std::fmt;
 
@@ -99,7 +100,14 @@ impl FenceOutcome {
     }
 }
 
-/// Checks a resource name used by fenced writes: the same rules as lock names.
+/// Checks a resource name used by fenced writes: the same rules as lock names, with
+/// an error that speaks of a resource.
 pub(crate) fn validate_resource(resource: &str) -> Result<()> {
-    crate::lock::LockName::new(resource).map(|_| ())
+    crate::lock::LockName::new(resource).map(|_| ()).map_err(|error| {
+        Error::new(
+            ErrorKind::InvalidName,
+            format!("invalid fenced resource name {resource:?}: 1 to {} bytes of text without control characters", crate::lock::MAX_NAME_LEN),
+        )
+        .with_source(error)
+    })
 }

@@ -29,6 +29,7 @@ use sqlx::{Executor, Sqlite};
 
 use super::{FenceOutcome, FencingToken, validate_resource};
 use crate::error::Result;
+use crate::error::{Error, ErrorKind};
 use crate::lock::sqlite::map_error;
 
 const CREATE_FENCES: &str = "CREATE TABLE IF NOT EXISTS turnstile_fences (
@@ -73,7 +74,22 @@ pub async fn check_and_record(
     .bind(token)
     .fetch_optional(&mut *connection)
     .await
-    .map_err(|error| map_error(error, "cannot check the fencing token"))?;
+    .map_err(|error| {
+        let missing = error
+            .as_database_error()
+            .is_some_and(|db| db.message().contains("no such table"));
+        if missing {
+            Error::new(
+                ErrorKind::Store,
+                "the fence table turnstile_fences does not exist in this database; \
+                 create it once with turnstile::fence::sqlite::create_table (or open a \
+                 SqliteLockStore on the same file, which does)",
+            )
+            .with_source(error)
+        } else {
+            map_error(error, "cannot check the fencing token")
+        }
+    })?;
     if accepted.is_some() {
         return Ok(FenceOutcome::Applied);
     }

@@ -13,6 +13,7 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
 use super::queue::{Handoff, LocalQueue};
+use super::telemetry;
 use super::{
     ExtendOutcome, LockBackend, LockName, LockOptions, LossReason, OwnerId, ReleaseOutcome,
     TryAcquire,
@@ -38,6 +39,8 @@ struct Held {
     loss: OnceLock<LossReason>,
     /// Set once this holder stopped counting as a local holder in its queue.
     finished: AtomicBool,
+    /// When the acquire request was sent, for how long the lock was held.
+    acquired: Instant,
 }
 
 impl Held {
@@ -54,7 +57,9 @@ impl Held {
     async fn release(&self) -> Result<ReleaseOutcome> {
         self.finish();
         let Some(offer) = self.queue.take_offer() else {
-            return self.backend.release(&self.name, &self.owner).await;
+            let outcome = self.backend.release(&self.name, &self.owner).await?;
+            telemetry::released(&self.name, outcome, false, self.acquired.elapsed());
+            return Ok(outcome);
         };
         let sent = Instant::now();
         let (released, acquired) = self
@@ -62,6 +67,7 @@ impl Held {
             .hand_over(&self.name, &self.owner, &offer.owner, offer.ttl)
             .await?;
         // On error above, dropping the offer wakes the waiter, which retries on its own.
+        telemetry::released(&self.name, released, true, self.acquired.elapsed());
         let handoff = Handoff {
             sent,
             outcome: Ok(acquired),
@@ -84,7 +90,9 @@ impl Held {
 
     fn mark_lost(&self, reason: LossReason) {
         // The first reason wins; the signal fires once.
-        let _ = self.loss.set(reason);
+        if self.loss.set(reason).is_ok() {
+            telemetry::lost(&self.name, reason, self.acquired.elapsed());
+        }
         self.lost.cancel();
     }
 }
@@ -146,6 +154,7 @@ impl LockGuard {
             lost: CancellationToken::new(),
             loss: OnceLock::new(),
             finished: AtomicBool::new(false),
+            acquired: sent,
         });
         held.queue.holder_started();
         let stop_keeper = CancellationToken::new();
@@ -183,7 +192,9 @@ impl LockGuard {
 
     /// Until when the lease is certainly ours by this host's monotonic clock (the
     /// moment the last successful acquire or renewal was sent, plus the TTL, minus the
-    /// drift allowance).
+    /// drift allowance), as a [`tokio::time::Instant`]: compare it with
+    /// `tokio::time::Instant::now()`, or sleep until it with
+    /// [`tokio::time::sleep_until`].
     pub fn valid_until(&self) -> Instant {
         self.held.valid_until()
     }
@@ -366,7 +377,10 @@ async fn keep(
                     return;
                 }
                 // The store is unreachable or slow: keep trying until the deadline.
-                Err(_) => next_renewal = Instant::now() + renewal_retry_delay(held.ttl),
+                Err(error) => {
+                    telemetry::renewal_failed(&held.name, &error);
+                    next_renewal = Instant::now() + renewal_retry_delay(held.ttl);
+                }
             },
         }
     }

@@ -10,6 +10,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::queue::{Handoff, HandoffOffer, LocalQueue};
+use super::telemetry;
 
 use super::{
     IntoLockName, LockBackend, LockGuard, LockInfo, LockName, LockOptions, OwnerId, ReleaseWatch,
@@ -212,14 +213,19 @@ impl Locker {
         options.validate()?;
         let name = name.into_lock_name()?;
         let owner = OwnerId::random();
-        let bound = Bound::new(&name, self, options, Instant::now());
+        let started = Instant::now();
+        let bound = Bound::new(&name, self, options, started);
         let answer = bound
             .run(self.attempt(&self.queue(&name), &name, &owner, options))
             .await;
         match answer {
-            Ok(Attempt::Acquired(guard)) => Ok(Some(guard)),
+            Ok(Attempt::Acquired(guard)) => {
+                telemetry::acquired(&name, guard.fencing_token().get(), started.elapsed(), false);
+                Ok(Some(guard))
+            }
             Ok(Attempt::Held { .. }) => Ok(None),
             Err(error) => {
+                telemetry::not_acquired(&name, &error, started.elapsed());
                 self.undo_uncertain(&name, &owner, &error);
                 Err(error)
             }
@@ -249,11 +255,21 @@ impl Locker {
         options.validate()?;
         let name = name.into_lock_name()?;
         let owner = OwnerId::random();
+        let started = Instant::now();
         let result = self.acquire_as(&name, &owner, options).await;
-        if let Err(error) = &result {
-            self.undo_uncertain(&name, &owner, error);
+        match &result {
+            Ok((guard, handed_over)) => telemetry::acquired(
+                &name,
+                guard.fencing_token().get(),
+                started.elapsed(),
+                *handed_over,
+            ),
+            Err(error) => {
+                telemetry::not_acquired(&name, error, started.elapsed());
+                self.undo_uncertain(&name, &owner, error);
+            }
         }
-        result
+        result.map(|(guard, _)| guard)
     }
 
     async fn acquire_as(
@@ -261,7 +277,7 @@ impl Locker {
         name: &LockName,
         owner: &OwnerId,
         options: &LockOptions,
-    ) -> Result<LockGuard> {
+    ) -> Result<(LockGuard, bool)> {
         let started = Instant::now();
         let bound = Bound::new(name, self, options, started);
         let queue = self.queue(name);
@@ -282,7 +298,7 @@ impl Locker {
                 Some(options.get_ttl())
             } else {
                 match bound.run(self.attempt(&queue, name, owner, options)).await {
-                    Ok(Attempt::Acquired(guard)) => return Ok(guard),
+                    Ok(Attempt::Acquired(guard)) => return Ok((guard, false)),
                     Ok(Attempt::Held { remaining_ttl }) => {
                         outage.answered();
                         remaining_ttl
@@ -346,7 +362,7 @@ impl Locker {
                 outcome: Ok(TryAcquire::Acquired { token }),
             }) = handoff
             {
-                return Ok(LockGuard::start(
+                let guard = LockGuard::start(
                     Arc::clone(&self.inner.backend),
                     Arc::clone(&queue),
                     name.clone(),
@@ -354,7 +370,8 @@ impl Locker {
                     token,
                     sent,
                     options,
-                ));
+                );
+                return Ok((guard, true));
             }
             // The lock passed between this process's tasks as often as it may in a row
             // and was released to everyone: stand back for as long as waiters in other
@@ -479,6 +496,46 @@ impl Locker {
             }
             Err(error) => Err(error),
         }
+    }
+
+    /// [`with_lock`](Self::with_lock) for work that can fail: one `Result`, whose error
+    /// type is the work's own (it must take Turnstile's errors, `From<turnstile::Error>`),
+    /// instead of a `Result` inside a `Result`.
+    ///
+    /// ```
+    /// # #[cfg(feature = "sqlite")]
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> turnstile::Result<()> {
+    /// use turnstile::lock::{Locker, LockOptions};
+    ///
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}", dir.path().join("locks.db").display());
+    /// let locker = Locker::connect(&url).await?;
+    /// let rows: u64 = locker
+    ///     .try_with_lock("import", &LockOptions::new(), |_token| async move {
+    ///         // ... work that returns turnstile::Result (or your own error type) ...
+    ///         Ok::<_, turnstile::Error>(42)
+    ///     })
+    ///     .await?;
+    /// assert_eq!(rows, 42);
+    /// # Ok(())
+    /// # }
+    /// # #[cfg(not(feature = "sqlite"))]
+    /// # fn main() {}
+    /// ```
+    pub async fn try_with_lock<N, F, Fut, T, E>(
+        &self,
+        name: N,
+        options: &LockOptions,
+        work: F,
+    ) -> std::result::Result<T, E>
+    where
+        N: IntoLockName,
+        F: FnOnce(FencingToken) -> Fut,
+        Fut: Future<Output = std::result::Result<T, E>>,
+        E: From<Error>,
+    {
+        self.with_lock(name, options, work).await.map_err(E::from)?
     }
 
     /// Forgets the store's records of lock names that nobody has held for at least

@@ -17,6 +17,7 @@ mod queue;
 #[cfg(any(feature = "mysql", feature = "postgres"))]
 mod session;
 mod signals;
+pub mod telemetry;
 
 #[cfg(feature = "mysql")]
 pub mod mysql;

@@ -36,7 +36,11 @@
 //! - **Waiting**: waiters in the same process are woken directly by a release; waiters in
 //!   other processes re-check with a backoff from 5 ms doubling to 100 ms.
 //! - `turnstile lock break` ends the holder's session with `KILL CONNECTION`, which needs
-//!   the `CONNECTION ADMIN` (or `SUPER`) privilege for other users' sessions.
+//!   the `CONNECTION ADMIN` (or `SUPER`) privilege for other users' sessions. MySQL
+//!   cannot kill conditionally: the holder is checked again right before the `KILL`,
+//!   but a holder that releases in the microseconds between, and whose session is
+//!   reused for another lock at once, would lose that other lock (its lost signal fires
+//!   and fencing keeps its writes out).
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -668,8 +672,26 @@ impl LockBackend for MysqlLockStore {
             let Some((owner, token, connection_id)) = self.current_holder(name).await? else {
                 return Ok(None);
             };
+            // MySQL has no conditional KILL: check once more, on the connection that
+            // kills, that this session still holds the lock, which narrows the window
+            // in which a session that released and was pooled for another lock could be
+            // ended instead (documented in the module's guarantees).
+            let mut connection = self
+                .pool
+                .acquire()
+                .await
+                .map_err(|error| map_error(error, "cannot break the lock"))?;
+            let still: Option<i64> = sqlx::query_scalar("SELECT IS_USED_LOCK(?) = ?")
+                .bind(lock_key(name))
+                .bind(connection_id)
+                .fetch_one(&mut *connection)
+                .await
+                .map_err(|error| map_error(error, "cannot break the lock"))?;
+            if still != Some(1) {
+                return Ok(None);
+            }
             sqlx::query(AssertSqlSafe(format!("KILL CONNECTION {connection_id}")))
-                .execute(&self.pool)
+                .execute(&mut *connection)
                 .await
                 .map_err(|error| {
                     map_error(

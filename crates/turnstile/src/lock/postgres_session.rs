@@ -64,6 +64,7 @@ fn server_lease(ttl: Duration) -> Duration {
 }
 
 struct Sql {
+    terminate_holder: Statement,
     prune: Statement,
     acquire: Statement,
     reissue: Statement,
@@ -152,6 +153,13 @@ impl PostgresSessionLockStore {
                         (SELECT token FROM bumped) AS token,
                         (SELECT count(*) FROM recorded) AS recorded,
                         (SELECT count(*) FROM lease) AS leased, pg_backend_pid() AS pid"
+            )),
+            terminate_holder: statement(format!(
+                "SELECT pg_terminate_backend(l.pid) FROM pg_locks l
+                 WHERE l.pid = $2 AND l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+                   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+                   AND l.classid = (({key} >> 32) & 4294967295)::oid
+                   AND l.objid = ({key} & 4294967295)::oid"
             )),
             prune: statement(format!(
                 "WITH gone AS (
@@ -348,7 +356,11 @@ impl LockBackend for PostgresSessionLockStore {
             let Some((pid, owner, token)) = self.current_holder(name).await? else {
                 return Ok(None);
             };
-            sqlx::query("SELECT pg_terminate_backend($1)")
+            // Terminate the backend only if it still holds this lock as the statement
+            // runs: a session that released meanwhile, and went back to its pool for
+            // another lock, is left alone.
+            sqlx::query(self.sql.terminate_holder.sql())
+                .bind(name.as_str())
                 .bind(i32::try_from(pid).unwrap_or(0))
                 .execute(self.tables.pool())
                 .await

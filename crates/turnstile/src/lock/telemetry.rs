@@ -1,0 +1,74 @@
+//! What the lock core reports: `tracing` events and `metrics` counters and histograms.
+//!
+//! Nothing here installs a subscriber or a recorder: an application that has none pays
+//! almost nothing, and one that has them sees every outcome below.
+//!
+//! | metric | kind | labels |
+//! |---|---|---|
+//! | `turnstile_lock_acquired_total` | counter | `via` = `store` or `handover` |
+//! | `turnstile_lock_acquire_wait_seconds` | histogram | — (from the call to the lock) |
+//! | `turnstile_lock_not_acquired_total` | counter | `reason` = `timeout` or `error` |
+//! | `turnstile_lock_released_total` | counter | `outcome` = `released`, `expired`, `held_by_other`, `handed_over` |
+//! | `turnstile_lock_held_seconds` | histogram | — (from acquiring to releasing) |
+//! | `turnstile_lock_renewal_failures_total` | counter | — (a renewal that could not reach the store) |
+//! | `turnstile_lock_lost_total` | counter | `reason` = see [`LossReason`] |
+
+use std::time::Duration;
+
+use super::{LockName, LossReason, ReleaseOutcome};
+use crate::error::Error;
+
+pub(crate) fn acquired(name: &LockName, token: u64, waited: Duration, handed_over: bool) {
+    let via = if handed_over { "handover" } else { "store" };
+    metrics::counter!("turnstile_lock_acquired_total", "via" => via).increment(1);
+    metrics::histogram!("turnstile_lock_acquire_wait_seconds").record(waited.as_secs_f64());
+    tracing::debug!(lock = %name, token, waited = ?waited, via, "lock acquired");
+}
+
+pub(crate) fn not_acquired(name: &LockName, error: &Error, waited: Duration) {
+    let reason = if error.kind() == crate::ErrorKind::AcquireTimeout {
+        "timeout"
+    } else {
+        "error"
+    };
+    metrics::counter!("turnstile_lock_not_acquired_total", "reason" => reason).increment(1);
+    tracing::debug!(lock = %name, waited = ?waited, %error, "lock not acquired");
+}
+
+pub(crate) fn released(
+    name: &LockName,
+    outcome: ReleaseOutcome,
+    handed_over: bool,
+    held: Duration,
+) {
+    let label = match (handed_over, outcome) {
+        (true, _) => "handed_over",
+        (false, ReleaseOutcome::Released) => "released",
+        (false, ReleaseOutcome::AlreadyExpired) => "expired",
+        (false, ReleaseOutcome::HeldByOther) => "held_by_other",
+    };
+    metrics::counter!("turnstile_lock_released_total", "outcome" => label).increment(1);
+    metrics::histogram!("turnstile_lock_held_seconds").record(held.as_secs_f64());
+    if matches!(outcome, ReleaseOutcome::Released) {
+        tracing::debug!(lock = %name, held = ?held, outcome = label, "lock released");
+    } else {
+        tracing::warn!(lock = %name, held = ?held, outcome = label, "lock released after its lease had ended");
+    }
+}
+
+pub(crate) fn renewal_failed(name: &LockName, error: &Error) {
+    metrics::counter!("turnstile_lock_renewal_failures_total").increment(1);
+    tracing::warn!(lock = %name, %error, "lock renewal failed; retrying until the lease's deadline");
+}
+
+pub(crate) fn lost(name: &LockName, reason: LossReason, held: Duration) {
+    let label = match reason {
+        LossReason::TakenOver => "taken_over",
+        LossReason::Expired => "expired",
+        LossReason::RenewalFailed => "renewal_failed",
+        LossReason::LeaseElapsed => "lease_elapsed",
+        LossReason::MaxHoldReached => "max_hold_reached",
+    };
+    metrics::counter!("turnstile_lock_lost_total", "reason" => label).increment(1);
+    tracing::warn!(lock = %name, held = ?held, reason = label, "lock lost: {reason}");
+}
