@@ -287,6 +287,20 @@ impl StoreArgs {
     }
 }
 
+/// `url` with `turnstile_migrate=off` for the SQL stores, unless it says otherwise.
+fn without_migrating(url: &str) -> String {
+    let scheme = url.split(':').next().unwrap_or("").to_ascii_lowercase();
+    let sql = matches!(
+        scheme.as_str(),
+        "sqlite" | "postgres" | "postgresql" | "mysql" | "mariadb"
+    );
+    if !sql || url.contains("turnstile_migrate=") {
+        return url.to_owned();
+    }
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}turnstile_migrate=off")
+}
+
 /// Exit code for a library error.
 pub(crate) fn exit_code_for(error: &Error) -> u8 {
     match error.kind() {
@@ -305,7 +319,33 @@ fn fail(error: &Error) -> ExitCode {
 }
 
 async fn status(args: StatusArgs, breaking: bool) -> ExitCode {
-    let locker = match args.store.locker().await {
+    let url = match args.store.url() {
+        Ok(url) => url,
+        Err(error) => return fail(&error),
+    };
+    // A look (or a break) creates nothing: no SQLite file, no tables.
+    #[cfg(feature = "sqlite")]
+    if url
+        .get(..7)
+        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("sqlite:"))
+        && let Ok(path) = turnstile::lock::sqlite::url_path(&url)
+        && !path.exists()
+    {
+        let value = serde_json::json!({
+            "name": args.name, "held": false, "broken": false, "store": url,
+        });
+        if args.json {
+            println!("{value}");
+        } else {
+            println!(
+                "{:?} is free (there is no lock store at {} yet)",
+                args.name,
+                path.display()
+            );
+        }
+        return ExitCode::SUCCESS;
+    }
+    let locker = match Locker::connect(&without_migrating(&url)).await {
         Ok(locker) => locker,
         Err(error) => return fail(&error),
     };

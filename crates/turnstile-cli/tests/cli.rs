@@ -788,3 +788,31 @@ fn prune_forgets_names_unused_long_enough() {
         stderr(&output)
     );
 }
+
+#[test]
+fn status_and_break_create_nothing() {
+    let sandbox = Sandbox::new();
+    for command in ["status", "break"] {
+        let output = sandbox.run(&["lock", command, "nothing-yet"]);
+        assert_eq!(code(&output), 0, "{}", stderr(&output));
+        assert!(
+            stdout(&output).contains("free") || stdout(&output).contains("not held"),
+            "{}",
+            stdout(&output)
+        );
+    }
+    assert!(
+        !sandbox.path("locks.sqlite3").exists(),
+        "a read-only look created the store"
+    );
+    // An existing store without that lock: still nothing created or changed.
+    let output = sandbox.run(&["lock", "exec", "other", "--", "true"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let output = sandbox.run(&["lock", "status", "--json", "nothing-yet"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(
+        stdout(&output).contains("\"held\":false"),
+        "{}",
+        stdout(&output)
+    );
+}

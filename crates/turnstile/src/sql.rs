@@ -107,6 +107,16 @@ where
     }
 }
 
+/// Whether a statement failed because Turnstile's tables do not exist (yet): for a
+/// read-only look at a store nobody has migrated, that means nothing is locked.
+pub(crate) fn is_missing_table(error: &sqlx::Error) -> bool {
+    error.as_database_error().is_some_and(|db| {
+        db.code()
+            .is_some_and(|code| matches!(code.as_ref(), "42P01" | "42S02"))
+            || db.message().contains("no such table")
+    })
+}
+
 /// Checks a schema or table-name prefix: a plain SQL identifier, so it can be quoted
 /// safely into statements.
 #[allow(dead_code)]

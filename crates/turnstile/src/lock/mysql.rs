@@ -467,12 +467,16 @@ impl MysqlLockStore {
 
     /// Who holds `name` now, by the server: `(owner, token, connection id)`.
     async fn current_holder(&self, name: &LockName) -> Result<Option<(String, FencingToken, u64)>> {
-        let row = sqlx::query(self.sql.holder.sql())
+        let row = match sqlx::query(self.sql.holder.sql())
             .bind(lock_key(name))
             .bind(name.as_str().as_bytes())
             .fetch_optional(&self.pool)
             .await
-            .map_err(|error| map_error(error, "cannot read the lock"))?;
+        {
+            // Not migrated yet: nothing was ever locked here through Turnstile.
+            Err(error) if crate::sql::is_missing_table(&error) => return Ok(None),
+            other => other.map_err(|error| map_error(error, "cannot read the lock"))?,
+        };
         let Some(row) = row else {
             // Never taken through Turnstile; someone may still hold the key directly.
             return Ok(None);

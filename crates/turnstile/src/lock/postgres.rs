@@ -913,11 +913,15 @@ impl LockBackend for PostgresLockStore {
 
     fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
         Box::pin(async move {
-            let row = sqlx::query(self.sql.inspect.sql())
+            let row = match sqlx::query(self.sql.inspect.sql())
                 .bind(name.as_str())
                 .fetch_optional(&self.ops)
                 .await
-                .map_err(|error| map_error(error, "cannot read the lock"))?;
+            {
+                // Not migrated yet: nothing was ever locked here.
+                Err(error) if crate::sql::is_missing_table(&error) => return Ok(None),
+                other => other.map_err(|error| map_error(error, "cannot read the lock"))?,
+            };
             row.as_ref().map(holder).transpose()
         })
     }

@@ -80,7 +80,22 @@ pub struct SqliteLockStore {
 impl SqliteLockStore {
     /// Opens (creating if needed) the database at `path` and its tables.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
+        SqliteLockStore::open_with(path.as_ref().to_path_buf(), true).await
+    }
+
+    /// Opens the database at `path`; with `create` off, neither the file nor its tables
+    /// are created (a read-only look, such as `turnstile lock status`, changes nothing),
+    /// and a missing file is an error.
+    async fn open_with(path: PathBuf, create: bool) -> Result<Self> {
+        if !create && !path.is_file() {
+            return Err(Error::new(
+                ErrorKind::InvalidUrl,
+                format!(
+                    "there is no SQLite lock store at {} (nothing was ever locked there)",
+                    path.display()
+                ),
+            ));
+        }
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty())
             && !parent.is_dir()
         {
@@ -94,7 +109,7 @@ impl SqliteLockStore {
         }
         let options = SqliteConnectOptions::new()
             .filename(&path)
-            .create_if_missing(true)
+            .create_if_missing(create)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(5));
@@ -114,14 +129,18 @@ impl SqliteLockStore {
             path,
             signals: ReleaseSignals::new(),
         };
-        store.migrate().await?;
+        if create {
+            store.migrate().await?;
+        }
         Ok(store)
     }
 
     /// Opens the store named by `sqlite://PATH` (relative) or `sqlite:///absolute/path`.
+    ///
+    /// `?turnstile_migrate=off` opens an existing store without creating anything.
     pub async fn open_url(url: &str) -> Result<Self> {
-        let path = parse_url(url)?;
-        SqliteLockStore::open(path).await
+        let (path, create) = parse_url(url)?;
+        SqliteLockStore::open_with(path, create).await
     }
 
     /// Creates the tables if they are missing. Harmless to run again or concurrently.
@@ -152,8 +171,11 @@ impl SqliteLockStore {
         .bind(name.as_str())
         .bind(now_ms)
         .fetch_optional(&self.pool)
-        .await
-        .map_err(|error| map_error(error, "cannot read the lock"))?;
+        .await;
+        let row = match row {
+            Err(error) if crate::sql::is_missing_table(&error) => return Ok(None),
+            other => other.map_err(|error| map_error(error, "cannot read the lock"))?,
+        };
         row.map(|row| lock_info(&row, now_ms)).transpose()
     }
 }
@@ -178,7 +200,7 @@ fn lock_info(row: &sqlx::sqlite::SqliteRow, now_ms: i64) -> Result<LockInfo> {
 }
 
 /// Parses `sqlite://PATH`. Also accepts `sqlite:PATH` the way sqlx does.
-pub(crate) fn parse_url(url: &str) -> Result<PathBuf> {
+pub(crate) fn parse_url(url: &str) -> Result<(PathBuf, bool)> {
     let rest = url
         .strip_prefix("sqlite://")
         .or_else(|| url.strip_prefix("sqlite:"))
@@ -189,8 +211,19 @@ pub(crate) fn parse_url(url: &str) -> Result<PathBuf> {
             )
         })?;
     let (path, options) = crate::store::split_url_options(rest);
-    if let Some((key, value)) = options.first() {
-        return Err(crate::store::unknown_option(key, value, "none for SQLite"));
+    let mut create = true;
+    for (key, value) in &options {
+        create = match (key.as_str(), value.as_str()) {
+            ("migrate", "on" | "true" | "1") => true,
+            ("migrate", "off" | "false" | "0") => false,
+            _ => {
+                return Err(crate::store::unknown_option(
+                    key,
+                    value,
+                    "turnstile_migrate=on|off",
+                ));
+            }
+        };
     }
     let path = path.split('?').next().unwrap_or_default();
     if path.is_empty() || path == ":memory:" {
@@ -202,7 +235,20 @@ pub(crate) fn parse_url(url: &str) -> Result<PathBuf> {
             ),
         ));
     }
-    Ok(PathBuf::from(path))
+    Ok((PathBuf::from(path), create))
+}
+
+/// The database file a `sqlite://PATH` (or `sqlite:PATH`) URL names.
+///
+/// ```
+/// # #[cfg(feature = "sqlite")]
+/// assert_eq!(
+///     turnstile::lock::sqlite::url_path("sqlite:///var/lib/app/locks.db").unwrap(),
+///     std::path::PathBuf::from("/var/lib/app/locks.db")
+/// );
+/// ```
+pub fn url_path(url: &str) -> Result<PathBuf> {
+    parse_url(url).map(|(path, _)| path)
 }
 
 /// Milliseconds and microseconds since the Unix epoch on the host's wall clock.
@@ -447,9 +493,18 @@ mod tests {
     fn urls_name_files() {
         assert_eq!(
             parse_url("sqlite:///tmp/x.db").unwrap(),
-            PathBuf::from("/tmp/x.db")
+            (PathBuf::from("/tmp/x.db"), true)
         );
-        assert_eq!(parse_url("sqlite://x.db").unwrap(), PathBuf::from("x.db"));
+        assert_eq!(
+            parse_url("sqlite://x.db?turnstile_migrate=off").unwrap(),
+            (PathBuf::from("x.db"), false)
+        );
+        assert_eq!(
+            parse_url("sqlite://x.db?turnstile_prefix=a")
+                .unwrap_err()
+                .kind(),
+            ErrorKind::InvalidUrl
+        );
         assert_eq!(
             parse_url("sqlite://").unwrap_err().kind(),
             ErrorKind::InvalidUrl
