@@ -696,3 +696,74 @@ async fn a_token_ahead_of_the_clock_survives_a_crash() {
     assert_eq!(second.fencing_token(), FencingToken::new(ahead as u64 + 2));
     second.release().await.unwrap();
 }
+
+/// Transaction-scoped holders waiting for one name fill the application's pool; the
+/// holder still gets its token (issued on the store's own connections), so nobody
+/// times out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_transactions_cannot_starve_the_holders_token() {
+    let url = shared_postgres().fresh_database("xstarve");
+    let store = PostgresLockStore::connect(&url).await.unwrap();
+    let size = store.pool().options().get_max_connections();
+    let mut tasks = Vec::new();
+    for _ in 0..size {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut transaction = store.pool().begin().await.unwrap();
+            let token = store
+                .lock_in_transaction(&mut transaction, "payroll")
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            transaction.commit().await.unwrap();
+            token
+        }));
+    }
+    let mut tokens = Vec::new();
+    for task in tasks {
+        tokens.push(
+            tokio::time::timeout(Duration::from_secs(20), task)
+                .await
+                .expect("a holder got stuck")
+                .unwrap(),
+        );
+    }
+    tokens.sort();
+    tokens.dedup();
+    assert_eq!(tokens.len(), size as usize, "a token was issued twice");
+}
+
+/// The LISTEN connection and its task end with the last clone of the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listen_connection_ends_with_the_store() {
+    use turnstile::lock::{LockBackend, LockName};
+    let url = shared_postgres().fresh_database("listenend");
+    let observer = sqlx::PgPool::connect(&url).await.unwrap();
+    let listening = || async {
+        let count: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND query LIKE 'LISTEN%'",
+        )
+        .fetch_one(&observer)
+        .await
+        .unwrap();
+        count
+    };
+    let store = PostgresLockStore::connect(&url).await.unwrap();
+    let watch = store
+        .watch_releases(&LockName::new("x").unwrap())
+        .await
+        .unwrap();
+    assert!(store.is_listening());
+    assert_eq!(listening().await, 1);
+    drop(watch);
+    drop(store);
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while listening().await > 0 {
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the LISTEN connection outlived the store"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

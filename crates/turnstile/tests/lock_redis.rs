@@ -441,3 +441,41 @@ async fn the_url_sets_the_key_prefix() {
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::InvalidUrl);
 }
+
+/// Against a store that stops answering, the wait bound decides when `acquire` returns
+/// (not the driver's 3 s response timeout), and the error names the lock and the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wait_bound_beats_a_paused_server() {
+    let server = RedisServer::spawn();
+    let locker = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let holder = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let held = holder
+        .acquire(
+            "paused-wait",
+            &LockOptions::new().ttl(Duration::from_secs(30)),
+        )
+        .await
+        .unwrap();
+    server.pause();
+    let started = std::time::Instant::now();
+    let error = locker
+        .acquire(
+            "paused-wait",
+            &LockOptions::new().wait(Duration::from_millis(1_500)),
+        )
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    server.resume();
+    assert!(
+        took >= Duration::from_millis(1_400) && took < Duration::from_millis(2_500),
+        "returned after {took:?}"
+    );
+    assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
+    let text = error.to_string();
+    assert!(
+        text.contains("paused-wait") && text.contains("redis://"),
+        "{text}"
+    );
+    drop(held);
+}

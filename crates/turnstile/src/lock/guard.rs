@@ -260,13 +260,29 @@ impl LockGuard {
     /// the lock is handed straight to it (on Redis in one atomic script, with a new
     /// fencing token), up to 8 times in a row; the next release then goes through the
     /// store and wakes waiters in other processes too, so they are not starved.
+    ///
+    /// The call is bounded by the TTL (at least a second): past that the lease has run
+    /// out on its own, so waiting longer for a store that does not answer serves
+    /// nobody; the error says so.
     pub async fn release(mut self) -> Result<ReleaseOutcome> {
         self.released = true;
         self.stop_keeper.cancel();
         if let Some(keeper) = self.keeper.take() {
             keeper.abort();
         }
-        self.held.release().await
+        let limit = self.held.ttl.max(Duration::from_secs(1));
+        match tokio::time::timeout(limit, self.held.release()).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(Error::new(
+                ErrorKind::StoreUnavailable,
+                format!(
+                    "lock \"{}\": the store {} did not confirm the release within {limit:?}; \
+                     the lease runs out on its own",
+                    self.held.name,
+                    self.held.backend.describe()
+                ),
+            )),
+        }
     }
 }
 
