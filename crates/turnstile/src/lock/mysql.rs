@@ -21,10 +21,15 @@
 //!
 //! # Guarantees
 //! - **Atomicity**: `GET_LOCK(key, 0)` is atomic in the server.
-//! - **Fencing tokens**: a per-name counter in `{prefix}_tokens`, incremented by the
-//!   holder's session right after `GET_LOCK` succeeds, before the holder learns it. As
-//!   durable as an InnoDB commit: with `innodb_flush_log_at_trx_commit = 1` (the
+//! - **Fencing tokens**: `max(last + 1, server clock in µs since the Unix epoch)`, kept
+//!   per name in `{prefix}_tokens` (until [pruned](super::Locker::prune)) and issued by
+//!   the holder's session in the same round trip as `GET_LOCK`, before the holder learns
+//!   it. As durable as an InnoDB commit: with `innodb_flush_log_at_trx_commit = 1` (the
 //!   default) tokens survive any crash; with `2`, a server crash but not an OS crash.
+//! - **Transaction-scoped locks** ([`lock_in_transaction`](MysqlLockStore::lock_in_transaction))
+//!   lock the name's row in `{prefix}_xact_locks` and only then issue their token; a
+//!   named-lock acquirer checks that row with `NOWAIT` right after `GET_LOCK` and answers
+//!   "held" while a transaction has it.
 //! - **Expiry**: the server's clock (`wait_timeout`), in whole seconds.
 //! - **Restart / failover**: a restart ends every session, so every lock is freed and
 //!   every holder's next renewal fails: the lost signal fires within TTL/3. Named locks

@@ -16,17 +16,28 @@
 //! - **Expiry** is decided by the database server's clock (`clock_timestamp()`), never a
 //!   client's. Holders measure their own validity on their monotonic clock from the
 //!   moment the request was sent, minus a drift allowance.
-//! - **Fencing tokens** are a per-name counter in `{prefix}_tokens` (never deleted),
-//!   incremented in the same statement that takes the lock. The store's connections run
-//!   with `synchronous_commit = on` whatever the server's default, so every issued token
-//!   is on disk (in the WAL) before the holder learns it: tokens survive restarts and
-//!   crashes, and a failover to a synchronous replica. After a failover to an *asynchronous* replica, the last acquisitions may be
-//!   lost and their tokens issued again; use synchronous replication where that matters.
+//! - **Fencing tokens** are `max(last + 1, database clock in µs since the Unix epoch)`,
+//!   kept per name in `{prefix}_tokens` (until [pruned](super::Locker::prune)) and
+//!   issued in the same statement that takes the lock. The store's connections run with
+//!   `synchronous_commit = on` whatever the server's default, so every issued token is
+//!   on disk (in the WAL) before the holder learns it: tokens survive restarts and
+//!   crashes (tested with a stored token ahead of the clock, so that only the commit can
+//!   keep the next one larger), and a failover to a synchronous replica. After a
+//!   failover to an *asynchronous* replica the last acquisitions may be lost; the clock
+//!   floor still keeps new tokens larger as long as the new primary's clock is not behind
+//!   the old one's by more than the failover took.
+//! - **Bounded statements**: the store's own statements run with `lock_timeout = 250ms`
+//!   and `statement_timeout = 10s`; an acquire that meets a transaction-scoped holder's
+//!   row lock answers "held" instead of waiting for the transaction.
 //! - **Partition**: a holder cut off from the database cannot renew; its lost signal
 //!   fires at its local validity deadline, before the database's lease ends.
-//! - **Waiting**: releases send `NOTIFY {prefix}_released` with the lock name; waiters
-//!   `LISTEN` on one shared connection per store and re-check when the holder's lease
-//!   would run out (expiry sends no notification). Behind a pooler in transaction mode,
+//! - **Waiting**: waiters `LISTEN` on `{prefix}_released` on one connection per store,
+//!   outside the store's pool (reconnected with a backoff from 100 ms to 30 s; waiters
+//!   poll while it is down, and a warning is logged), and re-check when the holder's
+//!   lease would run out (expiry sends no notification). A waiter marks the lock's row
+//!   (`waiting_until`), and a release sends `NOTIFY` only while that mark is fresh: a
+//!   `NOTIFY` makes its commit take a database-wide lock, so releases nobody waits for
+//!   (most of them) do not serialise with the application's other commits. Behind a pooler in transaction mode,
 //!   `LISTEN` does not work (and sqlx's cached prepared statements need PgBouncer 1.21 or
 //!   newer with `max_prepared_statements`): set `turnstile_notify=off` (or
 //!   [`notifications(false)`](PostgresLockConfig::notifications)) and waiters poll with a
