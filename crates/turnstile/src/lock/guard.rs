@@ -1,27 +1,37 @@
-//! A held lock: renewal by the watchdog, the lost signal, release.
+//! A held lock: its lease (renewal by the watchdog, the lost signal) and its release.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::task::JoinHandle;
-use tokio::time::{Instant, sleep_until};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::lease::{Keeper, Lease, LeaseKind, LostSignal, Renew};
 use super::queue::{Handoff, LocalQueue};
 use super::telemetry;
 use super::{
-    ExtendOutcome, LockBackend, LockName, LockOptions, LossReason, OwnerId, ReleaseOutcome,
-    TryAcquire,
+    BoxFuture, ExtendOutcome, LockBackend, LockName, LockOptions, LossReason, OwnerId,
+    ReleaseOutcome, TryAcquire,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 
-/// State shared between a guard and its keeper task.
+/// How a lock's lease is renewed: `extend` on its store, for its owner.
+struct LockRenewal {
+    backend: Arc<dyn LockBackend>,
+    name: LockName,
+    owner: OwnerId,
+}
+
+impl Renew for LockRenewal {
+    fn renew(&self, ttl: Duration) -> BoxFuture<'_, Result<ExtendOutcome>> {
+        self.backend.extend(&self.name, &self.owner, ttl)
+    }
+}
+
+/// What a guard shares with the release that may outlive it (a release on drop).
 struct Held {
     backend: Arc<dyn LockBackend>,
     /// This name's local queue in the locker that acquired, for direct handoffs.
@@ -29,36 +39,20 @@ struct Held {
     name: LockName,
     owner: OwnerId,
     token: FencingToken,
-    ttl: Duration,
-    drift: Duration,
-    /// Until when, on this host's monotonic clock, the lease is certainly still ours:
-    /// the moment the last successful acquire/extend was *sent*, plus the TTL, minus the
-    /// drift allowance.
-    valid_until: Mutex<Instant>,
-    lost: CancellationToken,
-    loss: OnceLock<LossReason>,
+    lease: Arc<Lease>,
     /// Set once this holder stopped counting as a local holder in its queue.
     finished: AtomicBool,
-    /// When the acquire request was sent, for how long the lock was held.
-    acquired: Instant,
 }
 
 impl Held {
-    fn valid_until(&self) -> Instant {
-        *self.valid_until.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn renewed(&self, sent: Instant) {
-        *self.valid_until.lock().unwrap_or_else(|p| p.into_inner()) = sent + self.ttl - self.drift;
-    }
-
     /// Releases, or hands the lock straight to this process's next waiter for the name
     /// when one is sleeping (one atomic step on engines that support it).
     async fn release(&self) -> Result<ReleaseOutcome> {
         self.finish();
+        let held_for = self.lease.started.elapsed();
         let Some(offer) = self.queue.take_offer() else {
             let outcome = self.backend.release(&self.name, &self.owner).await?;
-            telemetry::released(&self.name, outcome, false, self.acquired.elapsed());
+            telemetry::released(&self.name, outcome, false, held_for);
             return Ok(outcome);
         };
         let sent = Instant::now();
@@ -67,7 +61,7 @@ impl Held {
             .hand_over(&self.name, &self.owner, &offer.owner, offer.ttl)
             .await?;
         // On error above, dropping the offer wakes the waiter, which retries on its own.
-        telemetry::released(&self.name, released, true, self.acquired.elapsed());
+        telemetry::released(&self.name, released, true, held_for);
         let handoff = Handoff {
             sent,
             outcome: Ok(acquired),
@@ -87,13 +81,12 @@ impl Held {
             self.queue.holder_finished();
         }
     }
+}
 
-    fn mark_lost(&self, reason: LossReason) {
-        // The first reason wins; the signal fires once.
-        if self.loss.set(reason).is_ok() {
-            telemetry::lost(&self.name, reason, self.acquired.elapsed());
-        }
-        self.lost.cancel();
+impl Drop for Held {
+    fn drop(&mut self) {
+        // A guard dropped without a runtime to release it still stops counting.
+        self.finish();
     }
 }
 
@@ -113,8 +106,7 @@ impl Held {
 /// can move between tasks and threads.
 pub struct LockGuard {
     held: Arc<Held>,
-    stop_keeper: CancellationToken,
-    keeper: Option<JoinHandle<()>>,
+    keeper: Keeper,
     released: bool,
 }
 
@@ -124,7 +116,7 @@ impl fmt::Debug for LockGuard {
             .field("name", &self.held.name)
             .field("fencing_token", &self.held.token)
             .field("owner", &self.held.owner)
-            .field("lost", &self.held.loss.get())
+            .field("lost", &self.held.lease.loss_reason())
             .finish()
     }
 }
@@ -140,36 +132,35 @@ impl LockGuard {
         sent: Instant,
         options: &LockOptions,
     ) -> LockGuard {
-        let ttl = options.get_ttl();
-        let drift = options.get_clock_drift();
-        let held = Arc::new(Held {
-            backend,
-            queue,
-            name,
-            owner,
-            token,
-            ttl,
-            drift,
-            valid_until: Mutex::new(sent + ttl - drift),
-            lost: CancellationToken::new(),
-            loss: OnceLock::new(),
-            finished: AtomicBool::new(false),
-            acquired: sent,
-        });
-        held.queue.holder_started();
-        let stop_keeper = CancellationToken::new();
-        let keeper = tokio::spawn(keep(
-            Arc::clone(&held),
+        let lease = Lease::new(
+            LockRenewal {
+                backend: Arc::clone(&backend),
+                name: name.clone(),
+                owner: owner.clone(),
+            },
+            LeaseKind::Lock,
+            name.as_str().to_owned(),
+            options.get_ttl(),
+            options.get_clock_drift(),
             sent,
+        );
+        let keeper = Keeper::start(
+            Arc::clone(&lease),
             options.get_watchdog(),
-            // A cap too far off to represent is no cap.
-            options.get_max_hold().and_then(|cap| sent.checked_add(cap)),
-            stop_keeper.clone(),
-        ));
+            options.get_max_hold(),
+        );
+        queue.holder_started();
         LockGuard {
-            held,
-            stop_keeper,
-            keeper: Some(keeper),
+            held: Arc::new(Held {
+                backend,
+                queue,
+                name,
+                owner,
+                token,
+                lease,
+                finished: AtomicBool::new(false),
+            }),
+            keeper,
             released: false,
         }
     }
@@ -196,58 +187,34 @@ impl LockGuard {
     /// `tokio::time::Instant::now()`, or sleep until it with
     /// [`tokio::time::sleep_until`].
     pub fn valid_until(&self) -> Instant {
-        self.held.valid_until()
+        self.held.lease.valid_until()
     }
 
     /// Whether the lost signal has fired.
     pub fn is_lost(&self) -> bool {
-        self.held.lost.is_cancelled()
+        self.held.lease.is_lost()
     }
 
     /// Why the lock was lost, once it has been.
     pub fn loss_reason(&self) -> Option<LossReason> {
-        self.held.loss.get().copied()
+        self.held.lease.loss_reason()
     }
 
     /// A future that completes, with the reason, the moment ownership can no longer be
     /// assumed. It never completes if the lock is released normally.
     pub fn lost(&self) -> LostSignal {
-        let held = Arc::clone(&self.held);
-        LostSignal {
-            future: Box::pin(async move {
-                held.lost.cancelled().await;
-                held.loss.get().copied().unwrap_or(LossReason::Expired)
-            }),
-        }
+        self.held.lease.lost_signal()
     }
 
     /// A cancellation token cancelled when the lock is lost; hand it to work that should
     /// stop then. Cancelling it yourself does not release the lock.
     pub fn lost_token(&self) -> CancellationToken {
-        self.held.lost.child_token()
+        self.held.lease.lost_token()
     }
 
     /// Renews the lease now, for its full TTL. Useful with the watchdog off.
     pub async fn extend(&self) -> Result<()> {
-        if let Some(reason) = self.loss_reason() {
-            return Err(Error::lost(reason));
-        }
-        let sent = Instant::now();
-        match self
-            .held
-            .backend
-            .extend(&self.held.name, &self.held.owner, self.held.ttl)
-            .await?
-        {
-            ExtendOutcome::Extended => {
-                self.held.renewed(sent);
-                Ok(())
-            }
-            ExtendOutcome::Lost(reason) => {
-                self.held.mark_lost(reason);
-                Err(Error::lost(reason))
-            }
-        }
+        self.held.lease.extend().await
     }
 
     /// Stops the watchdog and releases the lock, reporting what the store found.
@@ -257,20 +224,17 @@ impl LockGuard {
     /// flight cannot bring the lock back.
     ///
     /// If another task of the same [`Locker`](super::Locker) is waiting for this lock,
-    /// the lock is handed straight to it (on Redis in one atomic script, with a new
-    /// fencing token), up to 8 times in a row; the next release then goes through the
-    /// store and wakes waiters in other processes too, so they are not starved.
+    /// the lock is handed straight to it in one step with a new fencing token, up to 8
+    /// times in a row; the next release then goes through the store and wakes waiters in
+    /// other processes too, so they are not starved.
     ///
     /// The call is bounded by the TTL (at least a second): past that the lease has run
     /// out on its own, so waiting longer for a store that does not answer serves
     /// nobody; the error says so.
     pub async fn release(mut self) -> Result<ReleaseOutcome> {
         self.released = true;
-        self.stop_keeper.cancel();
-        if let Some(keeper) = self.keeper.take() {
-            keeper.abort();
-        }
-        let limit = self.held.ttl.max(Duration::from_secs(1));
+        self.keeper.stop();
+        let limit = self.held.lease.ttl.max(Duration::from_secs(1));
         match tokio::time::timeout(limit, self.held.release()).await {
             Ok(outcome) => outcome,
             Err(_) => Err(Error::new(
@@ -291,113 +255,13 @@ impl Drop for LockGuard {
         if self.released {
             return;
         }
-        self.stop_keeper.cancel();
-        if let Some(keeper) = self.keeper.take() {
-            keeper.abort();
-        }
+        self.keeper.stop();
         // Never block in drop: hand the release to the runtime if there is one.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let held = Arc::clone(&self.held);
             runtime.spawn(async move {
                 let _ = held.release().await;
             });
-        }
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        // A guard dropped without a runtime to release it still stops counting.
-        self.finish();
-    }
-}
-
-/// The future returned by [`LockGuard::lost`]: completes with the reason when the lock
-/// is lost.
-pub struct LostSignal {
-    future: Pin<Box<dyn Future<Output = LossReason> + Send + Sync>>,
-}
-
-impl fmt::Debug for LostSignal {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("LostSignal")
-    }
-}
-
-impl Future for LostSignal {
-    type Output = LossReason;
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<LossReason> {
-        self.future.as_mut().poll(cx)
-    }
-}
-
-/// How long to wait before retrying a renewal that failed with an error.
-fn renewal_retry_delay(ttl: Duration) -> Duration {
-    (ttl / 10).clamp(Duration::from_millis(5), Duration::from_secs(1))
-}
-
-/// The keeper task: renews the lease (watchdog on) and fires the lost signal when the
-/// local validity deadline or the hold cap passes, or a renewal finds the lock gone.
-async fn keep(
-    held: Arc<Held>,
-    acquired_sent: Instant,
-    watchdog: bool,
-    hold_cap: Option<Instant>,
-    stop: CancellationToken,
-) {
-    let renew_every = held.ttl / 3;
-    let mut next_renewal = acquired_sent + renew_every;
-    loop {
-        let valid_until = held.valid_until();
-        let cap = async {
-            match hold_cap {
-                Some(at) => sleep_until(at).await,
-                None => std::future::pending().await,
-            }
-        };
-        let renewal = async {
-            if !watchdog {
-                return std::future::pending().await;
-            }
-            sleep_until(next_renewal).await;
-            let sent = Instant::now();
-            let outcome = held.backend.extend(&held.name, &held.owner, held.ttl).await;
-            (sent, outcome)
-        };
-        tokio::select! {
-            biased;
-            () = stop.cancelled() => return,
-            () = cap => {
-                held.mark_lost(LossReason::MaxHoldReached);
-                return;
-            }
-            () = sleep_until(valid_until) => {
-                if held.valid_until() > valid_until {
-                    // Renewed meanwhile by an explicit `extend`.
-                    continue;
-                }
-                held.mark_lost(if watchdog { LossReason::RenewalFailed } else { LossReason::LeaseElapsed });
-                return;
-            }
-            (sent, outcome) = renewal => match outcome {
-                Ok(ExtendOutcome::Extended) => {
-                    held.renewed(sent);
-                    next_renewal = sent + renew_every;
-                }
-                Ok(ExtendOutcome::Lost(reason)) => {
-                    held.mark_lost(reason);
-                    return;
-                }
-                Err(error) if error.kind() == ErrorKind::LockLost => {
-                    held.mark_lost(error.loss_reason().unwrap_or(LossReason::Expired));
-                    return;
-                }
-                // The store is unreachable or slow: keep trying until the deadline.
-                Err(error) => {
-                    telemetry::renewal_failed(&held.name, &error);
-                    next_renewal = Instant::now() + renewal_retry_delay(held.ttl);
-                }
-            },
         }
     }
 }

@@ -12,6 +12,7 @@ use crate::error::{Error, ErrorKind, Result};
 
 mod backend;
 mod guard;
+mod lease;
 mod locker;
 mod queue;
 #[cfg(any(feature = "mysql", feature = "postgres"))]
@@ -33,7 +34,8 @@ pub mod sqlite;
 pub use backend::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, ReleaseOutcome, ReleaseWatch, TryAcquire,
 };
-pub use guard::{LockGuard, LostSignal};
+pub use guard::LockGuard;
+pub use lease::LostSignal;
 pub use locker::{Locker, MIN_ATTEMPT_TIME};
 pub use signals::ReleaseSignals;
 

@@ -15,6 +15,7 @@
 
 use std::time::Duration;
 
+use super::lease::LeaseKind;
 use super::{LockName, LossReason, ReleaseOutcome};
 use crate::error::Error;
 
@@ -56,12 +57,20 @@ pub(crate) fn released(
     }
 }
 
-pub(crate) fn renewal_failed(name: &LockName, error: &Error) {
-    metrics::counter!("turnstile_lock_renewal_failures_total").increment(1);
-    tracing::warn!(lock = %name, %error, "lock renewal failed; retrying until the lease's deadline");
+pub(crate) fn renewal_failed(kind: LeaseKind, name: &str, error: &Error) {
+    match kind {
+        LeaseKind::Lock => {
+            metrics::counter!("turnstile_lock_renewal_failures_total").increment(1);
+            tracing::warn!(lock = %name, %error, "lock renewal failed; retrying until the lease's deadline");
+        }
+        LeaseKind::Claim => {
+            metrics::counter!("turnstile_idempotency_renewal_failures_total").increment(1);
+            tracing::warn!(key = %name, %error, "idempotency claim renewal failed; retrying until the lease's deadline");
+        }
+    }
 }
 
-pub(crate) fn lost(name: &LockName, reason: LossReason, held: Duration) {
+pub(crate) fn lost(kind: LeaseKind, name: &str, reason: LossReason, held: Duration) {
     let label = match reason {
         LossReason::TakenOver => "taken_over",
         LossReason::Expired => "expired",
@@ -69,6 +78,15 @@ pub(crate) fn lost(name: &LockName, reason: LossReason, held: Duration) {
         LossReason::LeaseElapsed => "lease_elapsed",
         LossReason::MaxHoldReached => "max_hold_reached",
     };
-    metrics::counter!("turnstile_lock_lost_total", "reason" => label).increment(1);
-    tracing::warn!(lock = %name, held = ?held, reason = label, "lock lost: {reason}");
+    match kind {
+        LeaseKind::Lock => {
+            metrics::counter!("turnstile_lock_lost_total", "reason" => label).increment(1);
+            tracing::warn!(lock = %name, held = ?held, reason = label, "lock lost: {reason}");
+        }
+        LeaseKind::Claim => {
+            metrics::counter!("turnstile_idempotency_lease_lost_total", "reason" => label)
+                .increment(1);
+            tracing::warn!(key = %name, held = ?held, reason = label, "idempotency claim lost: {reason}");
+        }
+    }
 }
