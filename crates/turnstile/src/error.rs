@@ -34,6 +34,10 @@ pub enum ErrorKind {
     Held,
     /// An optimistic update kept meeting concurrent changes until its retries ran out.
     Conflict,
+    /// An earlier request with the same idempotency key is still being worked on.
+    InProgress,
+    /// An idempotency key was used before for a request with another fingerprint.
+    KeyMismatch,
     /// The lock was lost while the protected work was running (see [`Error::loss_reason`]).
     LockLost,
     /// A fencing token was rejected or cannot be represented by the protected store.
@@ -53,6 +57,8 @@ impl ErrorKind {
             ErrorKind::AcquireTimeout => "lock not acquired in time",
             ErrorKind::Held => "lock held",
             ErrorKind::Conflict => "conflicting update",
+            ErrorKind::InProgress => "request in progress",
+            ErrorKind::KeyMismatch => "idempotency key reused",
             ErrorKind::LockLost => "lock lost",
             ErrorKind::Fencing => "fencing error",
         }
@@ -128,6 +134,7 @@ impl Error {
                 | ErrorKind::AcquireTimeout
                 | ErrorKind::Held
                 | ErrorKind::Conflict
+                | ErrorKind::InProgress
         )
     }
 }

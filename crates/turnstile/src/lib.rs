@@ -58,8 +58,10 @@
 //! lock service can make a paused process notice in time that its lease ran out; the
 //! lost signal narrows the window and fencing tokens close it on the protected side.
 
+mod engine;
 pub mod error;
 pub mod fence;
+pub mod idempotency;
 pub mod lock;
 pub mod optimistic;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]

@@ -83,6 +83,7 @@ pub(crate) fn is_lock_timeout(error: &sqlx::Error) -> bool {
 /// `limit`) finds the cause — connection refused, authentication failed, unknown
 /// database. Configuration errors keep their kind; anything else means the store is
 /// unavailable.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) async fn connect_failure<O>(
     error: sqlx::Error,
     options: &O,

@@ -141,6 +141,68 @@ async fn open_redis(url: &str) -> Result<Arc<dyn LockBackend>> {
     ))
 }
 
+/// Opens the idempotency store a URL names: the same URLs as [`connect`]. Engines
+/// without an idempotency store yet say so ([`ErrorKind::UnsupportedStore`]).
+pub async fn connect_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
+    let url = url.trim();
+    let scheme = url
+        .split_once(':')
+        .map(|(scheme, _)| scheme.to_ascii_lowercase())
+        .unwrap_or_default();
+    match scheme.as_str() {
+        "sqlite" => open_sqlite_idempotency(url).await,
+        "postgres" | "postgresql" => open_postgres_idempotency(url).await,
+        "redis" | "rediss" | "mysql" | "mariadb" => Err(Error::new(
+            ErrorKind::UnsupportedStore,
+            format!(
+                "{}: there is no idempotency store for {scheme}:// yet; use SQLite or PostgreSQL",
+                redact(url)
+            ),
+        )),
+        _ => Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "{} is not a store URL; expected one of {}",
+                redact(url),
+                SCHEMES.join(", ")
+            ),
+        )),
+    }
+}
+
+type IdempotencyStoreArc = Arc<dyn crate::idempotency::IdempotencyStore>;
+
+#[cfg(feature = "sqlite")]
+async fn open_sqlite_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
+    let store = crate::idempotency::sqlite::SqliteIdempotencyStore::open_url(url).await?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "sqlite"))]
+async fn open_sqlite_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!("{url:?} needs SQLite support: build turnstile with the `sqlite` feature"),
+    ))
+}
+
+#[cfg(feature = "postgres")]
+async fn open_postgres_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
+    let store = crate::idempotency::postgres::PostgresIdempotencyStore::connect(url).await?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn open_postgres_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!(
+            "{} needs PostgreSQL support: build turnstile with the `postgres` feature",
+            redact(url)
+        ),
+    ))
+}
+
 /// Removes the password from a URL for messages and logs.
 pub(crate) fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {

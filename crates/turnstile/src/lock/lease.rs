@@ -27,7 +27,6 @@ pub(crate) trait Renew: Send + Sync + 'static {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LeaseKind {
     Lock,
-    #[allow(dead_code)]
     Claim,
 }
 

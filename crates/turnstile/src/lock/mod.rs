@@ -12,7 +12,7 @@ use crate::error::{Error, ErrorKind, Result};
 
 mod backend;
 mod guard;
-mod lease;
+pub(crate) mod lease;
 mod locker;
 mod queue;
 #[cfg(any(feature = "mysql", feature = "postgres"))]
@@ -36,6 +36,7 @@ pub use backend::{
 };
 pub use guard::LockGuard;
 pub use lease::LostSignal;
+pub(crate) use locker::describe_wait;
 pub use locker::{Locker, MIN_ATTEMPT_TIME};
 pub use signals::ReleaseSignals;
 

@@ -43,14 +43,12 @@
 //!   [`notifications(false)`](PostgresLockConfig::notifications)) and waiters poll with a
 //!   backoff from 5 ms to 100 ms instead.
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::engine::postgres::Listener;
 use sqlx::Row;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use tokio::sync::OnceCell;
+use sqlx::postgres::{PgPool, PgRow};
 
 use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
@@ -62,8 +60,7 @@ use crate::sql::{Statement, map_error, statement, validate_identifier};
 use crate::store::split_url_options;
 use sqlx::AssertSqlSafe;
 
-/// The database clock in microseconds since the Unix epoch: the floor of new tokens.
-pub(crate) const CLOCK_US: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::int8";
+pub(crate) use crate::engine::postgres::CLOCK_US;
 
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
@@ -377,51 +374,19 @@ impl PostgresLockStore {
     pub async fn connect_with(url: &str, config: PostgresLockConfig) -> Result<Self> {
         config.validate()?;
         let redacted = crate::store::redact(url);
-        let options = PgConnectOptions::from_str(url).map_err(|error| {
-            Error::new(
-                ErrorKind::InvalidUrl,
-                format!("{redacted} is not a valid PostgreSQL URL (postgres://user[:password]@host[:port]/database)"),
-            )
-            .with_source(error)
-        })?;
-        // Tokens must survive a crash even where the server runs with
-        // synchronous_commit = off: a lost commit would issue a token again. No
-        // statement of the store's waits long for a row lock (a transaction-scoped
-        // holder's) or runs long: the callers' wait bounds stay in charge.
-        let options = options.options([
-            ("synchronous_commit", "on"),
-            ("lock_timeout", "250"),
-            ("statement_timeout", "10000"),
-        ]);
-        let app_pool = PgPoolOptions::new()
-            .max_connections(config.max_connections)
-            .min_connections(0)
-            .acquire_timeout(config.connect_timeout)
-            .connect_lazy_with(
-                PgConnectOptions::from_str(url)
-                    .map_err(|error| {
-                        Error::new(ErrorKind::InvalidUrl, "bad URL").with_source(error)
-                    })?
-                    .options([("synchronous_commit", "on")]),
-            );
-        let pool = match PgPoolOptions::new()
-            .max_connections(config.max_connections)
-            .acquire_timeout(config.connect_timeout)
-            .connect_with(options.clone())
-            .await
-        {
-            Ok(pool) => pool,
-            Err(error) => {
-                let what = format!("cannot connect to PostgreSQL at {redacted}");
-                return Err(crate::sql::connect_failure(
-                    error,
-                    &options,
-                    &what,
-                    config.connect_timeout,
-                )
-                .await);
-            }
-        };
+        let options = crate::engine::postgres::connect_options(url)?;
+        let app_pool = crate::engine::postgres::lazy_pool(
+            options.clone(),
+            config.max_connections,
+            config.connect_timeout,
+        );
+        let pool = crate::engine::postgres::open_bounded_pool(
+            options,
+            config.max_connections,
+            config.connect_timeout,
+            &redacted,
+        )
+        .await?;
         PostgresLockStore::with_pool_described(pool, app_pool, config, redacted).await
     }
 
@@ -469,11 +434,7 @@ impl PostgresLockStore {
                 connect_options.clone(),
                 config.connect_timeout,
             )),
-            issuer: PgPoolOptions::new()
-                .max_connections(2)
-                .min_connections(0)
-                .acquire_timeout(config.connect_timeout)
-                .connect_lazy_with(connect_options),
+            issuer: crate::engine::postgres::lazy_pool(connect_options, 2, config.connect_timeout),
             ops: pool,
             pool: app_pool,
             config,
@@ -621,143 +582,19 @@ impl PostgresLockStore {
     /// Starts the `LISTEN` connection on first use and says whether it is listening
     /// now (waiters poll while it is not).
     async fn ensure_listener(&self) -> bool {
-        if !self.config.notifications {
-            return false;
-        }
-        self.listener
-            .started
-            .get_or_init(|| async {
-                // The first connection is made here, so the first waiter already knows
-                // whether it will be notified; later ones are the task's business.
-                let first = listen(&self.listener.pool, &self.sql.channel).await;
-                self.listener
-                    .state
-                    .listening
-                    .store(first.is_ok(), Ordering::SeqCst);
-                let task = tokio::spawn(keep_listening(
-                    first,
-                    self.listener.pool.clone(),
-                    self.sql.channel.clone(),
-                    Arc::clone(&self.listener.state),
-                    self.signals.clone(),
-                ));
-                *self.listener.task.lock().unwrap_or_else(|p| p.into_inner()) = Some(task);
-            })
-            .await;
-        self.listener.state.listening.load(Ordering::SeqCst)
+        self.config.notifications && self.listener.ensure(&self.sql.channel, &self.signals).await
     }
 
     /// How many release notifications this store's `LISTEN` connection has delivered:
     /// a way to see that waiters are woken by notifications and not by polling.
     pub fn notifications_received(&self) -> u64 {
-        self.listener.state.received.load(Ordering::Relaxed)
+        self.listener.received()
     }
 
     /// Whether the `LISTEN` connection is up now (`false` before the first waiter, with
     /// notifications off, or while it reconnects; waiters poll meanwhile).
     pub fn is_listening(&self) -> bool {
-        self.listener.state.listening.load(Ordering::SeqCst)
-    }
-}
-
-/// The `LISTEN` side of a store: its own connection (outside the store's pool, and
-/// outside an application's pool given to `from_pool`), a task that keeps it up, and
-/// the task's end when the last clone of the store is dropped.
-struct Listener {
-    pool: PgPool,
-    state: Arc<ListenerState>,
-    started: OnceCell<()>,
-    task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
-}
-
-#[derive(Default)]
-struct ListenerState {
-    listening: AtomicBool,
-    received: AtomicU64,
-}
-
-impl Listener {
-    fn new(connect_options: PgConnectOptions, connect_timeout: Duration) -> Listener {
-        Listener {
-            pool: PgPoolOptions::new()
-                .max_connections(1)
-                .min_connections(0)
-                .acquire_timeout(connect_timeout)
-                .connect_lazy_with(connect_options),
-            state: Arc::default(),
-            started: OnceCell::new(),
-            task: std::sync::Mutex::new(None),
-        }
-    }
-}
-
-impl Drop for Listener {
-    fn drop(&mut self) {
-        if let Some(task) = self
-            .task
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            task.abort();
-        }
-    }
-}
-
-async fn listen(pool: &PgPool, channel: &str) -> std::result::Result<PgListener, sqlx::Error> {
-    let mut listener = PgListener::connect_with(pool).await?;
-    listener.listen(channel).await?;
-    Ok(listener)
-}
-
-/// Delivers notifications to waiters; when the connection fails, wakes every waiter
-/// (notifications may have been missed) and reconnects with a backoff from 100 ms to
-/// 30 s. Waiters poll while it is down.
-async fn keep_listening(
-    mut attempt: std::result::Result<PgListener, sqlx::Error>,
-    pool: PgPool,
-    channel: String,
-    state: Arc<ListenerState>,
-    signals: ReleaseSignals,
-) {
-    let mut backoff = Duration::from_millis(100);
-    loop {
-        match attempt {
-            Ok(mut listener) => {
-                state.listening.store(true, Ordering::SeqCst);
-                backoff = Duration::from_millis(100);
-                loop {
-                    match listener.try_recv().await {
-                        Ok(Some(notification)) => {
-                            state.received.fetch_add(1, Ordering::Relaxed);
-                            metrics::counter!("turnstile_lock_notifications_total", "store" => "postgres")
-                                .increment(1);
-                            signals.notify(notification.payload());
-                        }
-                        // The connection dropped; the next call re-establishes it.
-                        // Notifications may have been missed, so everyone re-checks.
-                        Ok(None) => signals.notify_all(),
-                        Err(error) => {
-                            tracing::warn!(
-                                %error,
-                                "the PostgreSQL LISTEN connection failed; lock waiters poll until it is back"
-                            );
-                            break;
-                        }
-                    }
-                }
-                state.listening.store(false, Ordering::SeqCst);
-                signals.notify_all();
-            }
-            Err(error) => tracing::warn!(
-                %error,
-                retry_in = ?backoff,
-                "cannot LISTEN for lock releases; lock waiters poll until it works"
-            ),
-        }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(30));
-        attempt = listen(&pool, &channel).await;
+        self.listener.is_listening()
     }
 }
 

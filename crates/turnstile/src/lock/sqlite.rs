@@ -27,15 +27,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
+use sqlx::sqlite::SqlitePool;
 
 use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
-    ReleaseSignals, ReleaseWatch, TryAcquire, ceil_millis,
+    ReleaseSignals, ReleaseWatch, TryAcquire,
 };
-use crate::error::{Error, ErrorKind, Result};
+use crate::engine::sqlite::{millis_i64, wall_clock};
+use crate::error::Result;
 use crate::fence::FencingToken;
 pub(crate) use crate::sql::map_error;
 
@@ -87,43 +86,7 @@ impl SqliteLockStore {
     /// are created (a read-only look, such as `turnstile lock status`, changes nothing),
     /// and a missing file is an error.
     async fn open_with(path: PathBuf, create: bool) -> Result<Self> {
-        if !create && !path.is_file() {
-            return Err(Error::new(
-                ErrorKind::InvalidUrl,
-                format!(
-                    "there is no SQLite lock store at {} (nothing was ever locked there)",
-                    path.display()
-                ),
-            ));
-        }
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty())
-            && !parent.is_dir()
-        {
-            return Err(Error::new(
-                ErrorKind::InvalidUrl,
-                format!(
-                    "the directory {} for the SQLite lock store does not exist; create it first",
-                    parent.display()
-                ),
-            ));
-        }
-        let options = SqliteConnectOptions::new()
-            .filename(&path)
-            .create_if_missing(create)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(5));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(4)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(options)
-            .await
-            .map_err(|error| {
-                map_error(
-                    error,
-                    &format!("cannot open SQLite database {}", path.display()),
-                )
-            })?;
+        let pool = crate::engine::sqlite::open_pool(&path, create, "lock store").await?;
         let store = SqliteLockStore {
             pool,
             path,
@@ -139,8 +102,8 @@ impl SqliteLockStore {
     ///
     /// `?turnstile_migrate=off` opens an existing store without creating anything.
     pub async fn open_url(url: &str) -> Result<Self> {
-        let (path, create) = parse_url(url)?;
-        SqliteLockStore::open_with(path, create).await
+        let url = crate::engine::sqlite::parse_url(url)?;
+        SqliteLockStore::open_with(url.path, url.create).await
     }
 
     /// Creates the tables if they are missing. Harmless to run again or concurrently.
@@ -199,45 +162,6 @@ fn lock_info(row: &sqlx::sqlite::SqliteRow, now_ms: i64) -> Result<LockInfo> {
     })
 }
 
-/// Parses `sqlite://PATH`. Also accepts `sqlite:PATH` the way sqlx does.
-pub(crate) fn parse_url(url: &str) -> Result<(PathBuf, bool)> {
-    let rest = url
-        .strip_prefix("sqlite://")
-        .or_else(|| url.strip_prefix("sqlite:"))
-        .ok_or_else(|| {
-            Error::new(
-                ErrorKind::InvalidUrl,
-                format!("{url:?} is not a sqlite:// URL"),
-            )
-        })?;
-    let (path, options) = crate::store::split_url_options(rest);
-    let mut create = true;
-    for (key, value) in &options {
-        create = match (key.as_str(), value.as_str()) {
-            ("migrate", "on" | "true" | "1") => true,
-            ("migrate", "off" | "false" | "0") => false,
-            _ => {
-                return Err(crate::store::unknown_option(
-                    key,
-                    value,
-                    "turnstile_migrate=on|off",
-                ));
-            }
-        };
-    }
-    let path = path.split('?').next().unwrap_or_default();
-    if path.is_empty() || path == ":memory:" {
-        return Err(Error::new(
-            ErrorKind::InvalidUrl,
-            format!(
-                "{url:?} names no file; use sqlite://PATH (relative) or sqlite:///absolute/path \
-                 (an in-memory database cannot be shared between processes)"
-            ),
-        ));
-    }
-    Ok((PathBuf::from(path), create))
-}
-
 /// The database file a `sqlite://PATH` (or `sqlite:PATH`) URL names.
 ///
 /// ```
@@ -248,22 +172,7 @@ pub(crate) fn parse_url(url: &str) -> Result<(PathBuf, bool)> {
 /// );
 /// ```
 pub fn url_path(url: &str) -> Result<PathBuf> {
-    parse_url(url).map(|(path, _)| path)
-}
-
-/// Milliseconds and microseconds since the Unix epoch on the host's wall clock.
-pub(crate) fn wall_clock() -> (i64, i64) {
-    let since_epoch = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    (
-        i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX),
-        i64::try_from(since_epoch.as_micros()).unwrap_or(i64::MAX),
-    )
-}
-
-fn millis_i64(duration: Duration) -> i64 {
-    i64::try_from(ceil_millis(duration)).unwrap_or(i64::MAX)
+    crate::engine::sqlite::parse_url(url).map(|url| url.path)
 }
 
 impl LockBackend for SqliteLockStore {
@@ -482,36 +391,5 @@ impl LockBackend for SqliteLockStore {
 
     fn describe(&self) -> String {
         format!("sqlite://{}", self.path.display())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn urls_name_files() {
-        assert_eq!(
-            parse_url("sqlite:///tmp/x.db").unwrap(),
-            (PathBuf::from("/tmp/x.db"), true)
-        );
-        assert_eq!(
-            parse_url("sqlite://x.db?turnstile_migrate=off").unwrap(),
-            (PathBuf::from("x.db"), false)
-        );
-        assert_eq!(
-            parse_url("sqlite://x.db?turnstile_prefix=a")
-                .unwrap_err()
-                .kind(),
-            ErrorKind::InvalidUrl
-        );
-        assert_eq!(
-            parse_url("sqlite://").unwrap_err().kind(),
-            ErrorKind::InvalidUrl
-        );
-        assert_eq!(
-            parse_url("sqlite::memory:").unwrap_err().kind(),
-            ErrorKind::InvalidUrl
-        );
     }
 }

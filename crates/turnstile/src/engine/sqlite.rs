@@ -1,0 +1,155 @@
+//! SQLite: a database file opened in WAL mode with a busy timeout, shared by every
+//! process on the host.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::sql::map_error;
+
+/// A parsed `sqlite://PATH` URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SqliteUrl {
+    pub(crate) path: PathBuf,
+    /// Create the file and the tables if missing (`turnstile_migrate=off` turns it off).
+    pub(crate) create: bool,
+}
+
+/// Parses `sqlite://PATH` (relative), `sqlite:///absolute/path` or `sqlite:PATH`.
+pub(crate) fn parse_url(url: &str) -> Result<SqliteUrl> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidUrl,
+                format!("{url:?} is not a sqlite:// URL"),
+            )
+        })?;
+    let (path, options) = crate::store::split_url_options(rest);
+    let mut create = true;
+    for (key, value) in &options {
+        create = match (key.as_str(), value.as_str()) {
+            ("migrate", "on" | "true" | "1") => true,
+            ("migrate", "off" | "false" | "0") => false,
+            _ => {
+                return Err(crate::store::unknown_option(
+                    key,
+                    value,
+                    "turnstile_migrate=on|off",
+                ));
+            }
+        };
+    }
+    let path = path.split('?').next().unwrap_or_default();
+    if path.is_empty() || path == ":memory:" {
+        return Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "{url:?} names no file; use sqlite://PATH (relative) or sqlite:///absolute/path \
+                 (an in-memory database cannot be shared between processes)"
+            ),
+        ));
+    }
+    Ok(SqliteUrl {
+        path: PathBuf::from(path),
+        create,
+    })
+}
+
+/// Opens the database at `path`: WAL, `synchronous = NORMAL`, a 5 s busy timeout. With
+/// `create` off a missing file is an error (`what` names what was looked for).
+pub(crate) async fn open_pool(path: &Path, create: bool, what: &str) -> Result<SqlitePool> {
+    if !create && !path.is_file() {
+        return Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!("there is no SQLite {what} at {}", path.display()),
+        ));
+    }
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty())
+        && !parent.is_dir()
+    {
+        return Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "the directory {} for the SQLite {what} does not exist; create it first",
+                parent.display()
+            ),
+        ));
+    }
+    let options = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(create)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Normal)
+        .busy_timeout(Duration::from_secs(5));
+    SqlitePoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(options)
+        .await
+        .map_err(|error| {
+            map_error(
+                error,
+                &format!("cannot open SQLite database {}", path.display()),
+            )
+        })
+}
+
+/// Milliseconds and microseconds since the Unix epoch on the host's wall clock: the
+/// clock every process on the host shares, and so the store's clock.
+pub(crate) fn wall_clock() -> (i64, i64) {
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    (
+        i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX),
+        i64::try_from(since_epoch.as_micros()).unwrap_or(i64::MAX),
+    )
+}
+
+/// A duration in whole milliseconds (rounded up), for the SQLite engines' arithmetic.
+pub(crate) fn millis_i64(duration: Duration) -> i64 {
+    i64::try_from(crate::lock::ceil_millis(duration)).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_name_files() {
+        let parsed = |url| parse_url(url).map(|url| (url.path, url.create));
+        assert_eq!(
+            parsed("sqlite:///tmp/x.db").unwrap(),
+            (PathBuf::from("/tmp/x.db"), true)
+        );
+        assert_eq!(
+            parsed("sqlite://x.db").unwrap(),
+            (PathBuf::from("x.db"), true)
+        );
+        assert_eq!(
+            parsed("sqlite:x.db").unwrap(),
+            (PathBuf::from("x.db"), true)
+        );
+        assert_eq!(
+            parsed("sqlite://x.db?turnstile_migrate=off").unwrap(),
+            (PathBuf::from("x.db"), false)
+        );
+        for bad in [
+            "sqlite://",
+            "sqlite::memory:",
+            "sqlite://x.db?turnstile_prefix=a",
+        ] {
+            assert_eq!(
+                parse_url(bad).unwrap_err().kind(),
+                ErrorKind::InvalidUrl,
+                "{bad}"
+            );
+        }
+    }
+}

@@ -1,0 +1,757 @@
+//! Idempotency keys: a retried request takes effect once.
+//!
+//! The client makes a key per logical request and sends it with every retry. The first
+//! arrival *claims* the key and does the work; a repeat after completion gets the stored
+//! outcome back without the work running again; a repeat while the first is still at
+//! work is told so, or waits for it and then gets its outcome.
+//!
+//! ```
+//! # #[cfg(feature = "sqlite")]
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> turnstile::Result<()> {
+//! use turnstile::idempotency::{Fingerprint, Idempotency, IdempotencyKey, Scope};
+//!
+//! # let dir = tempfile::tempdir().unwrap();
+//! # let url = format!("sqlite://{}", dir.path().join("keys.db").display());
+//! let keys = Idempotency::connect(&url).await?;
+//! let tenant = Scope::new("tenant-7")?;
+//! let key = IdempotencyKey::new("8e03978e-40d5-43e8-bc93-6894a57f9324")?;
+//! let request = Fingerprint::of(&[b"charge", b"1000 EUR", b"card-42"]);
+//!
+//! let charge = || async { Ok::<_, turnstile::Error>(format!("ch_{}", 1)) };
+//! let first: String = keys.run_once(&tenant, &key, &request, |_token| charge()).await?;
+//! // A retry of the same request replays the stored outcome; `charge` does not run.
+//! let again: String = keys.run_once(&tenant, &key, &request, |_token| charge()).await?;
+//! assert_eq!(first, again);
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "sqlite"))]
+//! # fn main() {}
+//! ```
+//!
+//! # The model
+//! A record per (scope, key): the request's fingerprint, its state (in progress or
+//! completed), the fencing token and lease of the current claim, when it was created,
+//! when it expires, and the stored outcome. Every key lives inside a [`Scope`] (a
+//! tenant, a principal, or an explicit [`Scope::global`]); an outcome is never replayed
+//! into another scope. Lease ends and retention are judged by the store's clock.
+//!
+//! A claim is a lease with a fencing token, kept by the same watchdog as a lock: while
+//! the work runs it is renewed every lease/3, and if it is lost (the store says another
+//! claim took over, or renewals fail until the local deadline) the work is cancelled.
+//! Completing or releasing is refused unless the token is still the record's, so a stale
+//! worker whose lease ran out can never overwrite a newer claim's outcome.
+//!
+//! # Outcomes
+//! Work that returns `Ok` is stored and replayed. Work that returns `Err` gives the key
+//! back (the record returns to absent) so that a retry runs again: a failure worth
+//! retrying. A failure that must be replayed as it is (a declined payment) belongs in
+//! the `Ok` value, for example as `Result<Receipt, Declined>`.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::fence::FencingToken;
+use crate::lock::lease::{Keeper, Lease, LeaseKind, Renew};
+use crate::lock::{BoxFuture, ExtendOutcome, ReleaseWatch};
+
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+mod telemetry;
+
+/// The longest scope and key accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// Where a key lives: a tenant, a principal, or [`Scope::global`] spelled out. An outcome
+/// stored in one scope is never replayed into another.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Scope(String);
+
+impl Scope {
+    /// Validates `scope`: 1 to [`MAX_KEY_LEN`] bytes without control characters.
+    pub fn new(scope: impl Into<String>) -> Result<Self> {
+        let scope = scope.into();
+        check_text("scope", &scope)?;
+        Ok(Scope(scope))
+    }
+
+    /// The one scope shared by every caller — for keys that no tenant or principal
+    /// owns. It has to be asked for by name, so no route shares keys by accident.
+    pub fn global() -> Self {
+        Scope("global".to_owned())
+    }
+
+    /// The scope as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// An idempotency key as the client sent it: 1 to [`MAX_KEY_LEN`] bytes of visible ASCII
+/// (`!` to `~`), the character set of a bare HTTP token and of the IETF draft's
+/// structured-field strings (which may also hold spaces).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct IdempotencyKey(String);
+
+impl IdempotencyKey {
+    /// Validates `key`.
+    pub fn new(key: impl Into<String>) -> Result<Self> {
+        let key = key.into();
+        if key.is_empty() || key.len() > MAX_KEY_LEN {
+            return Err(Error::new(
+                ErrorKind::InvalidName,
+                format!(
+                    "an idempotency key is 1 to {MAX_KEY_LEN} characters; this one has {}",
+                    key.len()
+                ),
+            ));
+        }
+        if let Some(bad) = key.chars().find(|c| !(' '..='~').contains(c)) {
+            return Err(Error::new(
+                ErrorKind::InvalidName,
+                format!("an idempotency key holds visible ASCII only; found {bad:?}"),
+            ));
+        }
+        Ok(IdempotencyKey(key))
+    }
+
+    /// The key as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn check_text(what: &str, text: &str) -> Result<()> {
+    if text.is_empty() || text.len() > MAX_KEY_LEN {
+        return Err(Error::new(
+            ErrorKind::InvalidName,
+            format!(
+                "an idempotency {what} is 1 to {MAX_KEY_LEN} bytes; this one has {}",
+                text.len()
+            ),
+        ));
+    }
+    if let Some(bad) = text.chars().find(|c| c.is_control()) {
+        return Err(Error::new(
+            ErrorKind::InvalidName,
+            format!("an idempotency {what} must not contain control characters; found {bad:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// What makes two requests "the same request": a SHA-256 over the parts that matter
+/// (method, route, canonical query, chosen headers, body…), each length-prefixed so that
+/// no two different lists of parts hash alike (`["ab", "c"]` is not `["a", "bc"]`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// The fingerprint of `parts`, in order.
+    pub fn of(parts: &[&[u8]]) -> Self {
+        let mut hasher = Sha256::new();
+        for part in parts {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part);
+        }
+        Fingerprint(hasher.finalize().into())
+    }
+
+    /// A fingerprint from its 32 bytes (as stored).
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Fingerprint(bytes)
+    }
+
+    /// The 32 bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint(")?;
+        for byte in &self.0[..8] {
+            write!(f, "{byte:02x}")?;
+        }
+        write!(f, "…)")
+    }
+}
+
+/// What a claim found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimAnswer {
+    /// The key is ours to work on, with this fencing token.
+    Started {
+        /// The claim's token; completing or releasing needs it.
+        token: FencingToken,
+    },
+    /// The request was completed before: here is its stored outcome.
+    Replay {
+        /// The outcome as stored.
+        outcome: Vec<u8>,
+    },
+    /// Another claim is at work on the key.
+    InProgress {
+        /// How long its lease has left, by the store's clock, when known.
+        lease_left: Option<Duration>,
+    },
+    /// The key was used before for a request with another fingerprint.
+    Mismatch,
+}
+
+/// What completing or releasing a claim did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Finish {
+    /// Done: the outcome is stored (or the key given back).
+    Done,
+    /// Refused: the claim's token is no longer the record's (its lease ran out and
+    /// another claim took over, or an operator forgot the key). Nothing was changed.
+    Fenced,
+}
+
+/// The state of a stored record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecordState {
+    /// A claim is (or was, if its lease ran out) at work.
+    InProgress,
+    /// The outcome is stored and replayed to repeats.
+    Completed,
+}
+
+/// A stored record, as [`IdempotencyStore::get`] reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// In progress or completed.
+    pub state: RecordState,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// The current (or last) claim's token.
+    pub token: FencingToken,
+    /// For a record in progress, how long its lease has left (zero: ran out).
+    pub lease_left: Option<Duration>,
+    /// How long until the record may be swept, by the store's clock.
+    pub expires_in: Duration,
+    /// The stored outcome of a completed record.
+    pub outcome: Option<Vec<u8>>,
+}
+
+/// A storage engine for idempotency records: only the atomic operations, each one
+/// request to the store. Waiting, renewal and the lost signal are written once in
+/// [`Idempotency`].
+///
+/// Contracts every engine keeps (the conformance suite checks them):
+/// - `claim` answers `Started` to exactly one of any number of concurrent claimers of an
+///   absent key, with a token larger than every token issued for the key before; a
+///   claim of a record whose lease ran out takes it over with a new, larger token; a
+///   claim with another fingerprint than the record's is a `Mismatch`.
+/// - `heartbeat`, `complete` and `release` change nothing unless `token` is the record's
+///   current token and the record is in progress.
+/// - Lease ends and retention are judged by the store's clock.
+pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
+    /// Claims `key` for a request with `fingerprint`, with a lease of `lease`; a new
+    /// record is kept for `retention` from now.
+    fn claim<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<ClaimAnswer>>;
+
+    /// Renews the lease of the claim holding `token` to `lease` from now.
+    fn heartbeat<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<ExtendOutcome>>;
+
+    /// Stores `outcome` for the claim holding `token` and keeps it for `retention`
+    /// from now; wakes waiters.
+    fn complete<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+        outcome: &'a [u8],
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Finish>>;
+
+    /// Gives the key back (the work failed in a way worth retrying); wakes waiters.
+    fn release<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+    ) -> BoxFuture<'a, Result<Finish>>;
+
+    /// The record of `key`, if there is one that has not expired.
+    fn get<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<Option<Record>>>;
+
+    /// An operator's removal of a record, whatever its state; `true` if there was one.
+    /// A claim at work on it is fenced out (its completion is refused).
+    fn forget<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<bool>>;
+
+    /// Deletes up to `limit` records whose retention has passed; returns how many.
+    fn sweep(&self, limit: u32) -> BoxFuture<'_, Result<u64>>;
+
+    /// Starts listening for completions and releases of `key` (registered before the
+    /// future completes, so none that happens afterwards is missed).
+    fn watch<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<ReleaseWatch>>;
+
+    /// A short description of the store for messages (its URL without a password).
+    fn describe(&self) -> String;
+}
+
+/// How keys are claimed and kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdempotencyOptions {
+    lease: Duration,
+    retention: Duration,
+    wait: Option<Duration>,
+}
+
+impl Default for IdempotencyOptions {
+    fn default() -> Self {
+        IdempotencyOptions {
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(24 * 3600),
+            wait: None,
+        }
+    }
+}
+
+impl IdempotencyOptions {
+    /// Defaults: a 30 s lease, 24 h retention, and a duplicate in flight is answered at
+    /// once (no waiting).
+    pub fn new() -> Self {
+        IdempotencyOptions::default()
+    }
+
+    /// The claim's lease (1 s to 1 day): a worker that crashes frees the key after at
+    /// most this long; while it works, the lease is renewed every lease/3.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long a record is kept, from its creation (1 s to 1 year). A retry after that
+    /// runs again.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// A duplicate that arrives while the first request is at work waits up to `wait`
+    /// for it to finish, then gets its outcome (woken by the completion, not by
+    /// polling); past `wait` it gets [`ErrorKind::InProgress`].
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// The lease.
+    pub fn get_lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The retention.
+    pub fn get_retention(&self) -> Duration {
+        self.retention
+    }
+
+    /// How long a duplicate waits; `None` is not at all.
+    pub fn get_wait(&self) -> Option<Duration> {
+        self.wait
+    }
+
+    /// Checks the options, with an error that says what to change.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |message: String| Err(Error::new(ErrorKind::InvalidOptions, message));
+        if self.lease < Duration::from_secs(1) || self.lease > Duration::from_secs(24 * 3600) {
+            return bad(format!(
+                "the claim lease must be 1s to 1 day; got {:?}",
+                self.lease
+            ));
+        }
+        if self.retention < Duration::from_secs(1)
+            || self.retention > Duration::from_secs(365 * 24 * 3600)
+        {
+            return bad(format!(
+                "the retention must be 1s to a year; got {:?}",
+                self.retention
+            ));
+        }
+        if self.wait.is_some_and(|wait| wait > crate::lock::MAX_WAIT) {
+            return bad("the wait must be at most 100 years".to_owned());
+        }
+        Ok(())
+    }
+}
+
+/// Runs work at most once per (scope, key), over one store.
+///
+/// Cheap to clone; clones share the store.
+#[derive(Clone)]
+pub struct Idempotency {
+    store: Arc<dyn IdempotencyStore>,
+    options: IdempotencyOptions,
+}
+
+impl fmt::Debug for Idempotency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("store", &self.store.describe())
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+/// How a claim's lease is renewed: a heartbeat with its token.
+struct ClaimRenewal {
+    store: Arc<dyn IdempotencyStore>,
+    scope: Scope,
+    key: IdempotencyKey,
+    token: FencingToken,
+}
+
+impl Renew for ClaimRenewal {
+    fn renew(&self, ttl: Duration) -> BoxFuture<'_, Result<ExtendOutcome>> {
+        self.store
+            .heartbeat(&self.scope, &self.key, self.token, ttl)
+    }
+}
+
+impl Idempotency {
+    /// Over `store`, with default options.
+    pub fn new(store: impl IdempotencyStore) -> Self {
+        Idempotency::from_arc(Arc::new(store))
+    }
+
+    /// Over a shared store, with default options.
+    pub fn from_arc(store: Arc<dyn IdempotencyStore>) -> Self {
+        Idempotency {
+            store,
+            options: IdempotencyOptions::default(),
+        }
+    }
+
+    /// Opens the store a URL names (the same URLs as the locks: `sqlite://PATH`,
+    /// `postgres://…`).
+    pub async fn connect(url: &str) -> Result<Self> {
+        crate::store::connect_idempotency(url)
+            .await
+            .map(Idempotency::from_arc)
+    }
+
+    /// The same store with other options.
+    pub fn with_options(mut self, options: IdempotencyOptions) -> Result<Self> {
+        options.validate()?;
+        self.options = options;
+        Ok(self)
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn IdempotencyStore> {
+        &self.store
+    }
+
+    /// Runs `work` once for (`scope`, `key`), and replays its stored outcome to every
+    /// repeat with the same `fingerprint`.
+    ///
+    /// - First arrival: claims the key, runs `work` with the claim's fencing token while
+    ///   a watchdog renews the lease, stores an `Ok` outcome (serialised with serde) and
+    ///   returns it. An `Err` gives the key back, so that a retry runs again.
+    /// - Repeat after completion: the stored outcome, deserialised; `work` does not run.
+    /// - Repeat while the first is at work: [`ErrorKind::InProgress`] at once, or, with
+    ///   [`IdempotencyOptions::wait`], the first one's outcome when it finishes.
+    /// - Same key, another fingerprint: [`ErrorKind::KeyMismatch`].
+    /// - The claim lost while `work` runs (its lease taken over after renewals failed):
+    ///   `work` is cancelled and the result is [`ErrorKind::LockLost`]; a completion the
+    ///   store refuses because a newer claim holds the key is [`ErrorKind::Fencing`].
+    pub async fn run_once<T, E, F, Fut>(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        work: F,
+    ) -> std::result::Result<T, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+        F: FnOnce(FencingToken) -> Fut,
+        Fut: Future<Output = std::result::Result<T, E>>,
+    {
+        let started = Instant::now();
+        let (token, sent) = match self.claim_or_wait(scope, key, fingerprint).await? {
+            Claimed::Started { token, sent } => (token, sent),
+            Claimed::Replay(outcome) => {
+                telemetry::replayed(scope, key, started.elapsed());
+                return serde_json::from_slice(&outcome).map_err(|error| {
+                    E::from(
+                        Error::new(
+                            ErrorKind::Store,
+                            format!(
+                                "the stored outcome of key \"{key}\" in scope \"{scope}\" does not \
+                                 deserialise as this call's result type"
+                            ),
+                        )
+                        .with_source(error),
+                    )
+                });
+            }
+        };
+        telemetry::started(scope, key, token);
+        let lease = Lease::new(
+            ClaimRenewal {
+                store: Arc::clone(&self.store),
+                scope: scope.clone(),
+                key: key.clone(),
+                token,
+            },
+            LeaseKind::Claim,
+            format!("{scope}/{key}"),
+            self.options.lease,
+            self.options.lease / 100 + Duration::from_millis(2),
+            sent,
+        );
+        let mut keeper = Keeper::start(Arc::clone(&lease), true, None);
+        let lost = lease.lost_signal();
+        let result = tokio::select! {
+            biased;
+            reason = lost => {
+                keeper.stop();
+                // Give the key back if it is still ours (the store refuses otherwise).
+                let _ = self.store.release(scope, key, token).await;
+                return Err(E::from(Error::lost(reason)));
+            }
+            result = work(token) => result,
+        };
+        keeper.stop();
+        match result {
+            Ok(value) => {
+                let outcome = serde_json::to_vec(&value).map_err(|error| {
+                    E::from(
+                        Error::new(ErrorKind::Store, "the outcome does not serialise")
+                            .with_source(error),
+                    )
+                })?;
+                match self
+                    .store
+                    .complete(scope, key, token, &outcome, self.options.retention)
+                    .await?
+                {
+                    Finish::Done => {
+                        telemetry::completed(scope, key, lease.started.elapsed());
+                        Ok(value)
+                    }
+                    Finish::Fenced => {
+                        telemetry::fenced_out(scope, key, token);
+                        Err(E::from(Error::new(
+                            ErrorKind::Fencing,
+                            format!(
+                                "key \"{key}\" in scope \"{scope}\": a newer claim holds the key \
+                                 (this claim's lease ran out), so this outcome was not stored"
+                            ),
+                        )))
+                    }
+                }
+            }
+            Err(error) => {
+                let _ = self.store.release(scope, key, token).await;
+                telemetry::released(scope, key);
+                Err(error)
+            }
+        }
+    }
+
+    /// Claims, and with a wait bound waits for a duplicate in flight to finish.
+    async fn claim_or_wait(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+    ) -> Result<Claimed> {
+        let deadline = self
+            .options
+            .wait
+            .and_then(|wait| Instant::now().checked_add(wait));
+        let mut watch: Option<ReleaseWatch> = None;
+        loop {
+            let sent = Instant::now();
+            let answer = self
+                .store
+                .claim(
+                    scope,
+                    key,
+                    fingerprint,
+                    self.options.lease,
+                    self.options.retention,
+                )
+                .await;
+            let lease_left = match answer {
+                Err(error) => {
+                    telemetry::store_error(scope, key, &error);
+                    return Err(error);
+                }
+                Ok(ClaimAnswer::Started { token }) => return Ok(Claimed::Started { token, sent }),
+                Ok(ClaimAnswer::Replay { outcome }) => return Ok(Claimed::Replay(outcome)),
+                Ok(ClaimAnswer::Mismatch) => {
+                    telemetry::mismatch(scope, key);
+                    return Err(Error::new(
+                        ErrorKind::KeyMismatch,
+                        format!(
+                            "key \"{key}\" in scope \"{scope}\" was used before for a different \
+                             request; use a new key for a new request"
+                        ),
+                    ));
+                }
+                Ok(ClaimAnswer::InProgress { lease_left }) => lease_left,
+            };
+            let now = Instant::now();
+            let Some(deadline) = deadline.filter(|deadline| *deadline > now) else {
+                telemetry::in_progress(scope, key);
+                return Err(in_progress(scope, key, lease_left));
+            };
+            // Subscribe, then claim again at once: a completion between the claim and
+            // the subscription would otherwise go unnoticed until the re-check.
+            if watch.as_ref().is_none_or(ReleaseWatch::is_closed) {
+                watch = Some(self.store.watch(scope, key).await?);
+                continue;
+            }
+            let Some(watching) = watch.as_mut() else {
+                continue;
+            };
+            // Re-check when the first claim's lease would run out (its worker may have
+            // died), or sooner when its completion is announced.
+            let recheck = lease_left
+                .map(|left| left + Duration::from_millis(1))
+                .unwrap_or(Duration::from_secs(1));
+            telemetry::waiting(scope, key);
+            watching.wait(recheck.min(deadline - now), true).await;
+        }
+    }
+}
+
+enum Claimed {
+    Started { token: FencingToken, sent: Instant },
+    Replay(Vec<u8>),
+}
+
+fn in_progress(scope: &Scope, key: &IdempotencyKey, lease_left: Option<Duration>) -> Error {
+    let left = lease_left.map_or_else(String::new, |left| {
+        format!(" (its lease has {} left)", crate::lock::describe_wait(left))
+    });
+    Error::new(
+        ErrorKind::InProgress,
+        format!(
+            "key \"{key}\" in scope \"{scope}\" is being worked on by an earlier request{left}; \
+             retry later"
+        ),
+    )
+}
+
+/// The largest outcome a store keeps, in bytes (16 MiB): larger ones are refused rather
+/// than stored half.
+pub const MAX_OUTCOME_LEN: usize = 16 * 1024 * 1024;
+
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+pub(crate) fn check_outcome(outcome: &[u8]) -> Result<()> {
+    if outcome.len() > MAX_OUTCOME_LEN {
+        return Err(Error::new(
+            ErrorKind::InvalidOptions,
+            format!(
+                "an outcome of {} bytes is larger than the {MAX_OUTCOME_LEN} bytes a store keeps",
+                outcome.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_and_scopes_are_validated() {
+        assert!(IdempotencyKey::new("8e03978e-40d5-43e8-bc93-6894a57f9324").is_ok());
+        assert!(IdempotencyKey::new("with space").is_ok());
+        for bad in ["", "tab\there", "é", &"x".repeat(256)] {
+            assert_eq!(
+                IdempotencyKey::new(bad).unwrap_err().kind(),
+                ErrorKind::InvalidName,
+                "{bad:?}"
+            );
+        }
+        assert!(Scope::new("tenant 7 / 東京").is_ok());
+        assert!(Scope::new("").is_err());
+        assert!(Scope::new("a\nb").is_err());
+        assert_eq!(Scope::global().as_str(), "global");
+    }
+
+    #[test]
+    fn fingerprints_frame_their_parts() {
+        assert_ne!(
+            Fingerprint::of(&[b"ab", b"c"]),
+            Fingerprint::of(&[b"a", b"bc"])
+        );
+        assert_ne!(Fingerprint::of(&[b"", b"x"]), Fingerprint::of(&[b"x"]));
+        assert_eq!(Fingerprint::of(&[b"a"]), Fingerprint::of(&[b"a"]));
+    }
+
+    #[test]
+    fn options_are_validated() {
+        assert!(IdempotencyOptions::new().validate().is_ok());
+        for bad in [
+            IdempotencyOptions::new().lease(Duration::from_millis(10)),
+            IdempotencyOptions::new().retention(Duration::ZERO),
+            IdempotencyOptions::new().wait(Duration::MAX),
+        ] {
+            assert_eq!(
+                bad.validate().unwrap_err().kind(),
+                ErrorKind::InvalidOptions
+            );
+        }
+    }
+}

@@ -1,0 +1,472 @@
+//! Idempotency records in the embedded SQLite database (the default store).
+//!
+//! One table, `turnstile_idempotency`, in the same kind of file as the SQLite lock store
+//! (it may be the same file). Every operation is one transaction; SQLite serialises
+//! writers, so of any number of concurrent claimers of an absent key exactly one starts.
+//!
+//! # Guarantees
+//! - **Clock**: lease ends and retention are judged by the host's wall clock, which every
+//!   process on the host shares.
+//! - **Tokens**: `max(last + 1, host clock in µs)`, so they keep increasing across a
+//!   swept record.
+//! - **Waiting**: a duplicate in the same process is woken by the completion; one in
+//!   another process re-checks with a backoff from 2 ms to 50 ms.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use sqlx::Row;
+use sqlx::sqlite::{SqlitePool, SqliteRow};
+
+use super::{
+    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyStore, Record, RecordState, Scope,
+    check_outcome,
+};
+use crate::engine::sqlite::{millis_i64, open_pool, parse_url, wall_clock};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fence::FencingToken;
+use crate::lock::{BoxFuture, ExtendOutcome, LossReason, ReleaseSignals, ReleaseWatch};
+use crate::sql::map_error;
+
+const CREATE: &str = "CREATE TABLE IF NOT EXISTS turnstile_idempotency (
+    scope TEXT NOT NULL,
+    key TEXT NOT NULL,
+    state TEXT NOT NULL,
+    fingerprint BLOB NOT NULL,
+    token INTEGER NOT NULL,
+    lease_until_ms INTEGER NOT NULL,
+    created_ms INTEGER NOT NULL,
+    expires_ms INTEGER NOT NULL,
+    outcome BLOB,
+    PRIMARY KEY (scope, key)
+) WITHOUT ROWID";
+
+const SELECT: &str = "SELECT state, fingerprint, token, lease_until_ms, expires_ms, outcome
+    FROM turnstile_idempotency WHERE scope = ?1 AND key = ?2";
+
+const POLL_MIN: Duration = Duration::from_millis(2);
+const POLL_MAX: Duration = Duration::from_millis(50);
+
+/// Idempotency records in a SQLite database file.
+#[derive(Debug, Clone)]
+pub struct SqliteIdempotencyStore {
+    pool: SqlitePool,
+    path: PathBuf,
+    signals: ReleaseSignals,
+}
+
+/// A record row as read.
+struct Row_ {
+    state: String,
+    fingerprint: Vec<u8>,
+    token: i64,
+    lease_until_ms: i64,
+    expires_ms: i64,
+    outcome: Option<Vec<u8>>,
+}
+
+fn read(row: &SqliteRow) -> Result<Row_> {
+    let bad = |error| map_error(error, "bad idempotency record");
+    Ok(Row_ {
+        state: row.try_get("state").map_err(bad)?,
+        fingerprint: row.try_get("fingerprint").map_err(bad)?,
+        token: row.try_get("token").map_err(bad)?,
+        lease_until_ms: row.try_get("lease_until_ms").map_err(bad)?,
+        expires_ms: row.try_get("expires_ms").map_err(bad)?,
+        outcome: row.try_get("outcome").map_err(bad)?,
+    })
+}
+
+fn token_of(value: i64) -> FencingToken {
+    FencingToken::new(u64::try_from(value).unwrap_or(0))
+}
+
+fn left(until_ms: i64, now_ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(until_ms.saturating_sub(now_ms)).unwrap_or(0))
+}
+
+impl SqliteIdempotencyStore {
+    /// Opens (creating if needed) the database at `path` and its table.
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let pool = open_pool(&path, true, "idempotency store").await?;
+        let store = SqliteIdempotencyStore {
+            pool,
+            path,
+            signals: ReleaseSignals::new(),
+        };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Opens the store named by `sqlite://PATH`; with `?turnstile_migrate=off`, an
+    /// existing file without creating anything.
+    pub async fn open_url(url: &str) -> Result<Self> {
+        let url = parse_url(url)?;
+        if url.create {
+            return SqliteIdempotencyStore::open(url.path).await;
+        }
+        let pool = open_pool(&url.path, false, "idempotency store").await?;
+        Ok(SqliteIdempotencyStore {
+            pool,
+            path: url.path,
+            signals: ReleaseSignals::new(),
+        })
+    }
+
+    /// Creates the table if missing. Harmless to run again or concurrently.
+    pub async fn migrate(&self) -> Result<()> {
+        sqlx::query(CREATE)
+            .execute(&self.pool)
+            .await
+            .map(|_| ())
+            .map_err(|error| map_error(error, "cannot create the idempotency table"))
+    }
+
+    /// The connection pool (same database file), for the application's own work.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    fn signal_key(scope: &Scope, key: &IdempotencyKey) -> String {
+        format!("{}\u{0}{}", scope.as_str(), key.as_str())
+    }
+
+    async fn claim_inner(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<ClaimAnswer> {
+        let fail = |error| map_error(error, "cannot claim the idempotency key");
+        // A replay needs no write lock: look first.
+        let (now_ms, _) = wall_clock();
+        if let Some(row) = sqlx::query(SELECT)
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(fail)?
+        {
+            let row = read(&row)?;
+            if row.expires_ms > now_ms && row.state == "completed" {
+                return Ok(if row.fingerprint == fingerprint.as_bytes() {
+                    ClaimAnswer::Replay {
+                        outcome: row.outcome.unwrap_or_default(),
+                    }
+                } else {
+                    ClaimAnswer::Mismatch
+                });
+            }
+        }
+        let mut transaction = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(fail)?;
+        let (now_ms, now_us) = wall_clock();
+        let prior = sqlx::query(SELECT)
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .fetch_optional(&mut *transaction)
+            .await
+            .map_err(fail)?
+            .map(|row| read(&row))
+            .transpose()?;
+        let mut last_token = 0;
+        if let Some(row) = prior.filter(|row| row.expires_ms > now_ms) {
+            if row.fingerprint != fingerprint.as_bytes() {
+                return Ok(ClaimAnswer::Mismatch);
+            }
+            match row.state.as_str() {
+                "completed" => {
+                    return Ok(ClaimAnswer::Replay {
+                        outcome: row.outcome.unwrap_or_default(),
+                    });
+                }
+                "in_progress" if row.lease_until_ms > now_ms => {
+                    return Ok(ClaimAnswer::InProgress {
+                        lease_left: Some(left(row.lease_until_ms, now_ms)),
+                    });
+                }
+                // Released, or in progress with a lease that ran out: take it over.
+                _ => last_token = row.token,
+            }
+        } else if let Some(row) =
+            sqlx::query("SELECT token FROM turnstile_idempotency WHERE scope = ?1 AND key = ?2")
+                .bind(scope.as_str())
+                .bind(key.as_str())
+                .fetch_optional(&mut *transaction)
+                .await
+                .map_err(fail)?
+        {
+            // An expired record: start afresh, but keep its token as a floor.
+            last_token = row.try_get("token").map_err(fail)?;
+        }
+        let token = now_us.max(last_token.saturating_add(1));
+        sqlx::query(
+            "INSERT INTO turnstile_idempotency
+                (scope, key, state, fingerprint, token, lease_until_ms, created_ms, expires_ms, outcome)
+             VALUES (?1, ?2, 'in_progress', ?3, ?4, ?5, ?6, ?7, NULL)
+             ON CONFLICT (scope, key) DO UPDATE SET
+                state = 'in_progress', fingerprint = excluded.fingerprint, token = excluded.token,
+                lease_until_ms = excluded.lease_until_ms,
+                created_ms = CASE WHEN turnstile_idempotency.expires_ms > ?6
+                                  THEN turnstile_idempotency.created_ms ELSE excluded.created_ms END,
+                expires_ms = CASE WHEN turnstile_idempotency.expires_ms > ?6
+                                  THEN turnstile_idempotency.expires_ms ELSE excluded.expires_ms END,
+                outcome = NULL",
+        )
+        .bind(scope.as_str())
+        .bind(key.as_str())
+        .bind(&fingerprint.as_bytes()[..])
+        .bind(token)
+        .bind(now_ms.saturating_add(millis_i64(lease)))
+        .bind(now_ms)
+        .bind(now_ms.saturating_add(millis_i64(retention)))
+        .execute(&mut *transaction)
+        .await
+        .map_err(fail)?;
+        transaction.commit().await.map_err(fail)?;
+        Ok(ClaimAnswer::Started {
+            token: token_of(token),
+        })
+    }
+
+    /// Runs `statement` (which must check `token` and the in-progress state) and says
+    /// whether it changed the record.
+    async fn finish(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        statement: sqlx::query::Query<'_, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>,
+        what: &str,
+    ) -> Result<Finish> {
+        let changed = statement
+            .execute(&self.pool)
+            .await
+            .map_err(|error| map_error(error, what))?
+            .rows_affected();
+        if changed == 0 {
+            return Ok(Finish::Fenced);
+        }
+        self.signals.notify(&Self::signal_key(scope, key));
+        Ok(Finish::Done)
+    }
+}
+
+impl IdempotencyStore for SqliteIdempotencyStore {
+    fn claim<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<ClaimAnswer>> {
+        Box::pin(self.claim_inner(scope, key, fingerprint, lease, retention))
+    }
+
+    fn heartbeat<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<ExtendOutcome>> {
+        Box::pin(async move {
+            let fail = |error| map_error(error, "cannot renew the idempotency claim");
+            let token = token.to_i64()?;
+            let (now_ms, _) = wall_clock();
+            let renewed = sqlx::query(
+                "UPDATE turnstile_idempotency SET lease_until_ms = ?4
+                 WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'",
+            )
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(token)
+            .bind(now_ms.saturating_add(millis_i64(lease)))
+            .execute(&self.pool)
+            .await
+            .map_err(fail)?
+            .rows_affected();
+            if renewed == 1 {
+                return Ok(ExtendOutcome::Extended);
+            }
+            let newer: Option<i64> = sqlx::query_scalar(
+                "SELECT token FROM turnstile_idempotency
+                 WHERE scope = ?1 AND key = ?2 AND token <> ?3 AND state = 'in_progress'",
+            )
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(token)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(fail)?;
+            Ok(ExtendOutcome::Lost(if newer.is_some() {
+                LossReason::TakenOver
+            } else {
+                LossReason::Expired
+            }))
+        })
+    }
+
+    fn complete<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+        outcome: &'a [u8],
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Finish>> {
+        Box::pin(async move {
+            check_outcome(outcome)?;
+            let token = token.to_i64()?;
+            let (now_ms, _) = wall_clock();
+            // Kept for the retention from its creation, and never less than a second
+            // after completing (work that outlived the retention is still replayed to
+            // the retry that is surely coming).
+            let statement = sqlx::query(
+                "UPDATE turnstile_idempotency
+                 SET state = 'completed', outcome = ?4, lease_until_ms = ?5,
+                     expires_ms = max(created_ms + ?6, ?5 + 1000)
+                 WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'",
+            )
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(token)
+            .bind(outcome)
+            .bind(now_ms)
+            .bind(millis_i64(retention));
+            self.finish(scope, key, statement, "cannot store the outcome")
+                .await
+        })
+    }
+
+    fn release<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+    ) -> BoxFuture<'a, Result<Finish>> {
+        Box::pin(async move {
+            let token = token.to_i64()?;
+            let (now_ms, _) = wall_clock();
+            let statement = sqlx::query(
+                "UPDATE turnstile_idempotency SET state = 'released', lease_until_ms = ?4, outcome = NULL
+                 WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'",
+            )
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(token)
+            .bind(now_ms);
+            self.finish(scope, key, statement, "cannot give the key back")
+                .await
+        })
+    }
+
+    fn get<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<Option<Record>>> {
+        Box::pin(async move {
+            let (now_ms, _) = wall_clock();
+            let row = match sqlx::query(SELECT)
+                .bind(scope.as_str())
+                .bind(key.as_str())
+                .fetch_optional(&self.pool)
+                .await
+            {
+                Err(error) if crate::sql::is_missing_table(&error) => return Ok(None),
+                other => other.map_err(|error| map_error(error, "cannot read the record"))?,
+            };
+            let Some(row) = row.map(|row| read(&row)).transpose()? else {
+                return Ok(None);
+            };
+            if row.expires_ms <= now_ms || row.state == "released" {
+                return Ok(None);
+            }
+            let fingerprint: [u8; 32] = row.fingerprint.as_slice().try_into().map_err(|_| {
+                Error::new(ErrorKind::Store, "a stored fingerprint is not 32 bytes")
+            })?;
+            let in_progress = row.state == "in_progress";
+            Ok(Some(Record {
+                state: if in_progress {
+                    RecordState::InProgress
+                } else {
+                    RecordState::Completed
+                },
+                fingerprint: Fingerprint::from_bytes(fingerprint),
+                token: token_of(row.token),
+                lease_left: in_progress.then(|| left(row.lease_until_ms, now_ms)),
+                expires_in: left(row.expires_ms, now_ms),
+                outcome: row.outcome,
+            }))
+        })
+    }
+
+    fn forget<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            // The row stays (its token is the floor of the next claim's); it becomes
+            // absent, and a claim at work on it is fenced out.
+            let (now_ms, _) = wall_clock();
+            let forgotten = sqlx::query(
+                "UPDATE turnstile_idempotency
+                 SET state = 'released', token = token + 1, lease_until_ms = ?3, outcome = NULL
+                 WHERE scope = ?1 AND key = ?2 AND state <> 'released' AND expires_ms > ?3",
+            )
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(now_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot forget the record"))?
+            .rows_affected();
+            if forgotten == 1 {
+                self.signals.notify(&Self::signal_key(scope, key));
+            }
+            Ok(forgotten == 1)
+        })
+    }
+
+    fn sweep(&self, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let (now_ms, _) = wall_clock();
+            let swept = sqlx::query(
+                "DELETE FROM turnstile_idempotency WHERE (scope, key) IN (
+                    SELECT scope, key FROM turnstile_idempotency
+                    WHERE expires_ms <= ?1 AND NOT (state = 'in_progress' AND lease_until_ms > ?1)
+                    LIMIT ?2)",
+            )
+            .bind(now_ms)
+            .bind(i64::from(limit))
+            .execute(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot sweep expired records"))?
+            .rows_affected();
+            Ok(swept)
+        })
+    }
+
+    fn watch<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<ReleaseWatch>> {
+        Box::pin(async move {
+            let (watch, _) = self.signals.watch(&Self::signal_key(scope, key));
+            Ok(watch.with_poll(POLL_MIN, POLL_MAX))
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("sqlite://{}", self.path.display())
+    }
+}
