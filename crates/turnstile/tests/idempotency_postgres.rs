@@ -64,3 +64,109 @@ async fn urls_open_the_store() {
         .unwrap_err();
     assert_eq!(error.kind(), turnstile::ErrorKind::UnsupportedStore);
 }
+
+/// Same-transaction mode: 20 concurrent duplicates, each in its own transaction,
+/// insert the payment exactly once and all get its id; a rolled-back run leaves
+/// neither the key nor the payment behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_transaction_mode_commits_key_work_and_outcome_together() {
+    use turnstile::idempotency::{
+        Fingerprint, IdempotencyKey, IdempotencyOptions, Scope, TransactionalIdempotency,
+    };
+    let url = shared_postgres().fresh_database("idemtx");
+    let store = PostgresIdempotencyStore::connect(&url).await.unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(25)
+        .connect(&url)
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, key TEXT NOT NULL, cents BIGINT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let scope = Scope::new("tenant-1").unwrap();
+    let key = IdempotencyKey::new("pay-1").unwrap();
+    let fingerprint = Fingerprint::of(&[b"1000"]);
+    let options = IdempotencyOptions::new();
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let (store, pool, scope, key, options) = (
+            store.clone(),
+            pool.clone(),
+            scope.clone(),
+            key.clone(),
+            options.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut transaction = pool.begin().await.unwrap();
+            let id: i64 = store
+                .run_once_in_transaction(
+                    &mut transaction,
+                    &scope,
+                    &key,
+                    &fingerprint,
+                    &options,
+                    async |connection: &mut sqlx::PgConnection, _token| {
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        let id: i64 = sqlx::query_scalar(
+                            "INSERT INTO payments (key, cents) VALUES ('pay-1', 1000) RETURNING id",
+                        )
+                        .fetch_one(&mut *connection)
+                        .await
+                        .unwrap();
+                        Ok::<_, turnstile::Error>(id)
+                    },
+                )
+                .await
+                .unwrap();
+            transaction.commit().await.unwrap();
+            id
+        }));
+    }
+    let mut ids = Vec::new();
+    for task in tasks {
+        ids.push(task.await.unwrap());
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "duplicates saw different payments: {ids:?}");
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM payments")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 1, "the payment was made more than once");
+
+    // A run whose transaction rolls back (a crash would too) leaves nothing behind.
+    let other = IdempotencyKey::new("pay-2").unwrap();
+    let mut transaction = pool.begin().await.unwrap();
+    let _: i64 = store
+        .run_once_in_transaction(
+            &mut transaction,
+            &scope,
+            &other,
+            &fingerprint,
+            &options,
+            async |connection: &mut sqlx::PgConnection, _| {
+                Ok::<_, turnstile::Error>(
+                    sqlx::query_scalar(
+                        "INSERT INTO payments (key, cents) VALUES ('pay-2', 1) RETURNING id",
+                    )
+                    .fetch_one(&mut *connection)
+                    .await
+                    .unwrap(),
+                )
+            },
+        )
+        .await
+        .unwrap();
+    transaction.rollback().await.unwrap();
+    use turnstile::idempotency::IdempotencyStore;
+    assert!(
+        store.get(&scope, &other).await.unwrap().is_none(),
+        "the key outlived its rollback"
+    );
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM payments WHERE key = 'pay-2'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 0);
+}

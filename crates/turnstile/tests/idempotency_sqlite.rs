@@ -29,3 +29,95 @@ async fn sqlite_file() -> SqliteFile {
 }
 
 idempotency_conformance_tests!(super::sqlite_file);
+
+/// Same-transaction mode on SQLite: concurrent duplicates in write transactions insert
+/// the row once; a rolled-back run leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_transaction_mode_commits_key_work_and_outcome_together() {
+    use turnstile::idempotency::{
+        Fingerprint, IdempotencyKey, IdempotencyOptions, IdempotencyStore, Scope,
+        TransactionalIdempotency,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteIdempotencyStore::open(dir.path().join("keys.sqlite3"))
+        .await
+        .unwrap();
+    let pool = store.pool().clone();
+    sqlx::query("CREATE TABLE payments (id INTEGER PRIMARY KEY, key TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let scope = Scope::new("tenant-1").unwrap();
+    let key = IdempotencyKey::new("pay-1").unwrap();
+    let fingerprint = Fingerprint::of(&[b"1000"]);
+    let options = IdempotencyOptions::new();
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let (store, pool, scope, key, options) = (
+            store.clone(),
+            pool.clone(),
+            scope.clone(),
+            key.clone(),
+            options.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut transaction = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+            let id: i64 = store
+                .run_once_in_transaction(
+                    &mut transaction,
+                    &scope,
+                    &key,
+                    &fingerprint,
+                    &options,
+                    async |connection: &mut sqlx::SqliteConnection, _token| {
+                        Ok::<_, turnstile::Error>(
+                            sqlx::query_scalar(
+                                "INSERT INTO payments (key) VALUES ('pay-1') RETURNING id",
+                            )
+                            .fetch_one(&mut *connection)
+                            .await
+                            .unwrap(),
+                        )
+                    },
+                )
+                .await
+                .unwrap();
+            transaction.commit().await.unwrap();
+            id
+        }));
+    }
+    let mut ids = Vec::new();
+    for task in tasks {
+        ids.push(task.await.unwrap());
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM payments")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 1);
+
+    let other = IdempotencyKey::new("pay-2").unwrap();
+    let mut transaction = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let _: i64 = store
+        .run_once_in_transaction(
+            &mut transaction,
+            &scope,
+            &other,
+            &fingerprint,
+            &options,
+            async |connection: &mut sqlx::SqliteConnection, _| {
+                Ok::<_, turnstile::Error>(
+                    sqlx::query_scalar("INSERT INTO payments (key) VALUES ('pay-2') RETURNING id")
+                        .fetch_one(&mut *connection)
+                        .await
+                        .unwrap(),
+                )
+            },
+        )
+        .await
+        .unwrap();
+    transaction.rollback().await.unwrap();
+    assert!(store.get(&scope, &other).await.unwrap().is_none());
+}

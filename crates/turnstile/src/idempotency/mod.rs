@@ -527,18 +527,7 @@ impl Idempotency {
             Claimed::Started { token, sent } => (token, sent),
             Claimed::Replay(outcome) => {
                 telemetry::replayed(scope, key, started.elapsed());
-                return serde_json::from_slice(&outcome).map_err(|error| {
-                    E::from(
-                        Error::new(
-                            ErrorKind::Store,
-                            format!(
-                                "the stored outcome of key \"{key}\" in scope \"{scope}\" does not \
-                                 deserialise as this call's result type"
-                            ),
-                        )
-                        .with_source(error),
-                    )
-                });
+                return decode(scope, key, &outcome).map_err(E::from);
             }
         };
         telemetry::started(scope, key, token);
@@ -570,12 +559,7 @@ impl Idempotency {
         keeper.stop();
         match result {
             Ok(value) => {
-                let outcome = serde_json::to_vec(&value).map_err(|error| {
-                    E::from(
-                        Error::new(ErrorKind::Store, "the outcome does not serialise")
-                            .with_source(error),
-                    )
-                })?;
+                let outcome = encode(&value)?;
                 match self
                     .store
                     .complete(scope, key, token, &outcome, self.options.retention)
@@ -587,13 +571,7 @@ impl Idempotency {
                     }
                     Finish::Fenced => {
                         telemetry::fenced_out(scope, key, token);
-                        Err(E::from(Error::new(
-                            ErrorKind::Fencing,
-                            format!(
-                                "key \"{key}\" in scope \"{scope}\": a newer claim holds the key \
-                                 (this claim's lease ran out), so this outcome was not stored"
-                            ),
-                        )))
+                        Err(E::from(fenced(scope, key)))
                     }
                 }
             }
@@ -638,13 +616,7 @@ impl Idempotency {
                 Ok(ClaimAnswer::Replay { outcome }) => return Ok(Claimed::Replay(outcome)),
                 Ok(ClaimAnswer::Mismatch) => {
                     telemetry::mismatch(scope, key);
-                    return Err(Error::new(
-                        ErrorKind::KeyMismatch,
-                        format!(
-                            "key \"{key}\" in scope \"{scope}\" was used before for a different \
-                             request; use a new key for a new request"
-                        ),
-                    ));
+                    return Err(mismatch(scope, key));
                 }
                 Ok(ClaimAnswer::InProgress { lease_left }) => lease_left,
             };
@@ -671,6 +643,142 @@ impl Idempotency {
             watching.wait(recheck.min(deadline - now), true).await;
         }
     }
+}
+
+/// Idempotency inside the caller's own database transaction (SQL stores): the claim,
+/// the business writes and the stored outcome commit together, or not at all.
+///
+/// A concurrent duplicate waits on the record's row lock (bounded by the database's
+/// lock timeout), then replays. A crash rolls everything back — never "key saved, work
+/// not done", nor the reverse. A completion whose token is no longer the record's is
+/// refused inside the transaction, so its business writes roll back with it.
+///
+/// Hold such a transaction only as long as the database work takes: a handler that
+/// calls a slow external service (a payment provider) holds the row lock, and a
+/// connection, for all that time. For such work use the lease mode,
+/// [`Idempotency::run_once`], which keeps the key with a renewed lease instead.
+pub trait TransactionalIdempotency: Sync {
+    /// The connection a transaction runs on.
+    type Connection: Send;
+
+    /// Claims (scope, key) inside the transaction on `connection`.
+    fn claim_in_transaction<'a>(
+        &'a self,
+        connection: &'a mut Self::Connection,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        fingerprint: &'a Fingerprint,
+        options: &'a IdempotencyOptions,
+    ) -> BoxFuture<'a, Result<ClaimAnswer>>;
+
+    /// Stores `outcome` inside the transaction on `connection`; it is replayed once the
+    /// transaction commits.
+    fn complete_in_transaction<'a>(
+        &'a self,
+        connection: &'a mut Self::Connection,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+        outcome: &'a [u8],
+        options: &'a IdempotencyOptions,
+    ) -> BoxFuture<'a, Result<Finish>>;
+
+    /// Runs `work` once for (scope, key) inside the caller's transaction and stores its
+    /// outcome in the same transaction; a repeat replays it. Commit the transaction after
+    /// an `Ok`, roll it back after an `Err` (that gives the key back too).
+    ///
+    /// Errors as [`Idempotency::run_once`]; a duplicate still at work in *lease* mode
+    /// gives [`ErrorKind::InProgress`].
+    fn run_once_in_transaction<T, E, F>(
+        &self,
+        connection: &mut Self::Connection,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        options: &IdempotencyOptions,
+        work: F,
+    ) -> impl Future<Output = std::result::Result<T, E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+        F: AsyncFnOnce(&mut Self::Connection, FencingToken) -> std::result::Result<T, E>,
+    {
+        async move {
+            let token = match self
+                .claim_in_transaction(connection, scope, key, fingerprint, options)
+                .await?
+            {
+                ClaimAnswer::Started { token } => token,
+                ClaimAnswer::Replay { outcome } => {
+                    telemetry::replayed(scope, key, Duration::ZERO);
+                    return decode(scope, key, &outcome).map_err(E::from);
+                }
+                ClaimAnswer::InProgress { lease_left } => {
+                    telemetry::in_progress(scope, key);
+                    return Err(E::from(in_progress(scope, key, lease_left)));
+                }
+                ClaimAnswer::Mismatch => {
+                    telemetry::mismatch(scope, key);
+                    return Err(E::from(mismatch(scope, key)));
+                }
+            };
+            telemetry::started(scope, key, token);
+            let value = work(connection, token).await?;
+            let outcome = encode(&value)?;
+            match self
+                .complete_in_transaction(connection, scope, key, token, &outcome, options)
+                .await?
+            {
+                Finish::Done => {
+                    telemetry::completed(scope, key, Duration::ZERO);
+                    Ok(value)
+                }
+                Finish::Fenced => {
+                    telemetry::fenced_out(scope, key, token);
+                    Err(E::from(fenced(scope, key)))
+                }
+            }
+        }
+    }
+}
+
+fn decode<T: DeserializeOwned>(scope: &Scope, key: &IdempotencyKey, outcome: &[u8]) -> Result<T> {
+    serde_json::from_slice(outcome).map_err(|error| {
+        Error::new(
+            ErrorKind::Store,
+            format!(
+                "the stored outcome of key \"{key}\" in scope \"{scope}\" does not deserialise \
+                 as this call's result type"
+            ),
+        )
+        .with_source(error)
+    })
+}
+
+fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(value).map_err(|error| {
+        Error::new(ErrorKind::Store, "the outcome does not serialise").with_source(error)
+    })
+}
+
+fn mismatch(scope: &Scope, key: &IdempotencyKey) -> Error {
+    Error::new(
+        ErrorKind::KeyMismatch,
+        format!(
+            "key \"{key}\" in scope \"{scope}\" was used before for a different request; \
+             use a new key for a new request"
+        ),
+    )
+}
+
+fn fenced(scope: &Scope, key: &IdempotencyKey) -> Error {
+    Error::new(
+        ErrorKind::Fencing,
+        format!(
+            "key \"{key}\" in scope \"{scope}\": a newer claim holds the key (this claim's \
+             lease ran out, or an operator forgot the key), so this outcome was not stored"
+        ),
+    )
 }
 
 enum Claimed {

@@ -20,11 +20,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::postgres::{PgPool, PgRow};
+use sqlx::postgres::{PgConnection, PgPool, PgRow};
 
 use super::{
-    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyStore, Record, RecordState, Scope,
-    check_outcome,
+    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, IdempotencyStore, Record,
+    RecordState, Scope, TransactionalIdempotency, check_outcome,
 };
 use crate::engine::postgres::{CLOCK_US, Listener, connect_options, open_bounded_pool};
 use crate::error::{Error, ErrorKind, Result};
@@ -287,6 +287,60 @@ impl PostgresIdempotencyStore {
         transaction.commit().await.map_err(fail)
     }
 
+    /// The claim statement, on the store's pool or inside a caller's transaction.
+    async fn claim_on<'e, X>(
+        &self,
+        executor: X,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        retention: Duration,
+    ) -> Result<ClaimAnswer>
+    where
+        X: sqlx::PgExecutor<'e>,
+    {
+        let row = match sqlx::query(self.sql.claim.sql())
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(&fingerprint.as_bytes()[..])
+            .bind(seconds(lease))
+            .bind(seconds(retention))
+            .fetch_one(executor)
+            .await
+        {
+            Ok(row) => row,
+            // The record's row is locked past the store's lock timeout (a claim of
+            // the same key committing slowly): it is at work.
+            Err(error) if crate::sql::is_lock_timeout(&error) => {
+                return Ok(ClaimAnswer::InProgress { lease_left: None });
+            }
+            Err(error) => return Err(map_error(error, "cannot claim the idempotency key")),
+        };
+        if let Some(token) = row.try_get::<Option<i64>, _>("started").map_err(bad)? {
+            return Ok(ClaimAnswer::Started {
+                token: token_of(token),
+            });
+        }
+        let state: Option<String> = row.try_get("state").map_err(bad)?;
+        let same: Option<bool> = row.try_get("same").map_err(bad)?;
+        let live: Option<bool> = row.try_get("live").map_err(bad)?;
+        Ok(match (state.as_deref(), same, live) {
+            (Some(_), Some(false), Some(true)) => ClaimAnswer::Mismatch,
+            (Some("completed"), Some(true), Some(true)) => ClaimAnswer::Replay {
+                outcome: row
+                    .try_get::<Option<Vec<u8>>, _>("outcome")
+                    .map_err(bad)?
+                    .unwrap_or_default(),
+            },
+            (Some("in_progress"), _, _) => ClaimAnswer::InProgress {
+                lease_left: duration_ms(row.try_get("lease_left_ms").map_err(bad)?),
+            },
+            // A claimer that got in first is not in this statement's snapshot yet.
+            _ => ClaimAnswer::InProgress { lease_left: None },
+        })
+    }
+
     fn signal_key(scope: &Scope, key: &IdempotencyKey) -> String {
         format!("{}\n{}", scope.as_str(), key.as_str())
     }
@@ -339,6 +393,95 @@ fn record(row: &PgRow) -> Result<Record> {
     })
 }
 
+impl TransactionalIdempotency for PostgresIdempotencyStore {
+    type Connection = PgConnection;
+
+    /// Claims inside the caller's transaction (READ COMMITTED, PostgreSQL's default): a
+    /// duplicate claiming at the same time waits on the record's row until this
+    /// transaction ends, bounded by its session's `lock_timeout`.
+    fn claim_in_transaction<'a>(
+        &'a self,
+        connection: &'a mut PgConnection,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        fingerprint: &'a Fingerprint,
+        options: &'a IdempotencyOptions,
+    ) -> BoxFuture<'a, Result<ClaimAnswer>> {
+        Box::pin(async move {
+            let answer = self
+                .claim_on(
+                    &mut *connection,
+                    scope,
+                    key,
+                    fingerprint,
+                    options.get_lease(),
+                    options.get_retention(),
+                )
+                .await?;
+            if answer != (ClaimAnswer::InProgress { lease_left: None }) {
+                return Ok(answer);
+            }
+            // The claim waited for another transaction's record, which its snapshot
+            // predates: look again, now that it has committed.
+            let record = sqlx::query(self.sql.get.sql())
+                .bind(scope.as_str())
+                .bind(key.as_str())
+                .fetch_optional(&mut *connection)
+                .await
+                .map_err(|error| map_error(error, "cannot read the record"))?
+                .as_ref()
+                .map(record)
+                .transpose()?;
+            Ok(match record {
+                Some(record) if record.fingerprint != *fingerprint => ClaimAnswer::Mismatch,
+                Some(Record {
+                    state: RecordState::Completed,
+                    outcome,
+                    ..
+                }) => ClaimAnswer::Replay {
+                    outcome: outcome.unwrap_or_default(),
+                },
+                Some(record) => ClaimAnswer::InProgress {
+                    lease_left: record.lease_left,
+                },
+                None => ClaimAnswer::InProgress { lease_left: None },
+            })
+        })
+    }
+
+    fn complete_in_transaction<'a>(
+        &'a self,
+        connection: &'a mut PgConnection,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+        outcome: &'a [u8],
+        options: &'a IdempotencyOptions,
+    ) -> BoxFuture<'a, Result<Finish>> {
+        Box::pin(async move {
+            check_outcome(outcome)?;
+            let row = sqlx::query(self.sql.complete.sql())
+                .bind(scope.as_str())
+                .bind(key.as_str())
+                .bind(token.to_i64()?)
+                .bind(outcome)
+                .bind(seconds(options.get_retention()))
+                .fetch_one(&mut *connection)
+                .await
+                .map_err(|error| map_error(error, "cannot store the outcome"))?;
+            let done: i64 = row.try_get("done").map_err(bad)?;
+            // Waiters elsewhere are notified at commit (NOTIFY is transactional); those
+            // in this process re-check now and wait on the row until the commit.
+            self.signals.notify(&Self::signal_key(scope, key));
+            Ok(if done == 1 {
+                Finish::Done
+            } else {
+                Finish::Fenced
+            })
+        })
+    }
+}
+
 impl IdempotencyStore for PostgresIdempotencyStore {
     fn claim<'a>(
         &'a self,
@@ -348,47 +491,7 @@ impl IdempotencyStore for PostgresIdempotencyStore {
         lease: Duration,
         retention: Duration,
     ) -> BoxFuture<'a, Result<ClaimAnswer>> {
-        Box::pin(async move {
-            let row = match sqlx::query(self.sql.claim.sql())
-                .bind(scope.as_str())
-                .bind(key.as_str())
-                .bind(&fingerprint.as_bytes()[..])
-                .bind(seconds(lease))
-                .bind(seconds(retention))
-                .fetch_one(&self.ops)
-                .await
-            {
-                Ok(row) => row,
-                // The record's row is locked past the store's lock timeout (a claim of
-                // the same key committing slowly): it is at work.
-                Err(error) if crate::sql::is_lock_timeout(&error) => {
-                    return Ok(ClaimAnswer::InProgress { lease_left: None });
-                }
-                Err(error) => return Err(map_error(error, "cannot claim the idempotency key")),
-            };
-            if let Some(token) = row.try_get::<Option<i64>, _>("started").map_err(bad)? {
-                return Ok(ClaimAnswer::Started {
-                    token: token_of(token),
-                });
-            }
-            let state: Option<String> = row.try_get("state").map_err(bad)?;
-            let same: Option<bool> = row.try_get("same").map_err(bad)?;
-            let live: Option<bool> = row.try_get("live").map_err(bad)?;
-            Ok(match (state.as_deref(), same, live) {
-                (Some(_), Some(false), Some(true)) => ClaimAnswer::Mismatch,
-                (Some("completed"), Some(true), Some(true)) => ClaimAnswer::Replay {
-                    outcome: row
-                        .try_get::<Option<Vec<u8>>, _>("outcome")
-                        .map_err(bad)?
-                        .unwrap_or_default(),
-                },
-                (Some("in_progress"), _, _) => ClaimAnswer::InProgress {
-                    lease_left: duration_ms(row.try_get("lease_left_ms").map_err(bad)?),
-                },
-                // A claimer that got in first is not in this statement's snapshot yet.
-                _ => ClaimAnswer::InProgress { lease_left: None },
-            })
-        })
+        Box::pin(self.claim_on(&self.ops, scope, key, fingerprint, lease, retention))
     }
 
     fn heartbeat<'a>(

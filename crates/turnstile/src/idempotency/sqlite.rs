@@ -16,11 +16,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::sqlite::{SqlitePool, SqliteRow};
+use sqlx::sqlite::{SqliteConnection, SqlitePool, SqliteRow};
 
 use super::{
-    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyStore, Record, RecordState, Scope,
-    check_outcome,
+    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, IdempotencyStore, Record,
+    RecordState, Scope, TransactionalIdempotency, check_outcome,
 };
 use crate::engine::sqlite::{millis_i64, open_pool, parse_url, wall_clock};
 use crate::error::{Error, ErrorKind, Result};
@@ -166,73 +166,9 @@ impl SqliteIdempotencyStore {
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(fail)?;
-        let (now_ms, now_us) = wall_clock();
-        let prior = sqlx::query(SELECT)
-            .bind(scope.as_str())
-            .bind(key.as_str())
-            .fetch_optional(&mut *transaction)
-            .await
-            .map_err(fail)?
-            .map(|row| read(&row))
-            .transpose()?;
-        let mut last_token = 0;
-        if let Some(row) = prior.filter(|row| row.expires_ms > now_ms) {
-            if row.fingerprint != fingerprint.as_bytes() {
-                return Ok(ClaimAnswer::Mismatch);
-            }
-            match row.state.as_str() {
-                "completed" => {
-                    return Ok(ClaimAnswer::Replay {
-                        outcome: row.outcome.unwrap_or_default(),
-                    });
-                }
-                "in_progress" if row.lease_until_ms > now_ms => {
-                    return Ok(ClaimAnswer::InProgress {
-                        lease_left: Some(left(row.lease_until_ms, now_ms)),
-                    });
-                }
-                // Released, or in progress with a lease that ran out: take it over.
-                _ => last_token = row.token,
-            }
-        } else if let Some(row) =
-            sqlx::query("SELECT token FROM turnstile_idempotency WHERE scope = ?1 AND key = ?2")
-                .bind(scope.as_str())
-                .bind(key.as_str())
-                .fetch_optional(&mut *transaction)
-                .await
-                .map_err(fail)?
-        {
-            // An expired record: start afresh, but keep its token as a floor.
-            last_token = row.try_get("token").map_err(fail)?;
-        }
-        let token = now_us.max(last_token.saturating_add(1));
-        sqlx::query(
-            "INSERT INTO turnstile_idempotency
-                (scope, key, state, fingerprint, token, lease_until_ms, created_ms, expires_ms, outcome)
-             VALUES (?1, ?2, 'in_progress', ?3, ?4, ?5, ?6, ?7, NULL)
-             ON CONFLICT (scope, key) DO UPDATE SET
-                state = 'in_progress', fingerprint = excluded.fingerprint, token = excluded.token,
-                lease_until_ms = excluded.lease_until_ms,
-                created_ms = CASE WHEN turnstile_idempotency.expires_ms > ?6
-                                  THEN turnstile_idempotency.created_ms ELSE excluded.created_ms END,
-                expires_ms = CASE WHEN turnstile_idempotency.expires_ms > ?6
-                                  THEN turnstile_idempotency.expires_ms ELSE excluded.expires_ms END,
-                outcome = NULL",
-        )
-        .bind(scope.as_str())
-        .bind(key.as_str())
-        .bind(&fingerprint.as_bytes()[..])
-        .bind(token)
-        .bind(now_ms.saturating_add(millis_i64(lease)))
-        .bind(now_ms)
-        .bind(now_ms.saturating_add(millis_i64(retention)))
-        .execute(&mut *transaction)
-        .await
-        .map_err(fail)?;
+        let answer = claim_on(&mut transaction, scope, key, fingerprint, lease, retention).await?;
         transaction.commit().await.map_err(fail)?;
-        Ok(ClaimAnswer::Started {
-            token: token_of(token),
-        })
+        Ok(answer)
     }
 
     /// Runs `statement` (which must check `token` and the in-progress state) and says
@@ -241,7 +177,7 @@ impl SqliteIdempotencyStore {
         &self,
         scope: &Scope,
         key: &IdempotencyKey,
-        statement: sqlx::query::Query<'_, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>,
+        statement: SqliteQuery<'_>,
         what: &str,
     ) -> Result<Finish> {
         let changed = statement
@@ -255,6 +191,167 @@ impl SqliteIdempotencyStore {
         self.signals.notify(&Self::signal_key(scope, key));
         Ok(Finish::Done)
     }
+}
+
+type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>;
+
+/// Stores `outcome` for the claim holding `token`. Kept for the retention from its
+/// creation, and never less than a second after completing (work that outlived the
+/// retention is still replayed to the retry that is surely coming).
+fn complete_statement<'q>(
+    scope: &'q Scope,
+    key: &'q IdempotencyKey,
+    token: FencingToken,
+    outcome: &'q [u8],
+    retention: Duration,
+) -> Result<SqliteQuery<'q>> {
+    check_outcome(outcome)?;
+    let token = token.to_i64()?;
+    let (now_ms, _) = wall_clock();
+    Ok(sqlx::query(
+        "UPDATE turnstile_idempotency
+         SET state = 'completed', outcome = ?4, lease_until_ms = ?5,
+             expires_ms = max(created_ms + ?6, ?5 + 1000)
+         WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'",
+    )
+    .bind(scope.as_str())
+    .bind(key.as_str())
+    .bind(token)
+    .bind(outcome)
+    .bind(now_ms)
+    .bind(millis_i64(retention)))
+}
+
+impl TransactionalIdempotency for SqliteIdempotencyStore {
+    type Connection = SqliteConnection;
+
+    /// Claims inside the caller's transaction, which must be a write transaction from the
+    /// start (`pool.begin_with("BEGIN IMMEDIATE")`): a deferred one that reads first
+    /// may find it cannot upgrade to writing while another transaction writes.
+    fn claim_in_transaction<'a>(
+        &'a self,
+        connection: &'a mut SqliteConnection,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        fingerprint: &'a Fingerprint,
+        options: &'a IdempotencyOptions,
+    ) -> BoxFuture<'a, Result<ClaimAnswer>> {
+        Box::pin(claim_on(
+            connection,
+            scope,
+            key,
+            fingerprint,
+            options.get_lease(),
+            options.get_retention(),
+        ))
+    }
+
+    fn complete_in_transaction<'a>(
+        &'a self,
+        connection: &'a mut SqliteConnection,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+        outcome: &'a [u8],
+        options: &'a IdempotencyOptions,
+    ) -> BoxFuture<'a, Result<Finish>> {
+        Box::pin(async move {
+            let statement =
+                complete_statement(scope, key, token, outcome, options.get_retention())?;
+            let changed = statement
+                .execute(&mut *connection)
+                .await
+                .map_err(|error| map_error(error, "cannot store the outcome"))?
+                .rows_affected();
+            // Waiters in this process re-check now and find the record once the
+            // transaction commits (they wait on SQLite's write lock meanwhile).
+            self.signals.notify(&Self::signal_key(scope, key));
+            Ok(if changed == 1 {
+                Finish::Done
+            } else {
+                Finish::Fenced
+            })
+        })
+    }
+}
+
+/// The claim, on a connection inside a write transaction (which makes it atomic: SQLite
+/// serialises writers).
+async fn claim_on(
+    connection: &mut SqliteConnection,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    fingerprint: &Fingerprint,
+    lease: Duration,
+    retention: Duration,
+) -> Result<ClaimAnswer> {
+    let fail = |error| map_error(error, "cannot claim the idempotency key");
+    let (now_ms, now_us) = wall_clock();
+    let prior = sqlx::query(SELECT)
+        .bind(scope.as_str())
+        .bind(key.as_str())
+        .fetch_optional(&mut *connection)
+        .await
+        .map_err(fail)?
+        .map(|row| read(&row))
+        .transpose()?;
+    let mut last_token = 0;
+    if let Some(row) = prior.filter(|row| row.expires_ms > now_ms) {
+        if row.fingerprint != fingerprint.as_bytes() {
+            return Ok(ClaimAnswer::Mismatch);
+        }
+        match row.state.as_str() {
+            "completed" => {
+                return Ok(ClaimAnswer::Replay {
+                    outcome: row.outcome.unwrap_or_default(),
+                });
+            }
+            "in_progress" if row.lease_until_ms > now_ms => {
+                return Ok(ClaimAnswer::InProgress {
+                    lease_left: Some(left(row.lease_until_ms, now_ms)),
+                });
+            }
+            // Released, or in progress with a lease that ran out: take it over.
+            _ => last_token = row.token,
+        }
+    } else if let Some(row) =
+        sqlx::query("SELECT token FROM turnstile_idempotency WHERE scope = ?1 AND key = ?2")
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .fetch_optional(&mut *connection)
+            .await
+            .map_err(fail)?
+    {
+        // An expired record: start afresh, but keep its token as a floor.
+        last_token = row.try_get("token").map_err(fail)?;
+    }
+    let token = now_us.max(last_token.saturating_add(1));
+    sqlx::query(
+        "INSERT INTO turnstile_idempotency
+            (scope, key, state, fingerprint, token, lease_until_ms, created_ms, expires_ms, outcome)
+         VALUES (?1, ?2, 'in_progress', ?3, ?4, ?5, ?6, ?7, NULL)
+         ON CONFLICT (scope, key) DO UPDATE SET
+            state = 'in_progress', fingerprint = excluded.fingerprint, token = excluded.token,
+            lease_until_ms = excluded.lease_until_ms,
+            created_ms = CASE WHEN turnstile_idempotency.expires_ms > ?6
+                              THEN turnstile_idempotency.created_ms ELSE excluded.created_ms END,
+            expires_ms = CASE WHEN turnstile_idempotency.expires_ms > ?6
+                              THEN turnstile_idempotency.expires_ms ELSE excluded.expires_ms END,
+            outcome = NULL",
+    )
+    .bind(scope.as_str())
+    .bind(key.as_str())
+    .bind(&fingerprint.as_bytes()[..])
+    .bind(token)
+    .bind(now_ms.saturating_add(millis_i64(lease)))
+    .bind(now_ms)
+    .bind(now_ms.saturating_add(millis_i64(retention)))
+    .execute(&mut *connection)
+    .await
+    .map_err(fail)?;
+    Ok(ClaimAnswer::Started {
+        token: token_of(token),
+    })
 }
 
 impl IdempotencyStore for SqliteIdempotencyStore {
@@ -322,24 +419,7 @@ impl IdempotencyStore for SqliteIdempotencyStore {
         retention: Duration,
     ) -> BoxFuture<'a, Result<Finish>> {
         Box::pin(async move {
-            check_outcome(outcome)?;
-            let token = token.to_i64()?;
-            let (now_ms, _) = wall_clock();
-            // Kept for the retention from its creation, and never less than a second
-            // after completing (work that outlived the retention is still replayed to
-            // the retry that is surely coming).
-            let statement = sqlx::query(
-                "UPDATE turnstile_idempotency
-                 SET state = 'completed', outcome = ?4, lease_until_ms = ?5,
-                     expires_ms = max(created_ms + ?6, ?5 + 1000)
-                 WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'",
-            )
-            .bind(scope.as_str())
-            .bind(key.as_str())
-            .bind(token)
-            .bind(outcome)
-            .bind(now_ms)
-            .bind(millis_i64(retention));
+            let statement = complete_statement(scope, key, token, outcome, retention)?;
             self.finish(scope, key, statement, "cannot store the outcome")
                 .await
         })
