@@ -223,6 +223,15 @@ pub(crate) fn redact(url: &str) -> String {
 
 /// Splits Turnstile's own `turnstile_*` options off a store URL's query string,
 /// returning the URL the driver should see and the options (without the prefix).
+#[cfg_attr(
+    not(any(
+        feature = "sqlite",
+        feature = "redis",
+        feature = "postgres",
+        feature = "mysql"
+    )),
+    allow(dead_code)
+)]
 pub(crate) fn split_url_options(url: &str) -> (String, Vec<(String, String)>) {
     let Some((base, query)) = url.split_once('?') else {
         return (url.to_owned(), Vec::new());

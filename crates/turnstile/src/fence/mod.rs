@@ -102,6 +102,15 @@ impl FenceOutcome {
 
 /// Checks a resource name used by fenced writes: the same rules as lock names, with
 /// an error that speaks of a resource.
+#[cfg_attr(
+    not(any(
+        feature = "sqlite",
+        feature = "redis",
+        feature = "postgres",
+        feature = "mysql"
+    )),
+    allow(dead_code)
+)]
 pub(crate) fn validate_resource(resource: &str) -> Result<()> {
     crate::lock::LockName::new(resource).map(|_| ()).map_err(|error| {
         Error::new(

@@ -63,6 +63,8 @@ use crate::fence::FencingToken;
 use crate::lock::lease::{Keeper, Lease, LeaseKind, Renew};
 use crate::lock::{BoxFuture, ExtendOutcome, ReleaseWatch};
 
+#[cfg(feature = "axum")]
+pub mod http;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
@@ -522,12 +524,47 @@ impl Idempotency {
         F: FnOnce(FencingToken) -> Fut,
         Fut: Future<Output = std::result::Result<T, E>>,
     {
+        let claim = match self.begin(scope, key, fingerprint).await? {
+            Begun::Started(claim) => claim,
+            Begun::Replay(outcome) => return decode(scope, key, &outcome).map_err(E::from),
+        };
+        let lost = claim.lost_signal();
+        let result = tokio::select! {
+            biased;
+            reason = lost => {
+                claim.give_back().await;
+                return Err(E::from(Error::lost(reason)));
+            }
+            result = work(claim.token()) => result,
+        };
+        match result {
+            Ok(value) => {
+                claim.complete(&encode(&value)?).await?;
+                Ok(value)
+            }
+            Err(error) => {
+                claim.give_back().await;
+                Err(error)
+            }
+        }
+    }
+
+    /// Claims `key` (waiting for a duplicate in flight, with a wait bound): either the
+    /// stored outcome to replay, or a running claim — its lease renewed by a watchdog —
+    /// to complete or give back. The building block of [`run_once`](Self::run_once) and
+    /// the HTTP layer.
+    pub(crate) async fn begin(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+    ) -> Result<Begun> {
         let started = Instant::now();
         let (token, sent) = match self.claim_or_wait(scope, key, fingerprint).await? {
             Claimed::Started { token, sent } => (token, sent),
             Claimed::Replay(outcome) => {
                 telemetry::replayed(scope, key, started.elapsed());
-                return decode(scope, key, &outcome).map_err(E::from);
+                return Ok(Begun::Replay(outcome));
             }
         };
         telemetry::started(scope, key, token);
@@ -544,43 +581,16 @@ impl Idempotency {
             self.options.lease / 100 + Duration::from_millis(2),
             sent,
         );
-        let mut keeper = Keeper::start(Arc::clone(&lease), true, None);
-        let lost = lease.lost_signal();
-        let result = tokio::select! {
-            biased;
-            reason = lost => {
-                keeper.stop();
-                // Give the key back if it is still ours (the store refuses otherwise).
-                let _ = self.store.release(scope, key, token).await;
-                return Err(E::from(Error::lost(reason)));
-            }
-            result = work(token) => result,
-        };
-        keeper.stop();
-        match result {
-            Ok(value) => {
-                let outcome = encode(&value)?;
-                match self
-                    .store
-                    .complete(scope, key, token, &outcome, self.options.retention)
-                    .await?
-                {
-                    Finish::Done => {
-                        telemetry::completed(scope, key, lease.started.elapsed());
-                        Ok(value)
-                    }
-                    Finish::Fenced => {
-                        telemetry::fenced_out(scope, key, token);
-                        Err(E::from(fenced(scope, key)))
-                    }
-                }
-            }
-            Err(error) => {
-                let _ = self.store.release(scope, key, token).await;
-                telemetry::released(scope, key);
-                Err(error)
-            }
-        }
+        let keeper = Keeper::start(Arc::clone(&lease), true, None);
+        Ok(Begun::Started(RunningClaim {
+            store: Arc::clone(&self.store),
+            scope: scope.clone(),
+            key: key.clone(),
+            token,
+            retention: self.options.retention,
+            lease,
+            keeper,
+        }))
     }
 
     /// Claims, and with a wait bound waits for a duplicate in flight to finish.
@@ -779,6 +789,63 @@ fn fenced(scope: &Scope, key: &IdempotencyKey) -> Error {
              lease ran out, or an operator forgot the key), so this outcome was not stored"
         ),
     )
+}
+
+/// What [`Idempotency::begin`] found.
+pub(crate) enum Begun {
+    Started(RunningClaim),
+    Replay(Vec<u8>),
+}
+
+/// A claim at work: its lease is renewed until it is completed or given back (or
+/// dropped: then the watchdog stops and the lease runs out on its own).
+pub(crate) struct RunningClaim {
+    store: Arc<dyn IdempotencyStore>,
+    scope: Scope,
+    key: IdempotencyKey,
+    token: FencingToken,
+    retention: Duration,
+    lease: Arc<Lease>,
+    keeper: Keeper,
+}
+
+impl RunningClaim {
+    pub(crate) fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// Fires when the claim can no longer be assumed ours.
+    pub(crate) fn lost_signal(&self) -> crate::lock::LostSignal {
+        self.lease.lost_signal()
+    }
+
+    /// Stores `outcome`: [`ErrorKind::Fencing`] if a newer claim holds the key.
+    pub(crate) async fn complete(mut self, outcome: &[u8]) -> Result<()> {
+        self.keeper.stop();
+        let (scope, key) = (&self.scope, &self.key);
+        match self
+            .store
+            .complete(scope, key, self.token, outcome, self.retention)
+            .await?
+        {
+            Finish::Done => {
+                telemetry::completed(scope, key, self.lease.started.elapsed());
+                Ok(())
+            }
+            Finish::Fenced => {
+                telemetry::fenced_out(scope, key, self.token);
+                Err(fenced(scope, key))
+            }
+        }
+    }
+
+    /// Gives the key back for a retry, if it is still ours (the store refuses otherwise;
+    /// either way there is nothing more to do about it).
+    pub(crate) async fn give_back(mut self) {
+        self.keeper.stop();
+        let _ = self.store.release(&self.scope, &self.key, self.token).await;
+        telemetry::released(&self.scope, &self.key);
+    }
 }
 
 enum Claimed {

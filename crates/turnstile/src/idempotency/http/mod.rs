@@ -1,0 +1,573 @@
+//! Idempotency keys over HTTP: a tower layer for axum (feature `axum`).
+//!
+//! ```no_run
+//! # async fn demo() -> turnstile::Result<()> {
+//! use axum::{Router, routing::post};
+//! use turnstile::idempotency::http::IdempotencyLayer;
+//! use turnstile::idempotency::{Idempotency, Scope};
+//!
+//! let keys = Idempotency::connect("sqlite://keys.db").await?;
+//! // Whose keys these are: here the tenant named by a header; a real service takes it
+//! // from its authentication. A request without one gets 401.
+//! let layer = IdempotencyLayer::new(keys, |parts: &http::request::Parts| {
+//!     parts
+//!         .headers
+//!         .get("x-tenant")
+//!         .and_then(|value| value.to_str().ok())
+//!         .and_then(|tenant| Scope::new(tenant).ok())
+//! })
+//! .require_key(true);
+//! let app: Router = Router::new()
+//!     .route("/payments", post(|| async { "charged" }))
+//!     .route_layer(layer);
+//! # let _ = app;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # What it does
+//! - Reads `Idempotency-Key` as the IETF draft's structured-field string (`"…"`), or,
+//!   for Stripe-style clients, a bare token. A request without one passes through
+//!   unless [`require_key`](IdempotencyLayer::require_key) is set (then 400).
+//! - The record lives in the scope the service's closure returns (a tenant, a
+//!   principal, [`Scope::global`]), combined with the method and the route template
+//!   (axum's `MatchedPath`): the same key on another route is another key.
+//! - The fingerprint covers method, route, the query (pairs sorted), chosen headers and
+//!   the body, framed and hashed; the same key with another fingerprint is a 422.
+//! - The first request runs the handler under a claim whose lease a watchdog renews; a
+//!   duplicate in flight gets 409 with `Retry-After`, or, with
+//!   [`IdempotencyOptions::wait`](super::IdempotencyOptions::wait), waits and gets the
+//!   replay. A store that cannot be reached answers 503 with `Retry-After`, and the
+//!   handler does not run.
+//! - Stored: 2xx, 3xx and deterministic 4xx responses (not 408, 409, 425, 429), by
+//!   default; 5xx and those give the key back so that a retry runs again. Replays carry
+//!   the stored status, an allow-list of headers (`Content-Type`, `Location`,
+//!   `Content-Location`, `ETag`, `Last-Modified`, `Link`) and the body, plus
+//!   `Idempotent-Replayed: true` (first answers carry `false`).
+//! - Nothing is buffered without bound: a request body over
+//!   [`max_request_body`](IdempotencyLayer::max_request_body) (1 MiB) is refused with
+//!   413; a response over [`max_response_body`](IdempotencyLayer::max_response_body)
+//!   (1 MiB) is passed on but not stored, and the record says so (a repeat gets 422).
+//!
+//! Errors are `application/problem+json` with the stable `type` values in [`types`].
+
+mod problem;
+mod replay;
+
+use std::convert::Infallible;
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use axum::extract::MatchedPath;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::request::Parts;
+use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::BodyExt;
+use tower::{Layer, Service};
+
+use problem::problem;
+pub use problem::types;
+use replay::Stored;
+
+use super::{Begun, Fingerprint, Idempotency, IdempotencyKey, Scope};
+use crate::error::{Error, ErrorKind};
+use crate::lock::BoxFuture;
+
+/// The request header carrying the key.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The response header saying whether the answer is a replay.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+type ScopeFn = dyn Fn(&Parts) -> Option<Scope> + Send + Sync;
+
+/// The layer's settings, shared by every service it wraps.
+struct Config {
+    engine: Idempotency,
+    scope: Box<ScopeFn>,
+    require_key: bool,
+    max_request_body: usize,
+    max_response_body: usize,
+    replay_headers: Vec<HeaderName>,
+    fingerprint_headers: Vec<HeaderName>,
+    store_status: fn(StatusCode) -> bool,
+}
+
+/// Makes POST (and any other) routes safe to retry with an `Idempotency-Key`.
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    config: Arc<Config>,
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("engine", &self.config.engine)
+            .field("require_key", &self.config.require_key)
+            .finish()
+    }
+}
+
+/// Whether a response is stored and replayed by default: 2xx, 3xx and the 4xx that a
+/// retry would only repeat; not 408, 409, 425 or 429 (a retry may well succeed) and no
+/// 5xx.
+pub fn stored_by_default(status: StatusCode) -> bool {
+    let code = status.as_u16();
+    (200..500).contains(&code) && !matches!(code, 408 | 409 | 425 | 429)
+}
+
+impl IdempotencyLayer {
+    /// A layer over `engine`; `scope` says whose keys a request's are (its tenant or
+    /// principal, [`Scope::global`] where keys belong to no one). A request it finds no
+    /// scope for gets 401 (`types::SCOPE_MISSING`) and does not run.
+    pub fn new(
+        engine: Idempotency,
+        scope: impl Fn(&Parts) -> Option<Scope> + Send + Sync + 'static,
+    ) -> Self {
+        IdempotencyLayer {
+            config: Arc::new(Config {
+                engine,
+                scope: Box::new(scope),
+                require_key: false,
+                max_request_body: 1024 * 1024,
+                max_response_body: 1024 * 1024,
+                replay_headers: vec![
+                    header::CONTENT_TYPE,
+                    header::LOCATION,
+                    header::CONTENT_LOCATION,
+                    header::ETAG,
+                    header::LAST_MODIFIED,
+                    header::LINK,
+                ],
+                fingerprint_headers: Vec::new(),
+                store_status: stored_by_default,
+            }),
+        }
+    }
+
+    fn config_mut(&mut self) -> &mut Config {
+        Arc::get_mut(&mut self.config).expect("the layer is configured before it is cloned")
+    }
+
+    /// Refuse (400) requests without a key instead of passing them through.
+    pub fn require_key(mut self, on: bool) -> Self {
+        self.config_mut().require_key = on;
+        self
+    }
+
+    /// The largest request body read to fingerprint it (413 above).
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        self.config_mut().max_request_body = bytes;
+        self
+    }
+
+    /// The largest response body stored for replay (larger ones are passed on, not
+    /// stored).
+    pub fn max_response_body(mut self, bytes: usize) -> Self {
+        self.config_mut().max_response_body = bytes;
+        self
+    }
+
+    /// The response headers kept for replay (default: `Content-Type`, `Location`,
+    /// `Content-Location`, `ETag`, `Last-Modified`, `Link`).
+    pub fn replay_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config_mut().replay_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// Request headers that are part of the fingerprint (none by default).
+    pub fn fingerprint_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config_mut().fingerprint_headers = headers.into_iter().collect();
+        self
+    }
+
+    /// Which responses are stored and replayed ([`stored_by_default`] unless set); the
+    /// others give the key back so that a retry runs the handler again.
+    pub fn store_status(mut self, stored: fn(StatusCode) -> bool) -> Self {
+        self.config_mut().store_status = stored;
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotent<S>;
+
+    fn layer(&self, inner: S) -> Idempotent<S> {
+        Idempotent {
+            inner,
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps around a handler.
+#[derive(Clone)]
+pub struct Idempotent<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> fmt::Debug for Idempotent<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Idempotent")
+    }
+}
+
+impl<S> Service<Request<Body>> for Idempotent<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        // The ready service answers this request; a fresh clone takes its place.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = Arc::clone(&self.config);
+        Box::pin(async move { Ok(handle(&config, inner, request).await) })
+    }
+}
+
+/// Reads the key: a structured-field string (`"…"`, with `\"` and `\\` escapes) or a
+/// bare token.
+fn parse_key(value: &HeaderValue) -> Result<IdempotencyKey, String> {
+    let text = value
+        .to_str()
+        .map_err(|_| "the Idempotency-Key header is not visible ASCII".to_owned())?
+        .trim();
+    let key = match text.strip_prefix('"') {
+        Some(quoted) => {
+            let inner = quoted
+                .strip_suffix('"')
+                .ok_or("a quoted Idempotency-Key must end with a quote")?;
+            let mut key = String::with_capacity(inner.len());
+            let mut chars = inner.chars();
+            while let Some(c) = chars.next() {
+                match c {
+                    '\\' => match chars.next() {
+                        Some(escaped @ ('"' | '\\')) => key.push(escaped),
+                        _ => {
+                            return Err(
+                                "a quoted Idempotency-Key may escape only \\\" and \\\\".to_owned()
+                            );
+                        }
+                    },
+                    '"' => {
+                        return Err(
+                            "a quoted Idempotency-Key has an unescaped quote inside".to_owned()
+                        );
+                    }
+                    other => key.push(other),
+                }
+            }
+            key
+        }
+        None if text.contains([' ', '"', ',', ';', '\\']) => {
+            return Err("a bare Idempotency-Key is one token; quote it (\"…\") to use spaces or punctuation".to_owned());
+        }
+        None => text.to_owned(),
+    };
+    IdempotencyKey::new(key).map_err(|error| error.to_string())
+}
+
+/// The record's scope: the service's scope with the method and the route template, so
+/// that one key on two routes is two keys; hashed if that is too long to keep as it is.
+fn record_scope(scope: &Scope, parts: &Parts) -> Scope {
+    let route = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map_or_else(|| parts.uri.path(), MatchedPath::as_str);
+    let combined = format!("{scope} {} {route}", parts.method);
+    Scope::new(combined.clone()).unwrap_or_else(|_| {
+        let digest = Fingerprint::of(&[combined.as_bytes()]);
+        let hex: String = digest
+            .as_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Scope::new(format!("h:{hex}")).unwrap_or_else(|_| Scope::global())
+    })
+}
+
+fn fingerprint(config: &Config, parts: &Parts, body: &[u8]) -> Fingerprint {
+    let route = parts
+        .extensions
+        .get::<MatchedPath>()
+        .map_or_else(|| parts.uri.path(), MatchedPath::as_str);
+    let mut query: Vec<&str> = parts
+        .uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .collect();
+    query.sort_unstable();
+    let query = query.join("&");
+    let mut headers = Vec::new();
+    for name in &config.fingerprint_headers {
+        headers.push(name.as_str().as_bytes().to_vec());
+        for value in parts.headers.get_all(name) {
+            headers.push(value.as_bytes().to_vec());
+        }
+    }
+    let mut framed: Vec<&[u8]> = vec![
+        parts.method.as_str().as_bytes(),
+        route.as_bytes(),
+        parts.uri.path().as_bytes(),
+        query.as_bytes(),
+    ];
+    framed.push(b"headers");
+    framed.extend(headers.iter().map(Vec::as_slice));
+    framed.push(b"body");
+    framed.push(body);
+    Fingerprint::of(&framed)
+}
+
+fn mark(mut response: Response<Body>, replayed: bool) -> Response<Body> {
+    response.headers_mut().insert(
+        HeaderName::from_static(IDEMPOTENT_REPLAYED),
+        HeaderValue::from_static(if replayed { "true" } else { "false" }),
+    );
+    response
+}
+
+/// The answer for an error of the engine.
+fn error_response(error: &Error) -> Response<Body> {
+    match error.kind() {
+        ErrorKind::InProgress => problem(
+            StatusCode::CONFLICT,
+            types::KEY_IN_USE,
+            "A request with this Idempotency-Key is being processed",
+            &error.to_string(),
+            Some(std::time::Duration::from_secs(1)),
+        ),
+        ErrorKind::KeyMismatch => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            types::KEY_REUSED,
+            "This Idempotency-Key was used for a different request",
+            &error.to_string(),
+            None,
+        ),
+        ErrorKind::LockLost => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            types::CLAIM_LOST,
+            "The claim on this Idempotency-Key was lost while the request ran",
+            &error.to_string(),
+            Some(std::time::Duration::from_secs(1)),
+        ),
+        _ => problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            types::STORE_UNAVAILABLE,
+            "The idempotency store cannot be reached; the request was not processed",
+            &error.to_string(),
+            Some(std::time::Duration::from_secs(1)),
+        ),
+    }
+}
+
+async fn handle<S>(config: &Config, mut inner: S, request: Request<Body>) -> Response<Body>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+{
+    let (parts, body) = request.into_parts();
+    let key = match parts.headers.get(IDEMPOTENCY_KEY).map(parse_key) {
+        Some(Ok(key)) => key,
+        Some(Err(detail)) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                types::KEY_MALFORMED,
+                "The Idempotency-Key header is malformed",
+                &detail,
+                None,
+            );
+        }
+        None if config.require_key => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                types::KEY_MISSING,
+                "This route requires an Idempotency-Key header",
+                "send a unique key (for example a UUID) with the request, and the same key with every retry of it",
+                None,
+            );
+        }
+        None => return call(&mut inner, Request::from_parts(parts, body)).await,
+    };
+    let scope = match (config.scope)(&parts) {
+        Some(scope) => record_scope(&scope, &parts),
+        None => {
+            return problem(
+                StatusCode::UNAUTHORIZED,
+                types::SCOPE_MISSING,
+                "The request names no tenant or principal for its Idempotency-Key",
+                "idempotency keys are kept per tenant or principal; authenticate the request",
+                None,
+            );
+        }
+    };
+    let body = match read_limited(body, config.max_request_body).await {
+        Ok(body) => body,
+        Err(detail) => {
+            return problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                types::REQUEST_TOO_LARGE,
+                "The request body is too large",
+                &detail,
+                None,
+            );
+        }
+    };
+    let fingerprint = fingerprint(config, &parts, &body);
+    let claim = match config.engine.begin(&scope, &key, &fingerprint).await {
+        Ok(Begun::Started(claim)) => claim,
+        Ok(Begun::Replay(outcome)) => return replay(&outcome),
+        Err(error) => return error_response(&error),
+    };
+    let lost = claim.lost_signal();
+    let response = tokio::select! {
+        biased;
+        reason = lost => {
+            claim.give_back().await;
+            return error_response(&Error::lost(reason));
+        }
+        response = call(&mut inner, Request::from_parts(parts, Body::from(body))) => response,
+    };
+    if !(config.store_status)(response.status()) {
+        claim.give_back().await;
+        return mark(response, false);
+    }
+    let (head, body) = response.into_parts();
+    let (prefix, rest) = read_prefix(body, config.max_response_body).await;
+    let outcome = match &rest {
+        None => replay::encode(head.status, &head.headers, &config.replay_headers, &prefix),
+        Some(_) => replay::encode_not_stored(&format!(
+            "the first response's body was over the {} bytes this route stores",
+            config.max_response_body
+        )),
+    };
+    // A refusal (a newer claim holds the key) changes nothing for this answer: the
+    // handler ran, and its response goes to this client.
+    let _ = claim.complete(&outcome).await;
+    let body = match rest {
+        None => Body::from(prefix),
+        Some(rest) => Body::from_stream(
+            futures_util::stream::once(async move { Ok::<_, axum::Error>(prefix) })
+                .chain(rest.into_data_stream()),
+        ),
+    };
+    mark(Response::from_parts(head, body), false)
+}
+
+async fn call<S>(inner: &mut S, request: Request<Body>) -> Response<Body>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+{
+    match inner.call(request).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    }
+}
+
+fn replay(outcome: &[u8]) -> Response<Body> {
+    match replay::decode(outcome) {
+        Some(Stored::Response {
+            status,
+            headers,
+            body,
+        }) => {
+            let mut response = Response::new(Body::from(body));
+            *response.status_mut() = status;
+            *response.headers_mut() = headers;
+            mark(response, true)
+        }
+        Some(Stored::NotStored { reason }) => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            types::NOT_REPLAYABLE,
+            "The request was processed, but its response was not stored",
+            &format!("{reason}; use a new Idempotency-Key to make a new request"),
+            None,
+        ),
+        None => problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            types::STORE_UNAVAILABLE,
+            "The stored response cannot be read",
+            "the idempotency record holds something this layer did not write",
+            None,
+        ),
+    }
+}
+
+/// The whole body if it is at most `limit` bytes; otherwise a sentence saying so.
+async fn read_limited(body: Body, limit: usize) -> Result<Bytes, String> {
+    match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(_) => Err(format!(
+            "the body is over the {limit} bytes read to check the Idempotency-Key"
+        )),
+    }
+}
+
+/// Up to `limit` bytes of the body; if there is more, what was read and the rest of
+/// the body (to pass on unread).
+async fn read_prefix(mut body: Body, limit: usize) -> (Bytes, Option<Body>) {
+    let mut prefix = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            break;
+        };
+        if let Ok(data) = frame.into_data() {
+            prefix.extend_from_slice(&data);
+            if prefix.len() > limit {
+                return (Bytes::from(prefix), Some(body));
+            }
+        }
+    }
+    (Bytes::from(prefix), None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(text: &str) -> Result<IdempotencyKey, String> {
+        parse_key(&HeaderValue::from_str(text).unwrap())
+    }
+
+    #[test]
+    fn keys_are_structured_field_strings_or_bare_tokens() {
+        assert_eq!(key("\"abc-123\"").unwrap().as_str(), "abc-123");
+        assert_eq!(key("\"with space\"").unwrap().as_str(), "with space");
+        assert_eq!(key("\"q\\\"uote\"").unwrap().as_str(), "q\"uote");
+        assert_eq!(key("8e03978e-40d5").unwrap().as_str(), "8e03978e-40d5");
+        for bad in ["\"open", "\"a\"b\"", "two words", "\"\"", "\"bad\\x\""] {
+            assert!(key(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_default_policy_stores_what_a_retry_would_repeat() {
+        for code in [200, 201, 204, 301, 400, 404, 422] {
+            assert!(
+                stored_by_default(StatusCode::from_u16(code).unwrap()),
+                "{code}"
+            );
+        }
+        for code in [408, 409, 425, 429, 500, 502, 503] {
+            assert!(
+                !stored_by_default(StatusCode::from_u16(code).unwrap()),
+                "{code}"
+            );
+        }
+    }
+}

@@ -1,0 +1,349 @@
+//! The HTTP layer on axum, over real stores (SQLite files, a real PostgreSQL), driven
+//! through the router in-process.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use http::{Request, StatusCode, header};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+use turnstile::idempotency::http::{IdempotencyLayer, types};
+use turnstile::idempotency::{Idempotency, IdempotencyOptions, Scope};
+
+/// The tenant named by `Authorization: Bearer <tenant>`.
+fn tenant(parts: &http::request::Parts) -> Option<Scope> {
+    parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "))
+        .and_then(|tenant| Scope::new(tenant).ok())
+}
+
+struct App {
+    router: Router,
+    runs: Arc<AtomicUsize>,
+    _dir: tempfile::TempDir,
+}
+
+async fn app(
+    configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    options: IdempotencyOptions,
+) -> App {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("keys.db").display());
+    let keys = Idempotency::connect(&url)
+        .await
+        .unwrap()
+        .with_options(options)
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let layer = configure(IdempotencyLayer::new(keys, tenant).require_key(true));
+    let router = Router::new()
+        .route(
+            "/payments",
+            post(move |body: String| {
+                let counter = counter.clone();
+                async move {
+                    let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    if body.contains("fail") {
+                        return (StatusCode::BAD_GATEWAY, "provider down".to_owned())
+                            .into_response();
+                    }
+                    if body.contains("huge") {
+                        return (StatusCode::CREATED, "x".repeat(4096)).into_response();
+                    }
+                    (
+                        StatusCode::CREATED,
+                        [
+                            (header::LOCATION, format!("/payments/{n}")),
+                            (header::SET_COOKIE, "session=secret".to_owned()),
+                        ],
+                        format!("payment {n} for {body}"),
+                    )
+                        .into_response()
+                }
+            }),
+        )
+        .route(
+            "/refunds",
+            post(|| async { (StatusCode::CREATED, "refund") }),
+        )
+        .route_layer(layer);
+    App {
+        router,
+        runs,
+        _dir: dir,
+    }
+}
+
+fn request(path: &str, tenant: &str, key: Option<&str>, body: &str) -> Request<Body> {
+    let mut builder = Request::post(path).header(header::AUTHORIZATION, format!("Bearer {tenant}"));
+    if let Some(key) = key {
+        builder = builder.header("idempotency-key", key);
+    }
+    builder.body(Body::from(body.to_owned())).unwrap()
+}
+
+async fn send(router: &Router, request: Request<Body>) -> (StatusCode, http::HeaderMap, String) {
+    let response = router.clone().oneshot(request).await.unwrap();
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    (status, headers, String::from_utf8_lossy(&body).into_owned())
+}
+
+fn problem_type(body: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(body).unwrap()["type"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_concurrent_duplicates_run_the_handler_once_with_409s() {
+    let app = app(|layer| layer, IdempotencyOptions::new()).await;
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let router = app.router.clone();
+        tasks.push(tokio::spawn(async move {
+            send(
+                &router,
+                request("/payments", "acme", Some("\"k-1\""), "10 EUR"),
+            )
+            .await
+        }));
+    }
+    let mut bodies = Vec::new();
+    for task in tasks {
+        let (status, headers, body) = task.await.unwrap();
+        match status {
+            StatusCode::CREATED => bodies.push(body),
+            StatusCode::CONFLICT => {
+                assert_eq!(problem_type(&body), types::KEY_IN_USE);
+                assert!(headers.contains_key(header::RETRY_AFTER));
+            }
+            other => panic!("unexpected {other}: {body}"),
+        }
+    }
+    assert_eq!(
+        app.runs.load(Ordering::SeqCst),
+        1,
+        "the handler ran more than once"
+    );
+    bodies.dedup();
+    assert_eq!(bodies, vec!["payment 1 for 10 EUR".to_owned()]);
+    // After completion, a retry is a replay with the allowed headers only.
+    let (status, headers, body) = send(
+        &app.router,
+        request("/payments", "acme", Some("k-1"), "10 EUR"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(body, "payment 1 for 10 EUR");
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(headers[header::LOCATION], "/payments/1");
+    assert!(
+        headers.get(header::SET_COOKIE).is_none(),
+        "a cookie was replayed"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_wait_mode_every_duplicate_gets_the_replay() {
+    let app = app(
+        |layer| layer,
+        IdempotencyOptions::new().wait(Duration::from_secs(10)),
+    )
+    .await;
+    let mut tasks = Vec::new();
+    for _ in 0..50 {
+        let router = app.router.clone();
+        tasks.push(tokio::spawn(async move {
+            send(
+                &router,
+                request("/payments", "acme", Some("k-wait"), "5 EUR"),
+            )
+            .await
+        }));
+    }
+    let mut replayed = 0;
+    for task in tasks {
+        let (status, headers, body) = task.await.unwrap();
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        assert_eq!(body, "payment 1 for 5 EUR");
+        replayed += usize::from(headers["idempotent-replayed"] == "true");
+    }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(replayed, 49);
+}
+
+#[tokio::test]
+async fn bad_and_reused_keys_get_problems_and_run_nothing() {
+    let app = app(|layer| layer, IdempotencyOptions::new()).await;
+    let (status, _, body) = send(&app.router, request("/payments", "acme", None, "x")).await;
+    assert_eq!(
+        (status, problem_type(&body)),
+        (StatusCode::BAD_REQUEST, types::KEY_MISSING.to_owned())
+    );
+    let (status, _, body) = send(
+        &app.router,
+        request("/payments", "acme", Some("two words"), "x"),
+    )
+    .await;
+    assert_eq!(
+        (status, problem_type(&body)),
+        (StatusCode::BAD_REQUEST, types::KEY_MALFORMED.to_owned())
+    );
+    let long = format!("\"{}\"", "k".repeat(300));
+    let (status, _, _) = send(&app.router, request("/payments", "acme", Some(&long), "x")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 0);
+
+    let (status, _, _) = send(
+        &app.router,
+        request("/payments", "acme", Some("k"), "10 EUR"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, headers, body) = send(
+        &app.router,
+        request("/payments", "acme", Some("k"), "99 EUR"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(problem_type(&body), types::KEY_REUSED);
+    assert_eq!(headers[header::CONTENT_TYPE], "application/problem+json");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn tenants_and_routes_never_share_a_key() {
+    let app = app(|layer| layer, IdempotencyOptions::new()).await;
+    let (_, _, alice) = send(
+        &app.router,
+        request("/payments", "alice", Some("same"), "10 EUR"),
+    )
+    .await;
+    let (status, headers, bob) = send(
+        &app.router,
+        request("/payments", "bob", Some("same"), "10 EUR"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "false");
+    assert_ne!(alice, bob, "bob got alice's response");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+    let (status, _, body) = send(
+        &app.router,
+        request("/refunds", "alice", Some("same"), "10 EUR"),
+    )
+    .await;
+    assert_eq!((status, body.as_str()), (StatusCode::CREATED, "refund"));
+    let (status, _, body) = send(
+        &app.router,
+        Request::post("/payments")
+            .header("idempotency-key", "k")
+            .body(Body::empty())
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (status, problem_type(&body)),
+        (StatusCode::UNAUTHORIZED, types::SCOPE_MISSING.to_owned())
+    );
+}
+
+#[tokio::test]
+async fn server_errors_give_the_key_back_and_large_bodies_are_bounded() {
+    let app = app(
+        |layer| layer.max_request_body(1024).max_response_body(1024),
+        IdempotencyOptions::new(),
+    )
+    .await;
+    let (status, _, _) = send(&app.router, request("/payments", "acme", Some("f"), "fail")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    let (status, _, _) = send(&app.router, request("/payments", "acme", Some("f"), "fail")).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert_eq!(
+        app.runs.load(Ordering::SeqCst),
+        2,
+        "a 502 was replayed instead of retried"
+    );
+
+    let (status, _, body) = send(
+        &app.router,
+        request("/payments", "acme", Some("big-in"), &"y".repeat(2048)),
+    )
+    .await;
+    assert_eq!(
+        (status, problem_type(&body)),
+        (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            types::REQUEST_TOO_LARGE.to_owned()
+        )
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+
+    // A response too large to store reaches its client whole; a repeat is told why it
+    // gets no replay, and the handler does not run again.
+    let (status, _, body) = send(
+        &app.router,
+        request("/payments", "acme", Some("big-out"), "huge"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(body.len(), 4096);
+    let (status, _, body) = send(
+        &app.router,
+        request("/payments", "acme", Some("big-out"), "huge"),
+    )
+    .await;
+    assert_eq!(
+        (status, problem_type(&body)),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            types::NOT_REPLAYABLE.to_owned()
+        )
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 3);
+}
+
+/// A store that is down: 503 with `Retry-After`, and the handler never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_is_down_answers_503_and_runs_nothing() {
+    let server = turnstile_test_support::PostgresServer::spawn();
+    let keys = Idempotency::connect(&server.url()).await.unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counter = runs.clone();
+    let router = Router::new()
+        .route(
+            "/payments",
+            post(move || {
+                counter.fetch_add(1, Ordering::SeqCst);
+                async { StatusCode::CREATED }
+            }),
+        )
+        .route_layer(IdempotencyLayer::new(keys, tenant));
+    let (status, _, _) = send(&router, request("/payments", "acme", Some("k"), "x")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    server.kill();
+    let (status, headers, body) =
+        send(&router, request("/payments", "acme", Some("k2"), "x")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(problem_type(&body), types::STORE_UNAVAILABLE);
+    assert!(headers.contains_key(header::RETRY_AFTER));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler ran without protection"
+    );
+}
