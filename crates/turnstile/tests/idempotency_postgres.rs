@@ -170,3 +170,43 @@ async fn the_transaction_mode_commits_key_work_and_outcome_together() {
         .unwrap();
     assert_eq!(count, 0);
 }
+
+/// The inbox on PostgreSQL: ten concurrent deliveries of one message, each in its own
+/// transaction, are handled once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbox_handles_concurrent_redeliveries_once() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use turnstile::idempotency::inbox::Inbox;
+    let url = shared_postgres().fresh_database("inbox");
+    let store = PostgresIdempotencyStore::connect(&url).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let inbox = Inbox::new(store, "ledger").unwrap();
+    let handled = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let (inbox, pool, handled) = (inbox.clone(), pool.clone(), handled.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut transaction = pool.begin().await.unwrap();
+            let delivery = inbox
+                .process(
+                    &mut transaction,
+                    "evt-7",
+                    async |_c: &mut sqlx::PgConnection| {
+                        handled.fetch_add(1, Ordering::SeqCst);
+                        Ok::<_, turnstile::Error>(())
+                    },
+                )
+                .await
+                .unwrap();
+            transaction.commit().await.unwrap();
+            delivery.is_duplicate()
+        }));
+    }
+    let mut duplicates = 0;
+    for task in tasks {
+        duplicates += usize::from(task.await.unwrap());
+    }
+    assert_eq!(handled.load(Ordering::SeqCst), 1);
+    assert_eq!(duplicates, 9);
+}

@@ -121,3 +121,60 @@ async fn the_transaction_mode_commits_key_work_and_outcome_together() {
     transaction.rollback().await.unwrap();
     assert!(store.get(&scope, &other).await.unwrap().is_none());
 }
+
+/// The inbox: a redelivered message is skipped, per consumer; a rolled-back handling
+/// leaves the message unrecorded, so its redelivery runs.
+#[tokio::test]
+async fn the_inbox_skips_redeliveries_per_consumer() {
+    use turnstile::idempotency::inbox::{Delivery, Inbox};
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteIdempotencyStore::open(dir.path().join("app.sqlite3"))
+        .await
+        .unwrap();
+    let billing = Inbox::new(store.clone(), "billing").unwrap();
+    let shipping = Inbox::new(store.clone(), "shipping").unwrap();
+    let deliver = async |inbox: &Inbox<SqliteIdempotencyStore>, id: &str, commit: bool| {
+        let mut transaction = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+        let delivery = inbox
+            .process(
+                &mut transaction,
+                id,
+                async |_connection: &mut sqlx::SqliteConnection| {
+                    Ok::<_, turnstile::Error>(id.len())
+                },
+            )
+            .await
+            .unwrap();
+        if commit {
+            transaction.commit().await.unwrap();
+        } else {
+            transaction.rollback().await.unwrap();
+        }
+        delivery
+    };
+    assert_eq!(deliver(&billing, "m-1", true).await, Delivery::Processed(3));
+    assert_eq!(deliver(&billing, "m-1", true).await, Delivery::Duplicate);
+    assert_eq!(
+        deliver(&shipping, "m-1", true).await,
+        Delivery::Processed(3)
+    );
+    assert_eq!(
+        deliver(&billing, "m-2", false).await,
+        Delivery::Processed(3)
+    );
+    assert_eq!(
+        deliver(&billing, "m-2", true).await,
+        Delivery::Processed(3),
+        "a rolled-back handling was recorded"
+    );
+    let mut transaction = store.pool().begin().await.unwrap();
+    let error = billing
+        .process(
+            &mut transaction,
+            "bad\nid",
+            async |_c: &mut sqlx::SqliteConnection| Ok::<_, turnstile::Error>(()),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), turnstile::ErrorKind::InvalidName);
+}

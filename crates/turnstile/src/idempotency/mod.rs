@@ -65,6 +65,7 @@ use crate::lock::{BoxFuture, ExtendOutcome, ReleaseWatch};
 
 #[cfg(feature = "axum")]
 pub mod http;
+pub mod inbox;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]

@@ -1,0 +1,143 @@
+//! The inbox: the consumer side of the idempotency engine. A message delivered again
+//! (brokers deliver at least once) is recognised by `(consumer, message id)` and
+//! skipped; the record is written in the handler's own transaction, so "recorded but
+//! not handled" and "handled but not recorded" cannot happen.
+//!
+//! It is the same table, retention and sweeper as the HTTP and `run_once` records: the
+//! consumer's name is the scope, the message id the key.
+//!
+//! ```
+//! # #[cfg(feature = "sqlite")]
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> turnstile::Result<()> {
+//! use turnstile::idempotency::inbox::{Delivery, Inbox};
+//! use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
+//!
+//! # let dir = tempfile::tempdir().unwrap();
+//! let store = SqliteIdempotencyStore::open(dir.path().join("app.db")).await?;
+//! let inbox = Inbox::new(store.clone(), "billing")?;
+//! for delivery in ["order-42", "order-42"] {
+//!     let mut transaction = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+//!     let handled = inbox
+//!         .process(&mut transaction, delivery, async |_connection| {
+//!             // ... the handler's writes, on `_connection` ...
+//!             Ok::<_, turnstile::Error>(())
+//!         })
+//!         .await?;
+//!     transaction.commit().await.unwrap();
+//!     println!("{delivery}: {}", if handled.is_duplicate() { "skipped" } else { "handled" });
+//! }
+//! # Ok(())
+//! # }
+//! # #[cfg(not(feature = "sqlite"))]
+//! # fn main() {}
+//! ```
+
+use super::{
+    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, Scope,
+    TransactionalIdempotency, fenced, in_progress, telemetry,
+};
+use crate::error::{Error, ErrorKind, Result};
+
+/// What [`Inbox::process`] did with a delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Delivery<T> {
+    /// First delivery: the handler ran, with this result.
+    Processed(T),
+    /// Seen before by this consumer: the handler did not run.
+    Duplicate,
+}
+
+impl<T> Delivery<T> {
+    /// Whether the message had been processed before.
+    pub fn is_duplicate(&self) -> bool {
+        matches!(self, Delivery::Duplicate)
+    }
+}
+
+/// One consumer's inbox over a transactional idempotency store.
+#[derive(Debug, Clone)]
+pub struct Inbox<S> {
+    store: S,
+    consumer: Scope,
+    options: IdempotencyOptions,
+}
+
+impl<S: TransactionalIdempotency> Inbox<S> {
+    /// The inbox of `consumer` (1 to 255 bytes, no control characters). Records are kept
+    /// 7 days by default: longer than any broker redelivers.
+    pub fn new(store: S, consumer: &str) -> Result<Self> {
+        Ok(Inbox {
+            store,
+            consumer: Scope::new(consumer)?,
+            options: IdempotencyOptions::new()
+                .retention(std::time::Duration::from_secs(7 * 24 * 3600)),
+        })
+    }
+
+    /// The same inbox with other options (the retention is what matters here: keep
+    /// records longer than the broker may redeliver).
+    pub fn with_options(mut self, options: IdempotencyOptions) -> Result<Self> {
+        options.validate()?;
+        self.options = options;
+        Ok(self)
+    }
+
+    /// Runs `handle` for `message_id` unless this consumer processed it before, inside
+    /// the transaction on `connection`. Commit after `Ok` (a duplicate included), roll
+    /// back after `Err` (the message is then not recorded, and its redelivery runs
+    /// again).
+    ///
+    /// Errors: [`ErrorKind::InvalidName`] for a message id that is not 1 to 255 visible
+    /// ASCII characters; [`ErrorKind::InProgress`] if the id is claimed in lease mode by
+    /// a worker at work now.
+    pub async fn process<T, E, F>(
+        &self,
+        connection: &mut S::Connection,
+        message_id: &str,
+        handle: F,
+    ) -> std::result::Result<Delivery<T>, E>
+    where
+        E: From<Error>,
+        F: AsyncFnOnce(&mut S::Connection) -> std::result::Result<T, E>,
+    {
+        let key = IdempotencyKey::new(message_id).map_err(|error| {
+            E::from(
+                Error::new(
+                    ErrorKind::InvalidName,
+                    format!("message id {message_id:?} cannot be recorded in the inbox"),
+                )
+                .with_source(error),
+            )
+        })?;
+        let fingerprint = Fingerprint::of(&[b"inbox", message_id.as_bytes()]);
+        let scope = &self.consumer;
+        let token = match self
+            .store
+            .claim_in_transaction(connection, scope, &key, &fingerprint, &self.options)
+            .await?
+        {
+            ClaimAnswer::Started { token } => token,
+            ClaimAnswer::Replay { .. } | ClaimAnswer::Mismatch => {
+                telemetry::replayed(scope, &key, std::time::Duration::ZERO);
+                return Ok(Delivery::Duplicate);
+            }
+            ClaimAnswer::InProgress { lease_left } => {
+                return Err(E::from(in_progress(scope, &key, lease_left)));
+            }
+        };
+        let value = handle(connection).await?;
+        match self
+            .store
+            .complete_in_transaction(connection, scope, &key, token, b"null", &self.options)
+            .await?
+        {
+            Finish::Done => {
+                telemetry::completed(scope, &key, std::time::Duration::ZERO);
+                Ok(Delivery::Processed(value))
+            }
+            Finish::Fenced => Err(E::from(fenced(scope, &key))),
+        }
+    }
+}
