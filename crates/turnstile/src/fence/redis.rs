@@ -20,8 +20,9 @@ use redis::Script;
 use redis::aio::ConnectionManager;
 
 use super::{FenceOutcome, FencingToken, validate_resource};
+use crate::engine::redis::{connect_manager, map_error, open_client};
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::redis::{RedisLockConfig, connect_manager, map_error, open_client};
+use crate::lock::redis::RedisLockConfig;
 
 // Tokens are compared as decimal strings (length first), so every u64 compares
 // exactly; Lua numbers are doubles and would not.

@@ -1,0 +1,243 @@
+//! Redis: opening clients (TLS included), multiplexed connections with timeouts, error
+//! mapping, and the shared Pub/Sub connection that carries release and completion
+//! notifications.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use redis::Client;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::lock::{ReleaseSignals, ReleaseWatch};
+
+/// Maps a driver error: connection trouble is [`ErrorKind::StoreUnavailable`]; a
+/// refused password or a missing ACL permission is [`ErrorKind::Configuration`].
+pub(crate) fn map_error(error: redis::RedisError, context: &str) -> Error {
+    if error.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(error.code(), Some("NOPERM" | "WRONGPASS" | "NOAUTH"))
+    {
+        let message = format!("{context}: Redis refused this client ({error})");
+        return Error::new(ErrorKind::Configuration, message).with_quiet_source(error);
+    }
+    let kind = if error.is_io_error()
+        || error.is_timeout()
+        || error.is_connection_refusal()
+        || error.is_connection_dropped()
+    {
+        ErrorKind::StoreUnavailable
+    } else {
+        ErrorKind::Store
+    };
+    Error::new(kind, context.to_owned()).with_source(error)
+}
+
+/// Opens a client for a `redis://` or `rediss://` URL, checking it first.
+pub(crate) fn open_client(url: &str, tls_root_certificate: Option<&[u8]>) -> Result<Client> {
+    let invalid = |error: redis::RedisError| {
+        Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "{} is not a valid Redis URL (expected redis://[user:password@]host[:port][/db])",
+                crate::store::redact(url)
+            ),
+        )
+        .with_source(error)
+    };
+    if url.starts_with("rediss://") {
+        #[cfg(feature = "redis-tls")]
+        {
+            // rustls needs a process-wide crypto provider; another part of the program
+            // may have installed one already, which is just as good.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            if let Some(pem) = tls_root_certificate {
+                let certificates = redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem.to_vec()),
+                };
+                return Client::build_with_tls(url, certificates).map_err(invalid);
+            }
+        }
+        #[cfg(not(feature = "redis-tls"))]
+        {
+            let _ = tls_root_certificate;
+            return Err(Error::new(
+                ErrorKind::UnsupportedStore,
+                format!(
+                    "{} needs TLS: build turnstile with the `redis-tls` feature",
+                    crate::store::redact(url)
+                ),
+            ));
+        }
+    }
+    Client::open(url).map_err(invalid)
+}
+
+/// Connects a multiplexed, self-reconnecting connection within `connect_timeout`.
+pub(crate) async fn connect_manager(
+    client: Client,
+    url: &str,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+) -> Result<ConnectionManager> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(connect_timeout))
+        .set_response_timeout(Some(response_timeout))
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_millis(500));
+    let unavailable = || {
+        Error::new(
+            ErrorKind::StoreUnavailable,
+            format!(
+                "cannot reach Redis at {} within {connect_timeout:?}; is it running?",
+                crate::store::redact(url)
+            ),
+        )
+    };
+    match tokio::time::timeout(
+        connect_timeout * 2,
+        client.get_connection_manager_with_config(config),
+    )
+    .await
+    {
+        Ok(Ok(connection)) => Ok(connection),
+        Ok(Err(error))
+            if error.is_io_error() || error.is_timeout() || error.is_connection_refusal() =>
+        {
+            Err(unavailable().with_source(error))
+        }
+        Ok(Err(error)) => Err(map_error(
+            error,
+            &format!("cannot connect to Redis at {}", crate::store::redact(url)),
+        )),
+        Err(_) => Err(unavailable()),
+    }
+}
+
+/// One Pub/Sub connection per store, shared by every waiter, reconnected on demand.
+pub(crate) struct Notifier {
+    client: Client,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+    signals: ReleaseSignals,
+    sink: tokio::sync::Mutex<Option<(u64, PubSubSink)>>,
+    generation: std::sync::atomic::AtomicU64,
+}
+
+impl Notifier {
+    pub(crate) fn new(
+        client: Client,
+        connect_timeout: Duration,
+        response_timeout: Duration,
+    ) -> Arc<Notifier> {
+        Arc::new_cyclic(|weak: &Weak<Notifier>| {
+            let weak = weak.clone();
+            Notifier {
+                client,
+                connect_timeout,
+                response_timeout,
+                signals: ReleaseSignals::with_idle_hook(move |channel| {
+                    if let (Some(notifier), Ok(runtime)) =
+                        (weak.upgrade(), tokio::runtime::Handle::try_current())
+                    {
+                        let channel = channel.to_owned();
+                        runtime.spawn(async move { notifier.unsubscribe(channel).await });
+                    }
+                }),
+                sink: tokio::sync::Mutex::new(None),
+                generation: std::sync::atomic::AtomicU64::new(0),
+            }
+        })
+    }
+
+    pub(crate) async fn watch(self: &Arc<Self>, channel: String) -> Result<ReleaseWatch> {
+        let mut sink = self.sink.lock().await;
+        if sink.is_none() {
+            *sink = Some(self.connect().await?);
+        }
+        let (watch, first) = self.signals.watch(&channel);
+        if first {
+            let Some((_, live)) = sink.as_mut() else {
+                unreachable!("connected above");
+            };
+            // Bounded: the notifier's mutex is held meanwhile, and every waiter of this
+            // store needs it.
+            let error =
+                match tokio::time::timeout(self.response_timeout, live.subscribe(&channel)).await {
+                    Ok(Ok(())) => return Ok(watch),
+                    Ok(Err(error)) => map_error(error, "cannot subscribe to lock releases"),
+                    Err(_) => Error::new(
+                        ErrorKind::StoreUnavailable,
+                        format!(
+                            "Redis did not confirm the subscription to lock releases within {:?}",
+                            self.response_timeout
+                        ),
+                    ),
+                };
+            self.discard(&mut sink);
+            return Err(error);
+        }
+        Ok(watch)
+    }
+
+    async fn unsubscribe(&self, channel: String) {
+        let mut sink = self.sink.lock().await;
+        // Someone may have started watching again since the last watch was dropped.
+        if self.signals.is_watched(&channel) {
+            return;
+        }
+        if let Some((_, live)) = sink.as_mut()
+            && !matches!(
+                tokio::time::timeout(self.response_timeout, live.unsubscribe(&channel)).await,
+                Ok(Ok(()))
+            )
+        {
+            self.discard(&mut sink);
+        }
+    }
+
+    /// Forgets a Pub/Sub connection that failed, and closes every watch: the channels
+    /// subscribed on it are no longer heard, so their waiters must subscribe again on a
+    /// new connection (they see their watch closed and do).
+    fn discard(&self, sink: &mut Option<(u64, PubSubSink)>) {
+        *sink = None;
+        self.signals.close_all();
+    }
+
+    async fn connect(self: &Arc<Self>) -> Result<(u64, PubSubSink)> {
+        let pubsub = tokio::time::timeout(self.connect_timeout, self.client.get_async_pubsub())
+            .await
+            .map_err(|_| {
+                Error::new(
+                    ErrorKind::StoreUnavailable,
+                    "timed out opening the Redis Pub/Sub connection",
+                )
+            })?
+            .map_err(|error| map_error(error, "cannot open the Redis Pub/Sub connection"))?;
+        let (sink, mut stream) = pubsub.split();
+        let generation = self
+            .generation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        let notifier = Arc::downgrade(self);
+        let signals = self.signals.clone();
+        tokio::spawn(async move {
+            while let Some(message) = stream.next().await {
+                signals.notify(message.get_channel_name());
+            }
+            // The connection is gone: forget it, then close every watch so waiters
+            // subscribe again on a new connection.
+            if let Some(notifier) = notifier.upgrade() {
+                let mut sink = notifier.sink.lock().await;
+                if sink
+                    .as_ref()
+                    .is_some_and(|(current, _)| *current == generation)
+                {
+                    notifier.discard(&mut sink);
+                }
+            }
+        });
+        Ok((generation, sink))
+    }
+}
