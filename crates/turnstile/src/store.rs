@@ -152,10 +152,11 @@ pub async fn connect_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
     match scheme.as_str() {
         "sqlite" => open_sqlite_idempotency(url).await,
         "postgres" | "postgresql" => open_postgres_idempotency(url).await,
-        "redis" | "rediss" | "mysql" | "mariadb" => Err(Error::new(
+        "redis" | "rediss" => open_redis_idempotency(url).await,
+        "mysql" | "mariadb" => Err(Error::new(
             ErrorKind::UnsupportedStore,
             format!(
-                "{}: there is no idempotency store for {scheme}:// yet; use SQLite or PostgreSQL",
+                "{}: there is no idempotency store for {scheme}:// yet; use SQLite, PostgreSQL or Redis",
                 redact(url)
             ),
         )),
@@ -183,6 +184,23 @@ async fn open_sqlite_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
     Err(Error::new(
         ErrorKind::UnsupportedStore,
         format!("{url:?} needs SQLite support: build turnstile with the `sqlite` feature"),
+    ))
+}
+
+#[cfg(feature = "redis")]
+async fn open_redis_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
+    let store = crate::idempotency::redis::RedisIdempotencyStore::connect(url).await?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn open_redis_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!(
+            "{} needs Redis support: build turnstile with the `redis` feature",
+            redact(url)
+        ),
     ))
 }
 

@@ -59,7 +59,7 @@ async fn urls_open_the_store() {
         .await
         .unwrap_err();
     assert_eq!(error.kind(), turnstile::ErrorKind::InvalidUrl);
-    let error = Idempotency::connect("redis://127.0.0.1:1")
+    let error = Idempotency::connect("mysql://127.0.0.1:1/db")
         .await
         .unwrap_err();
     assert_eq!(error.kind(), turnstile::ErrorKind::UnsupportedStore);

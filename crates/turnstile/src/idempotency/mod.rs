@@ -68,6 +68,8 @@ pub mod http;
 pub mod inbox;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 mod telemetry;
@@ -871,7 +873,10 @@ fn in_progress(scope: &Scope, key: &IdempotencyKey, lease_left: Option<Duration>
 /// than stored half.
 pub const MAX_OUTCOME_LEN: usize = 16 * 1024 * 1024;
 
-#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "redis")),
+    allow(dead_code)
+)]
 pub(crate) fn check_outcome(outcome: &[u8]) -> Result<()> {
     if outcome.len() > MAX_OUTCOME_LEN {
         return Err(Error::new(

@@ -367,7 +367,9 @@ pub async fn retention_ends_and_sweeping_removes(store: impl TestStore) {
         "kept past retention"
     );
     let swept = client.store().sweep(1_000).await.unwrap();
-    assert!(swept >= 1, "nothing swept");
+    // Redis expires records itself; the SQL stores delete them here.
+    let redis = client.store().describe().starts_with("redis");
+    assert!(redis || swept >= 1, "nothing swept");
     assert_eq!(
         client
             .run_once(&scope, &key, &fingerprint, work())
