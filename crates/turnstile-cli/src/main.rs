@@ -5,6 +5,7 @@ mod bench;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod bench_sql;
 mod exec;
+mod idempotency;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -51,6 +52,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Idempotency records: show, list stale claims, forget, sweep.
+    #[command(subcommand)]
+    Idempotency(idempotency::IdempotencyCommand),
     /// Create the store's tables if they are missing (SQL stores); harmless to repeat.
     Migrate(StoreOnlyArgs),
 }
@@ -482,6 +486,7 @@ fn main() -> ExitCode {
             Command::Lock(LockCommand::Prune(args)) => prune(args).await,
             Command::Bench(BenchCommand::Lock(args)) => bench::run(args).await,
             Command::Migrate(args) => migrate(args).await,
+            Command::Idempotency(command) => idempotency::run(command).await,
         }
     })
 }

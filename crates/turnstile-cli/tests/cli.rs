@@ -816,3 +816,83 @@ fn status_and_break_create_nothing() {
         stdout(&output)
     );
 }
+
+#[test]
+fn idempotency_records_can_be_shown_listed_forgotten_and_swept() {
+    use turnstile::idempotency::{Fingerprint, Idempotency, IdempotencyKey, Scope};
+    let sandbox = Sandbox::new();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let scope = Scope::new("tenant-1").unwrap();
+    runtime.block_on(async {
+        let keys = Idempotency::connect(&sandbox.store()).await.unwrap();
+        let fingerprint = Fingerprint::of(&[b"x"]);
+        let done = IdempotencyKey::new("done").unwrap();
+        let _: u32 = keys
+            .run_once(&scope, &done, &fingerprint, |_| async {
+                Ok::<_, turnstile::Error>(1)
+            })
+            .await
+            .unwrap();
+        let stale = IdempotencyKey::new("stale").unwrap();
+        keys.store()
+            .claim(
+                &scope,
+                &stale,
+                &fingerprint,
+                Duration::from_secs(1),
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(1_200));
+    let output = sandbox.run(&[
+        "idempotency",
+        "show",
+        "--scope",
+        "tenant-1",
+        "--json",
+        "done",
+    ]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let shown: serde_json::Value = serde_json::from_str(stdout(&output).trim()).unwrap();
+    assert_eq!(shown["state"], "completed", "{shown}");
+    assert_eq!(shown["outcome_bytes"], 1);
+    let output = sandbox.run(&["idempotency", "stale", "--json"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    assert!(
+        stdout(&output).contains("\"key\":\"stale\""),
+        "{}",
+        stdout(&output)
+    );
+    let output = sandbox.run(&[
+        "idempotency",
+        "forget",
+        "--scope",
+        "tenant-1",
+        "--json",
+        "done",
+    ]);
+    let forgotten: serde_json::Value = serde_json::from_str(stdout(&output).trim()).unwrap();
+    assert_eq!(forgotten["forgotten"], true, "{forgotten}");
+    let output = sandbox.run(&[
+        "idempotency",
+        "show",
+        "--scope",
+        "tenant-1",
+        "--json",
+        "done",
+    ]);
+    assert!(
+        stdout(&output).contains("\"state\":\"absent\""),
+        "{}",
+        stdout(&output)
+    );
+    let output = sandbox.run(&["idempotency", "sweep", "--json"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let output = sandbox.run(&["idempotency", "show", "--scope", "tenant-1", "bad key\u{7}"]);
+    assert_eq!(code(&output), 64, "{}", stderr(&output));
+}

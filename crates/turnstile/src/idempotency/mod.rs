@@ -266,6 +266,19 @@ pub struct Record {
     pub outcome: Option<Vec<u8>>,
 }
 
+/// A claim in progress whose lease has run out, as [`IdempotencyStore::stale`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StaleClaim {
+    /// The record's scope (for the HTTP layer: the service's scope, method and route).
+    pub scope: String,
+    /// The key.
+    pub key: String,
+    /// The stale claim's token.
+    pub token: FencingToken,
+    /// How long ago its lease ran out.
+    pub overdue: Duration,
+}
+
 /// A storage engine for idempotency records: only the atomic operations, each one
 /// request to the store. Waiting, renewal and the lost signal are written once in
 /// [`Idempotency`].
@@ -335,6 +348,19 @@ pub trait IdempotencyStore: Send + Sync + fmt::Debug + 'static {
 
     /// Deletes up to `limit` records whose retention has passed; returns how many.
     fn sweep(&self, limit: u32) -> BoxFuture<'_, Result<u64>>;
+
+    /// Up to `limit` records in progress whose lease has run out (their worker died or
+    /// is cut off; the next claim takes them over), most overdue first. The default
+    /// says the store cannot list them.
+    fn stale(&self, limit: u32) -> BoxFuture<'_, Result<Vec<StaleClaim>>> {
+        let _ = limit;
+        Box::pin(async move {
+            Err(Error::new(
+                ErrorKind::UnsupportedStore,
+                format!("{} cannot list stale claims", self.describe()),
+            ))
+        })
+    }
 
     /// Starts listening for completions and releases of `key` (registered before the
     /// future completes, so none that happens afterwards is missed).

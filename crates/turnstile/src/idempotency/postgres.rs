@@ -24,7 +24,7 @@ use sqlx::postgres::{PgConnection, PgPool, PgRow};
 
 use super::{
     ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, IdempotencyStore, Record,
-    RecordState, Scope, TransactionalIdempotency, check_outcome,
+    RecordState, Scope, StaleClaim, TransactionalIdempotency, check_outcome,
 };
 use crate::engine::postgres::{CLOCK_US, Listener, connect_options, open_bounded_pool};
 use crate::error::{Error, ErrorKind, Result};
@@ -45,6 +45,7 @@ struct Sql {
     get: Statement,
     forget: Statement,
     sweep: Statement,
+    stale: Statement,
     channel: String,
 }
 
@@ -175,6 +176,13 @@ impl Sql {
                         LIMIT $1 FOR UPDATE SKIP LOCKED)
                     RETURNING 1)
                  SELECT count(*) FROM gone"
+            )),
+            stale: statement(format!(
+                "SELECT scope, key, token,
+                        CEIL(EXTRACT(EPOCH FROM ({now} - lease_until)) * 1000)::int8 AS overdue_ms
+                 FROM {table}
+                 WHERE state = 'in_progress' AND lease_until <= {now} AND expires_at > {now}
+                 ORDER BY lease_until LIMIT $1"
             )),
             channel,
         }
@@ -600,6 +608,27 @@ impl IdempotencyStore for PostgresIdempotencyStore {
                 .await
                 .map_err(|error| map_error(error, "cannot sweep expired records"))?;
             Ok(u64::try_from(swept).unwrap_or(0))
+        })
+    }
+
+    fn stale(&self, limit: u32) -> BoxFuture<'_, Result<Vec<StaleClaim>>> {
+        Box::pin(async move {
+            let rows = sqlx::query(self.sql.stale.sql())
+                .bind(i64::from(limit))
+                .fetch_all(&self.ops)
+                .await
+                .map_err(|error| map_error(error, "cannot list stale claims"))?;
+            rows.iter()
+                .map(|row| {
+                    Ok(StaleClaim {
+                        scope: row.try_get("scope").map_err(bad)?,
+                        key: row.try_get("key").map_err(bad)?,
+                        token: token_of(row.try_get("token").map_err(bad)?),
+                        overdue: duration_ms(row.try_get("overdue_ms").map_err(bad)?)
+                            .unwrap_or_default(),
+                    })
+                })
+                .collect()
         })
     }
 

@@ -20,7 +20,7 @@ use sqlx::sqlite::{SqliteConnection, SqlitePool, SqliteRow};
 
 use super::{
     ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, IdempotencyStore, Record,
-    RecordState, Scope, TransactionalIdempotency, check_outcome,
+    RecordState, Scope, StaleClaim, TransactionalIdempotency, check_outcome,
 };
 use crate::engine::sqlite::{millis_i64, open_pool, parse_url, wall_clock};
 use crate::error::{Error, ErrorKind, Result};
@@ -532,6 +532,34 @@ impl IdempotencyStore for SqliteIdempotencyStore {
             .map_err(|error| map_error(error, "cannot sweep expired records"))?
             .rows_affected();
             Ok(swept)
+        })
+    }
+
+    fn stale(&self, limit: u32) -> BoxFuture<'_, Result<Vec<StaleClaim>>> {
+        Box::pin(async move {
+            let (now_ms, _) = wall_clock();
+            let rows = sqlx::query(
+                "SELECT scope, key, token, lease_until_ms FROM turnstile_idempotency
+                 WHERE state = 'in_progress' AND lease_until_ms <= ?1 AND expires_ms > ?1
+                 ORDER BY lease_until_ms LIMIT ?2",
+            )
+            .bind(now_ms)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot list stale claims"))?;
+            rows.iter()
+                .map(|row| {
+                    let bad = |error| map_error(error, "bad idempotency record");
+                    let lease_until: i64 = row.try_get("lease_until_ms").map_err(bad)?;
+                    Ok(StaleClaim {
+                        scope: row.try_get("scope").map_err(bad)?,
+                        key: row.try_get("key").map_err(bad)?,
+                        token: token_of(row.try_get("token").map_err(bad)?),
+                        overdue: left(now_ms, lease_until),
+                    })
+                })
+                .collect()
         })
     }
 

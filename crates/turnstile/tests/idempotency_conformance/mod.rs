@@ -455,6 +455,40 @@ pub async fn bad_input_is_refused(store: impl TestStore) {
     assert_eq!(error.kind(), ErrorKind::InvalidOptions);
 }
 
+/// Claims whose lease ran out are listed for operators (stores that can list them).
+pub async fn stale_claims_are_listed(store: impl TestStore) {
+    let client = store.client().await;
+    let backend = client.store().clone();
+    let (scope, key, fingerprint) = (scope("stale-list"), key(), request("x"));
+    backend
+        .claim(
+            &scope,
+            &key,
+            &fingerprint,
+            Duration::from_secs(1),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    match backend.stale(1_000).await {
+        Ok(stale) => {
+            let found = stale
+                .iter()
+                .find(|claim| claim.scope == scope.as_str() && claim.key == key.as_str())
+                .expect("the stale claim is listed");
+            assert!(found.overdue >= Duration::from_millis(100), "{found:?}");
+        }
+        Err(error) => {
+            assert_eq!(error.kind(), ErrorKind::UnsupportedStore, "{error}");
+            assert!(
+                backend.describe().starts_with("redis"),
+                "only Redis cannot list"
+            );
+        }
+    }
+}
+
 /// Generates one `#[tokio::test]` per conformance check for the store `$make` builds.
 #[macro_export]
 macro_rules! idempotency_conformance_tests {
@@ -470,6 +504,7 @@ macro_rules! idempotency_conformance_tests {
             retention_ends_and_sweeping_removes,
             forgetting_a_key,
             bad_input_is_refused,
+            stale_claims_are_listed,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
