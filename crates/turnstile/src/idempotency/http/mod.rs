@@ -236,13 +236,14 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = Arc::clone(&self.config);
-        Box::pin(async move { Ok(handle(&config, inner, request).await) })
+        Box::pin(async move { Ok(handle(config, inner, request).await) })
     }
 }
 
-/// Reads the key: a structured-field string (`"…"`, with `\"` and `\\` escapes) or a
-/// bare token.
-fn parse_key(value: &HeaderValue) -> Result<IdempotencyKey, String> {
+/// Reads an `Idempotency-Key` header value: a structured-field string (`"…"`, with
+/// `\"` and `\\` escapes) or a bare token; the error says what is wrong with it. For
+/// handlers that use the engine directly (the same-transaction mode).
+pub fn parse_key(value: &HeaderValue) -> Result<IdempotencyKey, String> {
     let text = value
         .to_str()
         .map_err(|_| "the Idempotency-Key header is not visible ASCII".to_owned())?
@@ -343,8 +344,10 @@ fn mark(mut response: Response<Body>, replayed: bool) -> Response<Body> {
     response
 }
 
-/// The answer for an error of the engine.
-fn error_response(error: &Error) -> Response<Body> {
+/// The layer's answer for an error of the engine — 409 for a duplicate in flight, 422
+/// for a reused key, 503 for a lost claim or an unreachable store — for handlers that
+/// use the engine directly (the same-transaction mode) and answer like the layer.
+pub fn error_response(error: &Error) -> Response<Body> {
     match error.kind() {
         ErrorKind::InProgress => problem(
             StatusCode::CONFLICT,
@@ -377,9 +380,10 @@ fn error_response(error: &Error) -> Response<Body> {
     }
 }
 
-async fn handle<S>(config: &Config, mut inner: S, request: Request<Body>) -> Response<Body>
+async fn handle<S>(config: Arc<Config>, mut inner: S, request: Request<Body>) -> Response<Body>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible> + Send + 'static,
+    S::Future: Send,
 {
     let (parts, body) = request.into_parts();
     let key = match parts.headers.get(IDEMPOTENCY_KEY).map(parse_key) {
@@ -428,12 +432,42 @@ where
             );
         }
     };
-    let fingerprint = fingerprint(config, &parts, &body);
-    let claim = match config.engine.begin(&scope, &key, &fingerprint).await {
-        Ok(Begun::Started(claim)) => claim,
-        Ok(Begun::Replay(outcome)) => return replay(&outcome),
-        Err(error) => return error_response(&error),
-    };
+    let fingerprint = fingerprint(&config, &parts, &body);
+    // The claim, the handler and the stored outcome run in a task of their own: a
+    // client that goes away (a dropped connection cancels this future) must not cut
+    // the work off between the claim and the stored outcome — a claim left behind
+    // would answer "in progress" until its lease ran out, and work cut off after its
+    // side effects would run again on the retry.
+    let request = Request::from_parts(parts, Body::from(body));
+    let worker = tokio::spawn(async move {
+        match config.engine.begin(&scope, &key, &fingerprint).await {
+            Ok(Begun::Started(claim)) => run_claimed(&config, inner, request, claim).await,
+            Ok(Begun::Replay(outcome)) => replay(&outcome),
+            Err(error) => error_response(&error),
+        }
+    });
+    match worker.await {
+        Ok(response) => response,
+        Err(_) => problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            types::CLAIM_LOST,
+            "The handler failed",
+            "the handler panicked; the key is given back when its lease ends",
+            None,
+        ),
+    }
+}
+
+/// Runs the handler under `claim` and stores what it answered.
+async fn run_claimed<S>(
+    config: &Config,
+    mut inner: S,
+    request: Request<Body>,
+    claim: super::RunningClaim,
+) -> Response<Body>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
+{
     let lost = claim.lost_signal();
     let response = tokio::select! {
         biased;
@@ -441,7 +475,7 @@ where
             claim.give_back().await;
             return error_response(&Error::lost(reason));
         }
-        response = call(&mut inner, Request::from_parts(parts, Body::from(body))) => response,
+        response = call(&mut inner, request) => response,
     };
     if !(config.store_status)(response.status()) {
         claim.give_back().await;

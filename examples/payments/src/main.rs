@@ -1,0 +1,521 @@
+//! An example payments service whose POSTs are safe to retry.
+//!
+//! ```text
+//! cargo run --release -p payments -- --listen 127.0.0.1:8080 [--store URL] [--delay 300ms]
+//! ```
+//!
+//! - `POST /accounts/{account}/payments` with `Idempotency-Key` and
+//!   `{"amount_cents": 1000, "currency": "USD", "reference": "invoice 7"}` →
+//!   `201 {"payment_id", "account", "amount_cents", "currency", "reference"}`. The tenant
+//!   is `Authorization: Bearer <tenant>`; an account belongs to the tenant that paid into
+//!   it first, and another tenant gets 403.
+//! - `GET /accounts/{account}/payments` → `{"payments": [...]}`;
+//!   `GET /accounts/{account}/balance` → `{"account", "balance_cents"}`.
+//!
+//! On SQL stores (`sqlite://…`, the default, or `postgres://…`) the key's claim, the
+//! payment row and the stored response commit in one transaction: a crash leaves
+//! neither a charge without a key nor a key without a charge. On Redis the HTTP layer
+//! keeps the key with a lease, and the ledger is an SQLite file (`--ledger`).
+//! `--delay` makes a payment wait before it is written (a slow provider), so tests can
+//! kill an instance mid-request. Several instances may serve one store.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Parser;
+use http::{HeaderMap, StatusCode, header};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgPool, SqlitePool};
+use turnstile::idempotency::http::{IdempotencyLayer, error_response, parse_key};
+use turnstile::idempotency::postgres::PostgresIdempotencyStore;
+use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
+use turnstile::idempotency::{
+    Fingerprint, Idempotency, IdempotencyOptions, Scope, TransactionalIdempotency,
+};
+
+/// The payments service.
+#[derive(Parser, Debug)]
+#[command(name = "payments", about)]
+struct Args {
+    /// Where to listen.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Where keys (and, on SQL stores, the ledger) live.
+    #[arg(long, default_value = "sqlite://payments.sqlite3")]
+    store: String,
+    /// The ledger's SQLite file when the store is Redis.
+    #[arg(long, default_value = "payments-ledger.sqlite3")]
+    ledger: String,
+    /// How long a payment waits before it is written.
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    delay: Duration,
+}
+
+/// Where keys and payments live.
+enum Backend {
+    /// Keys and payments in one SQLite file, in one transaction.
+    Sqlite(SqliteIdempotencyStore),
+    /// Keys and payments in one PostgreSQL database, in one transaction.
+    Postgres(PostgresIdempotencyStore, PgPool),
+    /// Keys in Redis (the HTTP layer, lease mode), payments in SQLite.
+    Redis(SqlitePool),
+}
+
+struct App {
+    backend: Backend,
+    delay: Duration,
+    options: IdempotencyOptions,
+}
+
+#[derive(Deserialize)]
+struct PaymentRequest {
+    amount_cents: i64,
+    currency: String,
+    reference: String,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Payment {
+    payment_id: String,
+    account: String,
+    amount_cents: i64,
+    currency: String,
+    reference: String,
+}
+
+/// What a handler can answer besides success.
+enum Refusal {
+    Unauthorized,
+    Forbidden,
+    Invalid(String),
+    Turnstile(turnstile::Error),
+    Database(sqlx::Error),
+}
+
+impl From<turnstile::Error> for Refusal {
+    fn from(error: turnstile::Error) -> Self {
+        Refusal::Turnstile(error)
+    }
+}
+
+impl From<sqlx::Error> for Refusal {
+    fn from(error: sqlx::Error) -> Self {
+        Refusal::Database(error)
+    }
+}
+
+fn problem(status: StatusCode, title: &str, detail: &str) -> Response {
+    let body = serde_json::json!({ "type": "about:blank", "title": title, "status": status.as_u16(), "detail": detail });
+    let mut response = (status, body.to_string()).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/problem+json"),
+    );
+    response
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        match self {
+            Refusal::Unauthorized => problem(
+                StatusCode::UNAUTHORIZED,
+                "No tenant",
+                "send Authorization: Bearer <tenant>",
+            ),
+            Refusal::Forbidden => problem(
+                StatusCode::FORBIDDEN,
+                "Not your account",
+                "this account belongs to another tenant",
+            ),
+            Refusal::Invalid(detail) => {
+                problem(StatusCode::BAD_REQUEST, "Invalid payment", &detail)
+            }
+            Refusal::Turnstile(error) => error_response(&error),
+            Refusal::Database(error) => problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "The ledger is unavailable",
+                &error.to_string(),
+            ),
+        }
+    }
+}
+
+fn tenant_of(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+        .map(str::trim)
+        .filter(|tenant| !tenant.is_empty() && tenant.len() <= 64)
+        .map(str::to_owned)
+}
+
+fn check_request(body: &[u8]) -> Result<PaymentRequest, Refusal> {
+    let request: PaymentRequest = serde_json::from_slice(body)
+        .map_err(|error| Refusal::Invalid(format!("the body is not a payment: {error}")))?;
+    if request.amount_cents <= 0 || request.amount_cents > 100_000_000 {
+        return Err(Refusal::Invalid(
+            "amount_cents must be 1 to 100000000".to_owned(),
+        ));
+    }
+    if request.currency.len() != 3 || !request.currency.bytes().all(|b| b.is_ascii_uppercase()) {
+        return Err(Refusal::Invalid(
+            "currency must be three capital letters, like USD".to_owned(),
+        ));
+    }
+    if request.reference.chars().count() > 200 {
+        return Err(Refusal::Invalid(
+            "reference must be at most 200 characters".to_owned(),
+        ));
+    }
+    Ok(request)
+}
+
+fn new_payment_id() -> String {
+    format!("pay_{:016x}", rand_u64())
+}
+
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now())
+}
+
+// The ledger's statements, per database (placeholders differ).
+const SQLITE_SCHEMA: &str =
+    "CREATE TABLE IF NOT EXISTS accounts (account TEXT PRIMARY KEY, tenant TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS payments (payment_id TEXT PRIMARY KEY, account TEXT NOT NULL,
+  amount_cents INTEGER NOT NULL, currency TEXT NOT NULL, reference TEXT NOT NULL,
+  created_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP)";
+const POSTGRES_SCHEMA: &str =
+    "CREATE TABLE IF NOT EXISTS accounts (account TEXT PRIMARY KEY, tenant TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS payments (payment_id TEXT PRIMARY KEY, account TEXT NOT NULL,
+  amount_cents BIGINT NOT NULL, currency TEXT NOT NULL, reference TEXT NOT NULL,
+  created_at TIMESTAMPTZ NOT NULL DEFAULT now())";
+
+/// Claims the account for `tenant` if nobody has it; `true` if it is the tenant's.
+async fn owns_sqlite(
+    connection: &mut sqlx::SqliteConnection,
+    account: &str,
+    tenant: &str,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO accounts (account, tenant) VALUES (?1, ?2) ON CONFLICT (account) DO NOTHING",
+    )
+    .bind(account)
+    .bind(tenant)
+    .execute(&mut *connection)
+    .await?;
+    let owner: String = sqlx::query_scalar("SELECT tenant FROM accounts WHERE account = ?1")
+        .bind(account)
+        .fetch_one(&mut *connection)
+        .await?;
+    Ok(owner == tenant)
+}
+
+async fn insert_sqlite(
+    connection: &mut sqlx::SqliteConnection,
+    payment: &Payment,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO payments (payment_id, account, amount_cents, currency, reference) VALUES (?1, ?2, ?3, ?4, ?5)")
+        .bind(&payment.payment_id)
+        .bind(&payment.account)
+        .bind(payment.amount_cents)
+        .bind(&payment.currency)
+        .bind(&payment.reference)
+        .execute(&mut *connection)
+        .await
+        .map(|_| ())
+}
+
+async fn owns_postgres(
+    connection: &mut sqlx::PgConnection,
+    account: &str,
+    tenant: &str,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO accounts (account, tenant) VALUES ($1, $2) ON CONFLICT (account) DO NOTHING",
+    )
+    .bind(account)
+    .bind(tenant)
+    .execute(&mut *connection)
+    .await?;
+    let owner: String = sqlx::query_scalar("SELECT tenant FROM accounts WHERE account = $1")
+        .bind(account)
+        .fetch_one(&mut *connection)
+        .await?;
+    Ok(owner == tenant)
+}
+
+async fn create_payment(
+    State(app): State<Arc<App>>,
+    Path(account): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, Refusal> {
+    let tenant = tenant_of(&headers).ok_or(Refusal::Unauthorized)?;
+    let key = match headers.get("idempotency-key").map(parse_key) {
+        Some(Ok(key)) => key,
+        Some(Err(detail)) => return Err(Refusal::Invalid(detail)),
+        None => {
+            return Err(Refusal::Invalid(
+                "send an Idempotency-Key header".to_owned(),
+            ));
+        }
+    };
+    let request = check_request(&body)?;
+    let scope = Scope::new(format!("{tenant} POST /accounts/{{account}}/payments"))?;
+    let fingerprint = Fingerprint::of(&[account.as_bytes(), &body]);
+    let make = |account: &str| Payment {
+        payment_id: new_payment_id(),
+        account: account.to_owned(),
+        amount_cents: request.amount_cents,
+        currency: request.currency.clone(),
+        reference: request.reference.clone(),
+    };
+    let payment: Payment = match &app.backend {
+        Backend::Sqlite(store) => {
+            let mut transaction = store.pool().begin_with("BEGIN IMMEDIATE").await?;
+            let payment = store
+                .run_once_in_transaction(
+                    &mut transaction,
+                    &scope,
+                    &key,
+                    &fingerprint,
+                    &app.options,
+                    async |connection: &mut sqlx::SqliteConnection, _token| {
+                        if !owns_sqlite(connection, &account, &tenant).await? {
+                            return Err(Refusal::Forbidden);
+                        }
+                        tokio::time::sleep(app.delay).await;
+                        let payment = make(&account);
+                        insert_sqlite(connection, &payment).await?;
+                        Ok(payment)
+                    },
+                )
+                .await?;
+            transaction.commit().await?;
+            payment
+        }
+        Backend::Postgres(store, pool) => {
+            let mut transaction = pool.begin().await?;
+            let payment = store
+                .run_once_in_transaction(&mut transaction, &scope, &key, &fingerprint, &app.options, async |connection: &mut sqlx::PgConnection, _token| {
+                    if !owns_postgres(connection, &account, &tenant).await? {
+                        return Err(Refusal::Forbidden);
+                    }
+                    tokio::time::sleep(app.delay).await;
+                    let payment = make(&account);
+                    sqlx::query("INSERT INTO payments (payment_id, account, amount_cents, currency, reference) VALUES ($1, $2, $3, $4, $5)")
+                        .bind(&payment.payment_id)
+                        .bind(&payment.account)
+                        .bind(payment.amount_cents)
+                        .bind(&payment.currency)
+                        .bind(&payment.reference)
+                        .execute(&mut *connection)
+                        .await?;
+                    Ok(payment)
+                })
+                .await?;
+            transaction.commit().await?;
+            payment
+        }
+        Backend::Redis(ledger) => {
+            // The layer in front has claimed the key; this runs once per key.
+            let mut transaction = ledger.begin_with("BEGIN IMMEDIATE").await?;
+            if !owns_sqlite(&mut transaction, &account, &tenant).await? {
+                return Err(Refusal::Forbidden);
+            }
+            tokio::time::sleep(app.delay).await;
+            let payment = make(&account);
+            insert_sqlite(&mut transaction, &payment).await?;
+            transaction.commit().await?;
+            payment
+        }
+    };
+    Ok((StatusCode::CREATED, Json(payment)).into_response())
+}
+
+async fn list_payments(
+    State(app): State<Arc<App>>,
+    Path(account): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, Refusal> {
+    let tenant = tenant_of(&headers).ok_or(Refusal::Unauthorized)?;
+    let rows: Vec<(String, String, i64, String, String)> = match &app.backend {
+        Backend::Sqlite(store) => ledger_rows_sqlite(store.pool(), &account, &tenant).await?,
+        Backend::Redis(ledger) => ledger_rows_sqlite(ledger, &account, &tenant).await?,
+        Backend::Postgres(_, pool) => {
+            let owner: Option<String> =
+                sqlx::query_scalar("SELECT tenant FROM accounts WHERE account = $1")
+                    .bind(&account)
+                    .fetch_optional(pool)
+                    .await?;
+            if owner.is_some_and(|owner| owner != tenant) {
+                return Err(Refusal::Forbidden);
+            }
+            sqlx::query_as("SELECT payment_id, account, amount_cents, currency, reference FROM payments WHERE account = $1 ORDER BY created_at, payment_id")
+                .bind(&account)
+                .fetch_all(pool)
+                .await?
+        }
+    };
+    let payments: Vec<Payment> = rows
+        .into_iter()
+        .map(
+            |(payment_id, account, amount_cents, currency, reference)| Payment {
+                payment_id,
+                account,
+                amount_cents,
+                currency,
+                reference,
+            },
+        )
+        .collect();
+    Ok(Json(serde_json::json!({ "payments": payments })).into_response())
+}
+
+async fn ledger_rows_sqlite(
+    pool: &SqlitePool,
+    account: &str,
+    tenant: &str,
+) -> Result<Vec<(String, String, i64, String, String)>, Refusal> {
+    let owner: Option<String> =
+        sqlx::query_scalar("SELECT tenant FROM accounts WHERE account = ?1")
+            .bind(account)
+            .fetch_optional(pool)
+            .await?;
+    if owner.is_some_and(|owner| owner != tenant) {
+        return Err(Refusal::Forbidden);
+    }
+    Ok(sqlx::query_as("SELECT payment_id, account, amount_cents, currency, reference FROM payments WHERE account = ?1 ORDER BY created_at, payment_id")
+        .bind(account)
+        .fetch_all(pool)
+        .await?)
+}
+
+async fn balance(
+    state: State<Arc<App>>,
+    Path(account): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, Refusal> {
+    let listed = list_payments(state, Path(account.clone()), headers).await?;
+    let body = axum::body::to_bytes(listed.into_body(), usize::MAX)
+        .await
+        .map_err(|error| Refusal::Invalid(error.to_string()))?;
+    let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let total: i64 = value["payments"]
+        .as_array()
+        .map(|payments| {
+            payments
+                .iter()
+                .filter_map(|p| p["amount_cents"].as_i64())
+                .sum()
+        })
+        .unwrap_or(0);
+    Ok(Json(serde_json::json!({ "account": account, "balance_cents": total })).into_response())
+}
+
+async fn open(args: &Args) -> Result<(Backend, Option<Idempotency>), String> {
+    let store = args.store.as_str();
+    let scheme = store.split(':').next().unwrap_or("").to_ascii_lowercase();
+    let error = |error: &dyn std::fmt::Display| format!("{error}");
+    match scheme.as_str() {
+        "sqlite" => {
+            let keys = SqliteIdempotencyStore::open_url(store)
+                .await
+                .map_err(|e| error(&e))?;
+            sqlx::raw_sql(SQLITE_SCHEMA)
+                .execute(keys.pool())
+                .await
+                .map_err(|e| error(&e))?;
+            Ok((Backend::Sqlite(keys), None))
+        }
+        "postgres" | "postgresql" => {
+            let keys = PostgresIdempotencyStore::connect(store)
+                .await
+                .map_err(|e| error(&e))?;
+            let pool = PgPool::connect(store.split('?').next().unwrap_or(store))
+                .await
+                .map_err(|e| error(&e))?;
+            sqlx::raw_sql(POSTGRES_SCHEMA)
+                .execute(&pool)
+                .await
+                .map_err(|e| error(&e))?;
+            Ok((Backend::Postgres(keys, pool), None))
+        }
+        "redis" | "rediss" => {
+            let keys = Idempotency::connect(store).await.map_err(|e| error(&e))?;
+            let ledger = sqlx::sqlite::SqlitePoolOptions::new()
+                .connect_with(
+                    sqlx::sqlite::SqliteConnectOptions::new()
+                        .filename(&args.ledger)
+                        .create_if_missing(true)
+                        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                        .busy_timeout(Duration::from_secs(5)),
+                )
+                .await
+                .map_err(|e| error(&e))?;
+            sqlx::raw_sql(SQLITE_SCHEMA)
+                .execute(&ledger)
+                .await
+                .map_err(|e| error(&e))?;
+            Ok((Backend::Redis(ledger), Some(keys)))
+        }
+        _ => Err(format!(
+            "{store:?}: use a sqlite://, postgres:// or redis:// URL"
+        )),
+    }
+}
+
+fn router(app: Arc<App>, lease_keys: Option<Idempotency>) -> Router {
+    let mut payments = post(create_payment);
+    if let Some(keys) = lease_keys {
+        // On Redis the layer keeps the key; the handler only writes the ledger.
+        let layer = IdempotencyLayer::new(keys, |parts: &http::request::Parts| {
+            tenant_of(&parts.headers).and_then(|tenant| Scope::new(tenant).ok())
+        })
+        .require_key(true);
+        payments = payments.route_layer(layer);
+    }
+    Router::new()
+        .route("/accounts/{account}/payments", payments.get(list_payments))
+        .route("/accounts/{account}/balance", get(balance))
+        .with_state(app)
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let (backend, lease_keys) = match open(&args).await {
+        Ok(opened) => opened,
+        Err(error) => {
+            eprintln!("payments: cannot open the store: {error}");
+            return std::process::ExitCode::from(69);
+        }
+    };
+    let app = Arc::new(App {
+        backend,
+        delay: args.delay,
+        options: IdempotencyOptions::new(),
+    });
+    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            eprintln!("payments: cannot listen on {}: {error}", args.listen);
+            return std::process::ExitCode::from(69);
+        }
+    };
+    eprintln!("payments: listening on {}", args.listen);
+    if let Err(error) = axum::serve(listener, router(app, lease_keys)).await {
+        eprintln!("payments: {error}");
+        return std::process::ExitCode::from(70);
+    }
+    std::process::ExitCode::SUCCESS
+}

@@ -1,0 +1,302 @@
+//! The payments service, black-box: real processes on loopback ports, a plain HTTP/1.1
+//! client that drops responses and retries, and the ledger checked afterwards.
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use turnstile_test_support::{free_port, shared_postgres, shared_redis, unique_name};
+
+/// A running `payments` process, killed when dropped.
+struct Service {
+    child: Child,
+    port: u16,
+}
+
+impl Service {
+    fn start(store: &str, extra: &[&str]) -> Service {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_payments"))
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--store", store])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let started = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "payments did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Service { child, port }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Sends one request; `None` for a body means "drop the connection as soon as the
+/// request is written", a response lost on the way back.
+fn send(
+    port: u16,
+    method: &str,
+    path: &str,
+    tenant: &str,
+    key: Option<&str>,
+    body: &str,
+    read: bool,
+) -> Option<(u16, String)> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let key = key.map_or(String::new(), |key| {
+        format!("Idempotency-Key: \"{key}\"\r\n")
+    });
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {tenant}\r\n{key}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).ok()?;
+    if !read {
+        return None;
+    }
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.split(' ').nth(1)?.parse().ok()?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())?;
+    Some((status, body))
+}
+
+fn pay(port: u16, tenant: &str, account: &str, key: &str, cents: i64) -> (u16, String) {
+    let body = format!("{{\"amount_cents\":{cents},\"currency\":\"USD\",\"reference\":\"{key}\"}}");
+    send(
+        port,
+        "POST",
+        &format!("/accounts/{account}/payments"),
+        tenant,
+        Some(key),
+        &body,
+        true,
+    )
+    .expect("no response")
+}
+
+fn payments(port: u16, tenant: &str, account: &str) -> Vec<serde_json::Value> {
+    let (status, body) = send(
+        port,
+        "GET",
+        &format!("/accounts/{account}/payments"),
+        tenant,
+        None,
+        "",
+        true,
+    )
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+    value["payments"].as_array().unwrap().clone()
+}
+
+/// Every key is sent once with its response dropped, then retried until answered: the
+/// ledger holds exactly one payment per key, and each retry saw that payment.
+fn dropped_responses_charge_once(store: &str, extra: &[&str]) {
+    let service = Service::start(store, extra);
+    let account = unique_name("acct");
+    let mut seen = BTreeSet::new();
+    for i in 0..20 {
+        let key = format!("key-{i}");
+        let body = format!("{{\"amount_cents\":100,\"currency\":\"USD\",\"reference\":\"{key}\"}}");
+        let _ = send(
+            service.port,
+            "POST",
+            &format!("/accounts/{account}/payments"),
+            "acme",
+            Some(&key),
+            &body,
+            false,
+        );
+        let answer = loop {
+            let (status, body) = pay(service.port, "acme", &account, &key, 100);
+            match status {
+                201 => break body,
+                // The dropped request is still being processed: retry as a client would.
+                409 => std::thread::sleep(Duration::from_millis(50)),
+                other => panic!("unexpected {other}: {body}"),
+            }
+        };
+        let payment: serde_json::Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!(payment["reference"], key.as_str());
+        seen.insert(payment["payment_id"].as_str().unwrap().to_owned());
+        // And once more: a replay of the same payment.
+        let (status, again) = pay(service.port, "acme", &account, &key, 100);
+        assert_eq!(status, 201);
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&again).unwrap()["payment_id"],
+            payment["payment_id"]
+        );
+    }
+    let ledger = payments(service.port, "acme", &account);
+    assert_eq!(ledger.len(), 20, "charges must equal unique keys");
+    let ids: BTreeSet<String> = ledger
+        .iter()
+        .map(|p| p["payment_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(ids, seen);
+}
+
+#[test]
+fn sqlite_store_charges_once_through_dropped_responses() {
+    let dir = tempfile::tempdir().unwrap();
+    dropped_responses_charge_once(
+        &format!("sqlite://{}", dir.path().join("p.db").display()),
+        &[],
+    );
+}
+
+#[test]
+fn postgres_store_charges_once_through_dropped_responses() {
+    dropped_responses_charge_once(&shared_postgres().fresh_database("payments"), &[]);
+}
+
+#[test]
+fn redis_store_charges_once_through_dropped_responses() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = dir.path().join("ledger.db").display().to_string();
+    let store = format!(
+        "{}?turnstile_prefix={}",
+        shared_redis().url(),
+        unique_name("pay")
+    );
+    dropped_responses_charge_once(&store, &["--ledger", &ledger]);
+}
+
+/// Two instances on one store, concurrent duplicates across both: one payment.
+#[test]
+fn two_instances_charge_once_for_concurrent_duplicates() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("p.db").display());
+    let (a, b) = (
+        Service::start(&store, &["--delay", "300ms"]),
+        Service::start(&store, &["--delay", "300ms"]),
+    );
+    let threads: Vec<_> = (0..10)
+        .map(|i| {
+            let port = if i % 2 == 0 { a.port } else { b.port };
+            std::thread::spawn(move || pay(port, "acme", "acct-dup", "once", 500))
+        })
+        .collect();
+    let mut created = Vec::new();
+    for thread in threads {
+        let (status, body) = thread.join().unwrap();
+        match status {
+            201 => created.push(body),
+            409 => {}
+            other => panic!("unexpected {other}: {body}"),
+        }
+    }
+    assert!(!created.is_empty());
+    created.dedup();
+    assert_eq!(created.len(), 1, "duplicates saw different payments");
+    assert_eq!(payments(a.port, "acme", "acct-dup").len(), 1);
+}
+
+/// An instance killed in the middle of a payment leaves the key claimable; the retry,
+/// on another instance, completes it once.
+#[test]
+fn a_killed_instance_leaves_the_key_to_the_retry() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("p.db").display());
+    let mut slow = Service::start(&store, &["--delay", "3s"]);
+    let body = "{\"amount_cents\":700,\"currency\":\"USD\",\"reference\":\"r\"}";
+    let port = slow.port;
+    let inflight = std::thread::spawn(move || {
+        send(
+            port,
+            "POST",
+            "/accounts/acct-kill/payments",
+            "acme",
+            Some("killed"),
+            body,
+            true,
+        )
+    });
+    std::thread::sleep(Duration::from_millis(800));
+    slow.kill();
+    assert!(
+        inflight.join().unwrap().is_none(),
+        "the killed instance answered"
+    );
+    let other = Service::start(&store, &[]);
+    let (status, answer) = pay(other.port, "acme", "acct-kill", "killed", 700);
+    assert_eq!(status, 201, "{answer}");
+    assert_eq!(payments(other.port, "acme", "acct-kill").len(), 1);
+}
+
+/// Tenants are isolated: another tenant's account is refused, and the same key in two
+/// tenants is two payments.
+#[test]
+fn tenants_are_isolated() {
+    let dir = tempfile::tempdir().unwrap();
+    let service = Service::start(
+        &format!("sqlite://{}", dir.path().join("p.db").display()),
+        &[],
+    );
+    assert_eq!(pay(service.port, "alice", "acct-alice", "k", 100).0, 201);
+    assert_eq!(pay(service.port, "bob", "acct-alice", "k2", 100).0, 403);
+    let (status, _) = send(
+        service.port,
+        "GET",
+        "/accounts/acct-alice/payments",
+        "bob",
+        None,
+        "",
+        true,
+    )
+    .unwrap();
+    assert_eq!(status, 403);
+    assert_eq!(pay(service.port, "bob", "acct-bob", "k", 100).0, 201);
+    assert_eq!(payments(service.port, "alice", "acct-alice").len(), 1);
+    assert_eq!(payments(service.port, "bob", "acct-bob").len(), 1);
+    // Bad input: a clear answer, nothing charged.
+    let (status, _) = send(
+        service.port,
+        "POST",
+        "/accounts/acct-bob/payments",
+        "bob",
+        Some("x"),
+        "{\"amount_cents\":-5,\"currency\":\"USD\",\"reference\":\"r\"}",
+        true,
+    )
+    .unwrap();
+    assert_eq!(status, 400);
+    let (status, _) = send(
+        service.port,
+        "POST",
+        "/accounts/acct-bob/payments",
+        "bob",
+        None,
+        "{}",
+        true,
+    )
+    .unwrap();
+    assert_eq!(status, 400);
+    let (status, _) = pay(service.port, "bob", "acct-bob", "k", 999);
+    assert_eq!(status, 422, "a reused key with another amount");
+    assert_eq!(payments(service.port, "bob", "acct-bob").len(), 1);
+}
