@@ -171,6 +171,11 @@ impl Process {
         }
     }
 
+    /// The process id of the running server, if it runs.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.lock().unwrap().as_ref().map(Child::id)
+    }
+
     pub(crate) fn signal(&self, signal_number: libc::c_int) {
         if let Some(child) = self.child.lock().unwrap().as_ref() {
             signal(child, signal_number);
@@ -178,9 +183,20 @@ impl Process {
     }
 }
 
-/// Waits until `needle` shows up in the log at `path` and `port` accepts connections.
+/// The length of the log at `path` now (0 if there is none yet): where the lines of a
+/// server about to start will begin.
+pub(crate) fn log_length(path: &Path) -> usize {
+    std::fs::metadata(path).map_or(0, |metadata| {
+        usize::try_from(metadata.len()).unwrap_or(usize::MAX)
+    })
+}
+
+/// Waits until `needle` shows up in the log at `path` after its first `log_from` bytes
+/// (a restarted server appends to the log of its predecessor, whose lines must not
+/// count) and `port` accepts connections.
 pub(crate) fn wait_until_ready(
     path: &Path,
+    log_from: usize,
     needle: &str,
     port: Option<u16>,
     child: &mut Child,
@@ -191,7 +207,11 @@ pub(crate) fn wait_until_ready(
         if let Ok(Some(_)) = child.try_wait() {
             return false;
         }
-        if read_log(path).contains(needle)
+        let log = read_log(path);
+        let fresh = log.as_bytes().get(log_from..).unwrap_or_default();
+        if fresh
+            .windows(needle.len())
+            .any(|window| window == needle.as_bytes())
             && port.is_none_or(|port| TcpStream::connect(("127.0.0.1", port)).is_ok())
         {
             return true;
