@@ -18,10 +18,12 @@ use std::time::{Duration, Instant};
 
 mod mariadb;
 mod postgres;
+mod proxy;
 mod redis;
 
 pub use mariadb::{MariaDbServer, shared_mariadb};
 pub use postgres::{PostgresServer, shared_postgres};
+pub use proxy::TcpProxy;
 pub use redis::{RedisServer, shared_redis};
 
 /// A free TCP port on 127.0.0.1 (free when this returns; the server retries on a clash).
@@ -30,6 +32,55 @@ pub fn free_port() -> u16 {
         .and_then(|listener| listener.local_addr())
         .map(|address| address.port())
         .expect("cannot bind a loopback port")
+}
+
+/// A loopback port that stays closed while this lives: a socket is bound to it but does
+/// not listen, so connections to it are refused and no server (of this test process or
+/// another) can take the port meanwhile, as one can a port that [`free_port`] found free.
+pub struct ClosedPort {
+    _socket: std::os::fd::OwnedFd,
+    port: u16,
+}
+
+impl ClosedPort {
+    /// Binds a socket to a free port on 127.0.0.1 without listening on it.
+    pub fn bind() -> ClosedPort {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain socket calls on a descriptor this function owns; `address` and
+        // `length` outlive the calls that use them.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+            let socket = std::os::fd::OwnedFd::from_raw_fd(fd);
+            let mut address: libc::sockaddr_in = std::mem::zeroed();
+            address.sin_family = libc::AF_INET as libc::sa_family_t;
+            address.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            address.sin_port = 0;
+            let mut length = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let raw = std::ptr::from_mut(&mut address).cast::<libc::sockaddr>();
+            assert_eq!(
+                libc::bind(fd, raw, length),
+                0,
+                "bind: {}",
+                std::io::Error::last_os_error()
+            );
+            assert_eq!(
+                libc::getsockname(fd, raw, &mut length),
+                0,
+                "getsockname: {}",
+                std::io::Error::last_os_error()
+            );
+            ClosedPort {
+                _socket: socket,
+                port: u16::from_be(address.sin_port),
+            }
+        }
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
 }
 
 type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
