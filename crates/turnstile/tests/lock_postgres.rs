@@ -2,6 +2,7 @@
 //! durable database does.
 
 mod conformance;
+mod faults;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,7 +13,7 @@ use turnstile::ErrorKind;
 use turnstile::fence::FencingToken;
 use turnstile::lock::postgres::{PostgresLockConfig, PostgresLockStore};
 use turnstile::lock::{LockOptions, Locker, LossReason};
-use turnstile_test_support::{PostgresServer, shared_postgres};
+use turnstile_test_support::{PostgresServer, TcpProxy, shared_postgres, unique_name};
 
 /// Clients of one database of the shared server.
 struct PostgresDatabase {
@@ -644,4 +645,171 @@ async fn refusals_are_configuration_errors_that_say_why() {
             .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
     assert!(!error.to_string().contains("pool timed out"), "{error}");
+}
+
+/// A lease holder cut off by a partition stops before the next holder starts: its
+/// lost signal fires at its local deadline, and a client polling the database
+/// directly gets the lock only after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_holder_stops_before_the_next_holder_starts() {
+    let server = shared_postgres();
+    let url = server.fresh_database("partition");
+    let proxy = TcpProxy::start(server.port());
+    let holder = Locker::new(
+        PostgresLockStore::connect(&proxy.url_for(&url))
+            .await
+            .unwrap(),
+    );
+    let direct = Locker::new(PostgresLockStore::connect(&url).await.unwrap());
+    faults::a_partitioned_holder_stops_before_the_next_holder_starts(
+        &proxy,
+        &holder,
+        &direct,
+        Duration::from_secs(3),
+    )
+    .await;
+}
+
+/// The lease of the fault exercises.
+const FAULT_TTL: Duration = Duration::from_millis(1_500);
+
+fn fault_lease() -> LockOptions {
+    LockOptions::new()
+        .ttl(FAULT_TTL)
+        .wait(Duration::from_secs(2))
+}
+
+/// Three clients of `url` (lease or session mode), each with its own store, making
+/// fenced writes in transactions of their store's application pool.
+async fn postgres_contenders(url: &str) -> Vec<faults::Contender> {
+    let resource = unique_name("resource");
+    let mut contenders = Vec::new();
+    for _ in 0..3 {
+        let locker = Locker::connect(url).await.unwrap();
+        let base = url.split('?').next().unwrap();
+        let store = PostgresLockStore::connect(base).await.unwrap();
+        let (pool, fence, resource) = (store.pool().clone(), store.fence(), resource.clone());
+        let write: faults::Write = std::sync::Arc::new(move |token| {
+            let (pool, fence, resource) = (pool.clone(), fence.clone(), resource.clone());
+            Box::pin(async move {
+                let mut transaction = pool.begin().await.map_err(|e| e.to_string())?;
+                let outcome = fence
+                    .check_and_record(&mut transaction, &resource, token)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                transaction.commit().await.map_err(|e| e.to_string())?;
+                Ok(outcome)
+            })
+        });
+        contenders.push(faults::Contender { locker, write });
+    }
+    contenders
+}
+
+/// Ends every session of the database but the caller's; returns how many it ended.
+async fn terminate_sessions(admin: &sqlx::PgPool, filter: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid() {filter}) AS t"
+    )))
+    .fetch_one(admin)
+    .await
+    .unwrap()
+}
+
+/// A restart (data kept) while contenders hold and wait in lease mode: the lease is in
+/// the table and expires by the database clock, so nobody shares the lock; a holder
+/// that cannot renew in time stops at its local deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_holds_across_a_restart_in_lease_mode() {
+    let server = PostgresServer::spawn();
+    let contenders = postgres_contenders(&server.url()).await;
+    let exercise = faults::Exercise::start(
+        &unique_name("restart"),
+        &fault_lease(),
+        faults::Work::SHORT,
+        contenders,
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    exercise.new_holder().await;
+    server.restart();
+    let back = tokio::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: true,
+        reasons: &[LossReason::RenewalFailed],
+        someone_loses: false,
+        faults: &[back],
+        detect_slack: Duration::ZERO,
+    });
+}
+
+/// Every session of the database ended (pg_terminate_backend) three times while
+/// contenders hold and wait in lease mode: the pools reconnect, nobody loses the lock
+/// and nobody shares it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_holds_and_nobody_loses_when_sessions_are_terminated_in_lease_mode() {
+    let url = shared_postgres().fresh_database("terminate");
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let contenders = postgres_contenders(&url).await;
+    let exercise = faults::Exercise::start(
+        &unique_name("terminate"),
+        &fault_lease(),
+        faults::Work::SHORT,
+        contenders,
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let mut kills = Vec::new();
+    for _ in 0..3 {
+        exercise.new_holder().await;
+        assert!(terminate_sessions(&admin, "").await > 0);
+        kills.push(tokio::time::Instant::now());
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: true,
+        reasons: &[],
+        someone_loses: false,
+        faults: &kills,
+        detect_slack: Duration::ZERO,
+    });
+}
+
+/// Session mode: the holder's session ended (pg_terminate_backend) frees the lock at
+/// once, so the next holder may start before the old one can know; the old one learns
+/// at its next renewal, within TTL/3, and its late writes are fenced out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_session_is_fenced_and_noticed_within_a_third_of_the_ttl() {
+    let url = shared_postgres().fresh_database("sessionkill");
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let contenders = postgres_contenders(&format!("{url}?turnstile_mode=session")).await;
+    // Sections longer than the renewal interval: the holder is still at work when its
+    // next renewal finds its session gone.
+    let work = faults::Work {
+        writes: 8,
+        pause: Duration::from_millis(120),
+    };
+    let exercise = faults::Exercise::start(&unique_name("sessionkill"), &fault_lease(), work, contenders);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut kills = Vec::new();
+    for _ in 0..2 {
+        exercise.new_holder().await;
+        let ended = terminate_sessions(
+            &admin,
+            "AND pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted)",
+        )
+        .await;
+        assert_eq!(ended, 1, "the holder's session was not found");
+        kills.push(tokio::time::Instant::now());
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: false,
+        reasons: &[LossReason::Expired, LossReason::TakenOver],
+        someone_loses: true,
+        faults: &kills,
+        detect_slack: Duration::from_millis(300),
+    });
 }
