@@ -15,7 +15,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use turnstile::ErrorKind;
 use turnstile::lock::{
-    ExtendOutcome, LockName, LockOptions, Locker, LossReason, OwnerId, ReleaseOutcome, TryAcquire,
+    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LockOptions, Locker, LossReason,
+    OwnerId, ReleaseOutcome, ReleaseWatch, TryAcquire,
 };
 
 /// A store under test.
@@ -680,6 +681,334 @@ pub async fn a_paused_holders_late_write_is_rejected<W, WriteFut, R, ReadFut>(
     b.release().await.unwrap();
 }
 
+/// A store wrapper that counts what reaches the store: which owners asked for the lock
+/// (and when), how many release watches and hand-overs there were. Everything is passed
+/// on unchanged (a hand-over stays one atomic step where the engine has one).
+#[derive(Debug)]
+pub struct Counting {
+    inner: Arc<dyn LockBackend>,
+    attempts: std::sync::Mutex<Vec<(Instant, String)>>,
+    answered: Arc<AtomicUsize>,
+    watches: AtomicUsize,
+    hand_overs: AtomicUsize,
+}
+
+impl Counting {
+    /// Wraps the store of `locker`; returns a locker over the wrapper (with a local
+    /// queue of its own) and the counts.
+    pub fn wrap(locker: &Locker) -> (Locker, Arc<Counting>) {
+        let counting = Arc::new(Counting {
+            inner: locker.backend().clone(),
+            attempts: std::sync::Mutex::default(),
+            answered: Arc::new(AtomicUsize::new(0)),
+            watches: AtomicUsize::new(0),
+            hand_overs: AtomicUsize::new(0),
+        });
+        let backend: Arc<dyn LockBackend> = counting.clone();
+        (Locker::from_arc(backend), counting)
+    }
+
+    /// Every `try_acquire` so far: when it was sent, by which owner.
+    pub fn attempts(&self) -> Vec<(Instant, String)> {
+        self.attempts.lock().unwrap().clone()
+    }
+
+    /// How many `try_acquire` calls the store has answered.
+    pub fn answered(&self) -> usize {
+        self.answered.load(Ordering::SeqCst)
+    }
+
+    /// How many release watches were opened.
+    pub fn watches(&self) -> usize {
+        self.watches.load(Ordering::SeqCst)
+    }
+
+    /// How many hand-overs were sent.
+    pub fn hand_overs(&self) -> usize {
+        self.hand_overs.load(Ordering::SeqCst)
+    }
+}
+
+impl LockBackend for Counting {
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, turnstile::Result<TryAcquire>> {
+        self.attempts
+            .lock()
+            .unwrap()
+            .push((Instant::now(), owner.to_hex()));
+        let answered = self.answered.clone();
+        let attempt = self.inner.try_acquire(name, owner, ttl);
+        Box::pin(async move {
+            let answer = attempt.await;
+            answered.fetch_add(1, Ordering::SeqCst);
+            answer
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, turnstile::Result<ExtendOutcome>> {
+        self.inner.extend(name, owner, ttl)
+    }
+
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+    ) -> BoxFuture<'a, turnstile::Result<ReleaseOutcome>> {
+        self.inner.release(name, owner)
+    }
+
+    fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, turnstile::Result<Option<LockInfo>>> {
+        self.inner.inspect(name)
+    }
+
+    fn force_release<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, turnstile::Result<Option<LockInfo>>> {
+        self.inner.force_release(name)
+    }
+
+    fn watch_releases<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, turnstile::Result<ReleaseWatch>> {
+        self.watches.fetch_add(1, Ordering::SeqCst);
+        self.inner.watch_releases(name)
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn migrate(&self) -> BoxFuture<'_, turnstile::Result<()>> {
+        self.inner.migrate()
+    }
+
+    fn hand_over<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: &'a OwnerId,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, turnstile::Result<(ReleaseOutcome, TryAcquire)>> {
+        self.hand_overs.fetch_add(1, Ordering::SeqCst);
+        self.inner.hand_over(name, from, to, ttl)
+    }
+}
+
+/// Waits (bounded) until `condition` holds.
+async fn eventually(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
+    let until = Instant::now() + limit;
+    while !condition() {
+        assert!(Instant::now() < until, "{what} did not happen within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Waits (bounded) until the one store contender of a counted locker sleeps: it has
+/// asked, subscribed, and had the answer to asking again (the re-check after
+/// subscribing). It goes to sleep, offering itself for a hand-over, in the same poll
+/// that receives that answer; the short grace covers the hop between threads.
+async fn contender_sleeps(counting: &Counting) {
+    eventually("the contender waiting at the store", Duration::from_secs(5), || {
+        counting.watches() >= 1 && counting.answered() >= 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+}
+
+/// Tasks of one process that start waiting one after another get the lock in that
+/// order.
+pub async fn local_waiters_are_served_first_come_first_served(store: impl TestStore) {
+    let lock = name("fifo");
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let guard = locker.acquire(&lock, &options(30_000)).await.unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for waiter in 0..5 {
+        let (locker, lock, order) = (locker.clone(), lock.clone(), order.clone());
+        let (started, is_started) = tokio::sync::oneshot::channel();
+        waiters.push(tokio::spawn(async move {
+            let _ = started.send(());
+            let guard = locker
+                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+                .await
+                .unwrap();
+            order.lock().unwrap().push(waiter);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            guard.release().await.unwrap();
+        }));
+        is_started.await.unwrap();
+        if waiter == 0 {
+            // The first waiter is the one that talks to the store.
+            contender_sleeps(&counting).await;
+        } else {
+            // Its acquire was entered in the same poll that sent `started`; the gap
+            // only orders it before the next one.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+    }
+    guard.release().await.unwrap();
+    for waiter in waiters {
+        tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("a waiter never got the lock")
+            .unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+}
+
+/// However many tasks of one process wait for a name, the store sees one contender:
+/// one owner asking, one release watch.
+pub async fn one_store_contender_per_name_per_process(store: impl TestStore) {
+    let lock = name("contender");
+    let holder = store.locker().await;
+    let guard = holder.acquire(&lock, &options(30_000)).await.unwrap();
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let mut waiters = Vec::new();
+    for _ in 0..5 {
+        let (locker, lock) = (locker.clone(), lock.clone());
+        waiters.push(tokio::spawn(async move {
+            let guard = locker
+                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            guard.release().await.unwrap();
+        }));
+    }
+    contender_sleeps(&counting).await;
+    // A window in which polling engines poll several times, and in which any other
+    // waiter that went to the store would show up.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let owners: std::collections::HashSet<String> =
+        counting.attempts().into_iter().map(|(_, owner)| owner).collect();
+    assert_eq!(owners.len(), 1, "several waiters of one process asked the store");
+    assert_eq!(counting.watches(), 1, "several waiters of one process subscribed");
+    guard.release().await.unwrap();
+    for waiter in waiters {
+        tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("a waiter never got the lock")
+            .unwrap();
+    }
+}
+
+/// A release with a task of the same process waiting hands the lock straight over:
+/// the next holder gets a new, larger token, and the store knows it as the holder.
+pub async fn a_hand_over_issues_a_new_larger_token(store: impl TestStore) {
+    let lock = name("handover");
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let first = locker.acquire(&lock, &options(30_000)).await.unwrap();
+    let first_owner = first.owner().clone();
+    let first_token = first.fencing_token();
+    let next = {
+        let (locker, lock) = (locker.clone(), lock.clone());
+        tokio::spawn(async move {
+            locker
+                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+                .await
+                .unwrap()
+        })
+    };
+    contender_sleeps(&counting).await;
+    let asked = counting.attempts().len();
+    assert_eq!(first.release().await.unwrap(), ReleaseOutcome::Released);
+    let next = tokio::time::timeout(Duration::from_secs(5), next)
+        .await
+        .expect("the waiter did not get the lock")
+        .unwrap();
+    assert_eq!(counting.hand_overs(), 1, "the lock was not handed over");
+    assert_eq!(counting.attempts().len(), asked, "the waiter asked the store again");
+    assert!(
+        next.fencing_token() > first_token,
+        "the hand-over gave token {} after {first_token}",
+        next.fencing_token(),
+    );
+    let status = locker.status(&lock).await.unwrap().expect("held");
+    assert_eq!(status.fencing_token, next.fencing_token());
+    assert_eq!(status.owner, next.owner().to_hex());
+    // The first owner holds nothing any more.
+    assert_eq!(
+        locker
+            .backend()
+            .extend(&LockName::new(&lock).unwrap(), &first_owner, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        ExtendOutcome::Lost(LossReason::TakenOver)
+    );
+    assert_eq!(next.release().await.unwrap(), ReleaseOutcome::Released);
+}
+
+/// With tasks of one process handing the lock to each other without a pause, a waiter
+/// in another process gets in after at most nine of their sections (the one under way
+/// when it started waiting and eight hand-overs), every time.
+pub async fn a_remote_waiter_gets_in_within_nine_local_sections(store: impl TestStore) {
+    let lock = name("cap");
+    let busy = store.locker().await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let starts = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let (busy, lock, stop, starts) = (busy.clone(), lock.clone(), stop.clone(), starts.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                let guard = busy
+                    .acquire(&lock, &options(5_000).wait(Duration::from_secs(30)))
+                    .await
+                    .unwrap();
+                starts.lock().unwrap().push(Instant::now());
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                guard.release().await.unwrap();
+            }
+        }));
+    }
+    eventually("the busy process at work", Duration::from_secs(5), || {
+        starts.lock().unwrap().len() >= 20
+    })
+    .await;
+    let (remote, counting) = Counting::wrap(&store.locker().await);
+    for round in 0..3 {
+        let asked_before = counting.attempts().len();
+        let guard = remote
+            .acquire(&lock, &options(5_000).wait(Duration::from_secs(10)))
+            .await
+            .unwrap_or_else(|error| panic!("round {round}: the remote waiter starved: {error}"));
+        let got_in = Instant::now();
+        let first_ask = counting.attempts()[asked_before].0;
+        let local_sections = starts
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|start| **start > first_ask && **start < got_in)
+            .count();
+        assert!(
+            local_sections <= 9,
+            "round {round}: {local_sections} local sections before the remote waiter got in"
+        );
+        guard.release().await.unwrap();
+        // Let the busy process chain hand-overs again before the next round.
+        let seen = starts.lock().unwrap().len();
+        eventually("the busy process at work again", Duration::from_secs(5), || {
+            starts.lock().unwrap().len() >= seen + 10
+        })
+        .await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
 /// Generates one `#[tokio::test]` per conformance check for the store `$make` builds.
 #[macro_export]
 macro_rules! conformance_tests {
@@ -707,6 +1036,10 @@ macro_rules! conformance_tests {
             an_acquire_repeated_by_its_owner_gets_the_lock_it_has,
             cancelled_acquires_leak_no_lock,
             two_processes_with_long_sections_both_make_progress,
+            local_waiters_are_served_first_come_first_served,
+            one_store_contender_per_name_per_process,
+            a_hand_over_issues_a_new_larger_token,
+            a_remote_waiter_gets_in_within_nine_local_sections,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
