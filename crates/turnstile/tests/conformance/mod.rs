@@ -80,9 +80,11 @@ pub async fn mutual_exclusion_under_contention(store: impl TestStore) {
 /// A holder that vanishes without releasing frees the lock when its TTL runs out.
 pub async fn expiry_frees_a_crashed_holder(store: impl TestStore) {
     let lock = name("crash");
+    let ttl = Duration::from_secs(1);
     let crashed = store.locker().await;
+    let sent = Instant::now();
     let guard = crashed
-        .acquire(&lock, &options(300).watchdog(false))
+        .acquire(&lock, &options(1_000).watchdog(false))
         .await
         .unwrap();
     // A crash: no release, no renewals, the client is gone.
@@ -91,17 +93,18 @@ pub async fn expiry_frees_a_crashed_holder(store: impl TestStore) {
     let other = store.locker().await;
     assert!(
         other
-            .try_acquire(&lock, &options(300))
+            .try_acquire(&lock, &options(1_000))
             .await
             .unwrap()
             .is_none()
     );
-    let started = Instant::now();
     let guard = other.acquire(&lock, &options(5_000)).await.unwrap();
+    // Freed by the expiry of the lease, no sooner, and promptly.
+    let taken = sent.elapsed();
+    assert!(taken >= ttl, "the lock was free {taken:?} after the acquire");
     assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "waited {:?}",
-        started.elapsed()
+        taken < ttl + Duration::from_millis(500),
+        "the lock came free only {taken:?} after the acquire"
     );
     guard.release().await.unwrap();
 }
@@ -167,14 +170,23 @@ pub async fn release_after_expiry_reports_it(store: impl TestStore) {
 pub async fn extend_works(store: impl TestStore) {
     let lock = name("extend");
     let locker = store.locker().await;
+    let ttl = Duration::from_secs(1);
+    let acquired = Instant::now();
     let guard = locker
-        .acquire(&lock, &options(400).watchdog(false))
+        .acquire(&lock, &options(1_000).watchdog(false))
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sent = Instant::now();
     guard.extend().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    // 500 ms after acquiring with a 400 ms TTL: held only thanks to the extension.
+    // The local deadline moved with it: a full TTL from the extension, less the drift.
+    let drift = options(1_000).get_clock_drift();
+    assert!(
+        guard.valid_until() >= sent + ttl - drift,
+        "the extension did not move the deadline"
+    );
+    tokio::time::sleep_until(acquired + ttl + Duration::from_millis(200)).await;
+    // 1.2 s after acquiring with a 1 s TTL: held only thanks to the extension.
     let status = locker
         .status(&lock)
         .await
@@ -190,12 +202,13 @@ pub async fn watchdog_keeps_the_lock_past_several_ttls(store: impl TestStore) {
     let lock = name("watchdog");
     let locker = store.locker().await;
     let other = store.locker().await;
-    let guard = locker.acquire(&lock, &options(200)).await.unwrap();
-    for _ in 0..8 {
-        tokio::time::sleep(Duration::from_millis(150)).await;
+    // 600 ms: renewals every 200 ms, over three TTLs.
+    let guard = locker.acquire(&lock, &options(600)).await.unwrap();
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(
             other
-                .try_acquire(&lock, &options(200))
+                .try_acquire(&lock, &options(600))
                 .await
                 .unwrap()
                 .is_none()
@@ -203,8 +216,8 @@ pub async fn watchdog_keeps_the_lock_past_several_ttls(store: impl TestStore) {
     }
     assert!(!guard.is_lost(), "lost: {:?}", guard.loss_reason());
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
-    // Released: the watchdog must not bring it back.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Released: the watchdog must not bring it back (two renewal intervals).
+    tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(other.status(&lock).await.unwrap().is_none());
 }
 
@@ -214,6 +227,7 @@ pub async fn lost_signal_fires_when_the_lock_is_taken_away(store: impl TestStore
     let lock = name("taken");
     let locker = store.locker().await;
     // The first renewal comes after TTL/3 = 1 s, long after the break and the takeover.
+    let sent = Instant::now();
     let guard = locker.acquire(&lock, &options(3_000)).await.unwrap();
     let operator = store.locker().await;
     let broken = operator
@@ -223,9 +237,13 @@ pub async fn lost_signal_fires_when_the_lock_is_taken_away(store: impl TestStore
         .expect("it was held");
     assert_eq!(broken.fencing_token, guard.fencing_token());
     let thief = operator.acquire(&lock, &options(5_000)).await.unwrap();
-    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
-        .await
-        .expect("the lost signal did not fire");
+    // Told at the first renewal, TTL/3 after the acquire.
+    let reason = tokio::time::timeout_at(
+        sent + Duration::from_millis(1_000 + 500),
+        guard.lost(),
+    )
+    .await
+    .expect("the lost signal did not fire at the first renewal");
     assert_eq!(reason, LossReason::TakenOver);
     assert!(guard.lost_token().is_cancelled());
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::HeldByOther);
@@ -254,7 +272,7 @@ pub async fn a_waiter_wakes_promptly_after_release(store: impl TestStore) {
     let lock = name("wake");
     let holder = store.locker().await;
     let guard = holder.acquire(&lock, &options(30_000)).await.unwrap();
-    let waiter = store.locker().await;
+    let (waiter, counting) = Counting::wrap(&store.locker().await);
     let waiting = {
         let lock = lock.clone();
         tokio::spawn(async move {
@@ -267,14 +285,15 @@ pub async fn a_waiter_wakes_promptly_after_release(store: impl TestStore) {
             woke
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Release only once the waiter is asleep, or it would not need waking.
+    contender_sleeps(&counting).await;
     let released = Instant::now();
     guard.release().await.unwrap();
     let woke = waiting.await.unwrap();
-    // The holder's TTL is 30 s; a wake-up within a couple of seconds can only come from
-    // a release notification (or, across processes on SQLite, the short poll).
+    // The holder's TTL is 30 s; a wake-up this soon can only come from a release
+    // notification (or, where an engine polls, its poll of at most 100 ms).
     assert!(
-        woke - released < Duration::from_secs(2),
+        woke - released < Duration::from_millis(500),
         "woke {:?} after release",
         woke - released
     );
@@ -283,7 +302,7 @@ pub async fn a_waiter_wakes_promptly_after_release(store: impl TestStore) {
 /// Waiters dropped mid-wait leave no holder and no queue behind.
 pub async fn cancelled_waiters_leave_nothing_behind(store: impl TestStore) {
     let lock = name("cancel");
-    let locker = store.locker().await;
+    let (locker, counting) = Counting::wrap(&store.locker().await);
     let guard = locker.acquire(&lock, &options(5_000)).await.unwrap();
     let mut waiters = Vec::new();
     for _ in 0..5 {
@@ -294,7 +313,9 @@ pub async fn cancelled_waiters_leave_nothing_behind(store: impl TestStore) {
                 .await
         }));
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Cancel them while they wait, their contender asleep at the store.
+    contender_sleeps(&counting).await;
+    assert!(waiters.iter().all(|waiter| !waiter.is_finished()));
     for waiter in &waiters {
         waiter.abort();
     }
@@ -302,11 +323,13 @@ pub async fn cancelled_waiters_leave_nothing_behind(store: impl TestStore) {
         assert!(waiter.await.unwrap_err().is_cancelled());
     }
     // Timed-out waiters are cancelled waiters too.
+    let started = Instant::now();
     let error = locker
         .acquire(&lock, &options(5_000).wait(Duration::from_millis(100)))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
+    assert!(started.elapsed() < Duration::from_millis(600), "{:?}", started.elapsed());
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(
@@ -333,12 +356,24 @@ pub async fn acquire_times_out(store: impl TestStore) {
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
     assert!(error.is_retryable());
-    assert!(started.elapsed() >= Duration::from_millis(300));
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(300), "gave up after {waited:?}");
+    assert!(
+        waited < Duration::from_millis(800),
+        "gave up only after {waited:?}"
+    );
+    // No wait at all: one attempt, answered at once.
+    let started = Instant::now();
     let error = other
         .acquire(&lock, &options(5_000).wait(Duration::ZERO))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "a call that may not wait took {:?}",
+        started.elapsed()
+    );
     guard.release().await.unwrap();
 }
 
@@ -347,26 +382,40 @@ pub async fn with_lock_cancels_work_when_the_lock_is_lost(store: impl TestStore)
     let lock = name("with");
     let locker = store.locker().await;
     let operator = store.locker().await;
+    // An operator breaks the lock as soon as the work holds it.
     let breaker = {
         let lock = lock.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            operator.force_release(&lock).await.unwrap()
+            let until = Instant::now() + Duration::from_secs(5);
+            while operator.status(&lock).await.unwrap().is_none() {
+                assert!(Instant::now() < until, "the work never held the lock");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let broken = operator.force_release(&lock).await.unwrap();
+            (broken, Instant::now())
         })
     };
     let finished = Arc::new(AtomicUsize::new(0));
     let flag = finished.clone();
     let error = locker
-        .with_lock(&lock, &options(300), |_token| async move {
+        .with_lock(&lock, &options(900), |_token| async move {
             tokio::time::sleep(Duration::from_secs(10)).await;
             flag.fetch_add(1, Ordering::SeqCst);
         })
         .await
         .unwrap_err();
+    let stopped = Instant::now();
     assert_eq!(error.kind(), ErrorKind::LockLost);
     assert_eq!(error.loss_reason(), Some(LossReason::Expired));
     assert_eq!(finished.load(Ordering::SeqCst), 0);
-    assert!(breaker.await.unwrap().is_some());
+    let (broken, broken_at) = breaker.await.unwrap();
+    assert!(broken.is_some());
+    // Cancelled at the first renewal after the break (every TTL/3 = 300 ms).
+    assert!(
+        stopped - broken_at < Duration::from_millis(300 + 300),
+        "the work ran on {:?} after the break",
+        stopped - broken_at
+    );
 
     let value = locker
         .with_lock(&lock, &options(5_000), |token| async move { token.get() })
@@ -383,14 +432,25 @@ pub async fn with_lock_cancels_work_when_the_lock_is_lost(store: impl TestStore)
 pub async fn max_hold_fires_the_lost_signal(store: impl TestStore) {
     let lock = name("cap");
     let locker = store.locker().await;
+    let cap = Duration::from_millis(1_500);
+    let sent = Instant::now();
+    // Renewals every 200 ms succeed; the cap ends the hold after seven of them.
     let guard = locker
-        .acquire(&lock, &options(200).max_hold(Duration::from_millis(500)))
+        .acquire(&lock, &options(600).max_hold(cap))
         .await
         .unwrap();
-    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
+    let acquired = Instant::now();
+    let reason = tokio::time::timeout(cap + Duration::from_secs(1), guard.lost())
         .await
         .expect("no signal");
+    let fired = Instant::now();
     assert_eq!(reason, LossReason::MaxHoldReached);
+    assert!(fired >= sent + cap, "fired {:?} early", sent + cap - fired);
+    assert!(
+        fired <= acquired + cap + Duration::from_millis(150),
+        "fired {:?} late",
+        fired - (acquired + cap)
+    );
     guard.release().await.unwrap();
 }
 
@@ -399,16 +459,51 @@ pub async fn max_hold_fires_the_lost_signal(store: impl TestStore) {
 pub async fn lease_without_watchdog_signals_at_its_deadline(store: impl TestStore) {
     let lock = name("lease");
     let locker = store.locker().await;
+    let other = store.locker().await;
     let guard = locker
-        .acquire(&lock, &options(300).watchdog(false))
+        .acquire(&lock, &options(1_000).watchdog(false))
         .await
         .unwrap();
     let deadline = guard.valid_until();
-    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
-        .await
-        .expect("no signal");
-    assert_eq!(reason, LossReason::LeaseElapsed);
-    assert!(Instant::now() >= deadline);
+    // A sampler sees the signal within a millisecond of its firing.
+    let sampler = {
+        let lost = guard.lost_token();
+        tokio::spawn(async move {
+            while !lost.is_cancelled() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Instant::now()
+        })
+    };
+    // Another client polls until the store lets it in: the signal must have fired by
+    // then.
+    let taken = loop {
+        if let Some(taken) = other.try_acquire(&lock, &options(5_000)).await.unwrap() {
+            assert!(
+                guard.is_lost(),
+                "another client got the lock before the holder's lost signal fired"
+            );
+            break taken;
+        }
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(2),
+            "the lease never ran out in the store"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let seen = sampler.await.unwrap();
+    assert_eq!(guard.loss_reason(), Some(LossReason::LeaseElapsed));
+    assert!(
+        seen + Duration::from_millis(1) >= deadline,
+        "the signal fired {:?} before the deadline",
+        deadline - seen
+    );
+    assert!(
+        seen <= deadline + Duration::from_millis(150),
+        "the signal fired {:?} after the deadline",
+        seen - deadline
+    );
+    taken.release().await.unwrap();
     guard.release().await.unwrap();
 }
 
@@ -445,11 +540,18 @@ pub async fn dropping_a_guard_releases_it(store: impl TestStore) {
     let lock = name("drop");
     let locker = store.locker().await;
     drop(locker.acquire(&lock, &options(30_000)).await.unwrap());
+    let dropped = Instant::now();
     let other = store.locker().await;
     let guard = other
         .acquire(&lock, &options(30_000).wait(Duration::from_secs(5)))
         .await
         .unwrap();
+    // Released in the background at once, not left to its 30 s lease.
+    assert!(
+        dropped.elapsed() < Duration::from_secs(1),
+        "free only {:?} after the drop",
+        dropped.elapsed()
+    );
     guard.release().await.unwrap();
 }
 
@@ -818,7 +920,7 @@ async fn eventually(what: &str, limit: Duration, mut condition: impl FnMut() -> 
 /// asked, subscribed, and had the answer to asking again (the re-check after
 /// subscribing). It goes to sleep, offering itself for a hand-over, in the same poll
 /// that receives that answer; the short grace covers the hop between threads.
-async fn contender_sleeps(counting: &Counting) {
+pub async fn contender_sleeps(counting: &Counting) {
     eventually("the contender waiting at the store", Duration::from_secs(5), || {
         counting.watches() >= 1 && counting.answered() >= 2
     })
