@@ -217,7 +217,22 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
             (token, got_it)
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The second transaction is seen waiting for a row lock in this test's database.
+    let database = url.rsplit('/').next().unwrap();
+    let waiting = format!(
+        "SELECT COUNT(*) FROM information_schema.INNODB_TRX t
+         JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id
+         WHERE t.trx_state = 'LOCK WAIT' AND p.DB = '{database}'"
+    );
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while shared_mariadb().sql(&waiting).trim() == "0" {
+        assert!(
+            !waiter.is_finished(),
+            "the second transaction did not wait for the lock"
+        );
+        assert!(tokio::time::Instant::now() < until, "nobody waits");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert!(!waiter.is_finished(), "the lock did not hold");
     let committed = tokio::time::Instant::now();
     first.commit().await.unwrap();

@@ -144,6 +144,7 @@ async fn the_applications_pool_can_be_used() {
 #[tokio::test]
 async fn bad_urls_and_options_say_what_is_wrong() {
     let base = shared_postgres().url();
+    let closed = turnstile_test_support::ClosedPort::bind();
     for (url, kind) in [
         (
             format!("{base}?turnstile_schema=bad-name"),
@@ -158,7 +159,7 @@ async fn bad_urls_and_options_say_what_is_wrong() {
             ErrorKind::InvalidUrl,
         ),
         (
-            "postgres://postgres@127.0.0.1:1/x".to_owned(),
+            format!("postgres://postgres@127.0.0.1:{}/x", closed.port()),
             ErrorKind::StoreUnavailable,
         ),
     ] {
@@ -210,7 +211,7 @@ async fn a_paused_holders_late_write_is_rejected() {
                 .unwrap()
         }
     };
-    let lease = LockOptions::new().ttl(Duration::from_millis(200));
+    let lease = LockOptions::new().ttl(Duration::from_millis(500));
     conformance::a_paused_holders_late_write_is_rejected(&Locker::new(store), lease, write, read)
         .await;
 }
@@ -239,7 +240,27 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
             (token, got_it)
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The second transaction is seen waiting on a lock in the database.
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            !waiter.is_finished(),
+            "the second transaction did not wait for the lock"
+        );
+        assert!(tokio::time::Instant::now() < until, "nobody waits");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert!(!waiter.is_finished(), "the lock did not hold");
     let committed = tokio::time::Instant::now();
     first.commit().await.unwrap();
@@ -254,7 +275,7 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
         .await
         .unwrap();
     assert!(third_token > second_token);
-    let locker = Locker::new(store.clone());
+    let (locker, counting) = conformance::Counting::wrap(&Locker::new(store.clone()));
     let lease = {
         let locker = locker.clone();
         tokio::spawn(async move {
@@ -263,7 +284,8 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The lease was refused and waits.
+    conformance::contender_sleeps(&counting).await;
     assert!(
         !lease.is_finished(),
         "the lease did not wait for the transaction"
@@ -399,11 +421,9 @@ mod session {
     async fn terminating_the_holders_backend_fires_the_lost_signal() {
         let database = session_database().await;
         let locker = database.locker().await;
+        let ttl = Duration::from_millis(1_500);
         let guard = locker
-            .acquire(
-                "report",
-                &LockOptions::new().ttl(Duration::from_millis(600)),
-            )
+            .acquire("report", &LockOptions::new().ttl(ttl))
             .await
             .unwrap();
         let admin = sqlx::PgPool::connect(database.url.split('?').next().unwrap())
@@ -418,10 +438,15 @@ mod session {
         .await
         .unwrap();
         assert_eq!(terminated, 1);
-        let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
-            .await
-            .expect("no signal");
+        let terminated_at = tokio::time::Instant::now();
+        // Told at the next renewal, within TTL/3.
+        let (reason, seen) = faults::first_seen_lost(&guard, ttl).await;
         assert_eq!(reason, LossReason::Expired);
+        assert!(
+            seen - terminated_at <= ttl / 3 + Duration::from_millis(300),
+            "the loss was seen {:?} after the termination",
+            seen - terminated_at
+        );
         // And the lock is free for others at once.
         let other = database.locker().await;
         let guard = other
@@ -463,7 +488,7 @@ async fn releases_notify_waiters_and_only_when_someone_waits() {
     let holder_store = PostgresLockStore::connect(&url).await.unwrap();
     let waiter_store = PostgresLockStore::connect(&url).await.unwrap();
     let holder = Locker::new(holder_store.clone());
-    let waiter = Locker::new(waiter_store.clone());
+    let (waiter, counting) = conformance::Counting::wrap(&Locker::new(waiter_store.clone()));
     // Start the waiter's LISTEN connection.
     let _watch = waiter_store
         .watch_releases(&LockName::new("warm-up").unwrap())
@@ -494,7 +519,8 @@ async fn releases_notify_waiters_and_only_when_someone_waits() {
             .acquire("busy", &long.clone().wait(Duration::from_secs(20)))
             .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Release once the waiter is asleep, waiting for the notification.
+    conformance::contender_sleeps(&counting).await;
     let released = tokio::time::Instant::now();
     guard.release().await.unwrap();
     let taken = waiting.await.unwrap().unwrap();
@@ -637,12 +663,14 @@ async fn refusals_are_configuration_errors_that_say_why() {
         assert!(text.contains(says), "{text}");
         assert!(!text.contains(" at line "), "driver internals in {text}");
     }
-    // Nothing listens: unavailable, and the cause is named.
-    let closed = turnstile_test_support::free_port();
-    let error =
-        PostgresLockStore::connect(&format!("postgres://postgres@127.0.0.1:{closed}/postgres"))
-            .await
-            .unwrap_err();
+    // Nothing listens (nor can, while `closed` lives): unavailable, and the cause is named.
+    let closed = turnstile_test_support::ClosedPort::bind();
+    let error = PostgresLockStore::connect(&format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        closed.port()
+    ))
+    .await
+    .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
     assert!(!error.to_string().contains("pool timed out"), "{error}");
 }
