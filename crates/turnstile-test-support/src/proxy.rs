@@ -68,10 +68,7 @@ impl Shared {
     fn wait_open(&self) -> bool {
         let mut gate = self.gate();
         while gate.cut && !gate.stopped {
-            gate = self
-                .changed
-                .wait(gate)
-                .unwrap_or_else(|p| p.into_inner());
+            gate = self.changed.wait(gate).unwrap_or_else(|p| p.into_inner());
         }
         !gate.stopped
     }
@@ -309,9 +306,11 @@ fn pass_on(shared: &Arc<Shared>, id: u64, client: TcpStream) {
         return;
     };
     let _ = upstream.set_nodelay(true);
-    let (Ok(client_in), Ok(upstream_in), Ok(upstream_copy)) =
-        (client.try_clone(), upstream.try_clone(), upstream.try_clone())
-    else {
+    let (Ok(client_in), Ok(upstream_in), Ok(upstream_copy)) = (
+        client.try_clone(),
+        upstream.try_clone(),
+        upstream.try_clone(),
+    ) else {
         return;
     };
     match shared.connections().get_mut(&id) {

@@ -93,7 +93,9 @@ fn url_for_points_a_url_at_the_proxy() {
         proxy.url_for("postgres://postgres@127.0.0.1:6379/db?x=1"),
         format!("postgres://postgres@127.0.0.1:{port}/db?x=1")
     );
-    let wrong = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| proxy.url_for("redis://127.0.0.1:63790")));
+    let wrong = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        proxy.url_for("redis://127.0.0.1:63790")
+    }));
     assert!(wrong.is_err(), "a longer port is not the target's");
 }
 

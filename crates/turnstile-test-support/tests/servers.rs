@@ -46,7 +46,9 @@ fn postgres_starts_keeps_data_across_restarts_and_dies_with_its_handle() {
     server.crash_and_restart();
     // Committed before the crash: recovered from the write-ahead log.
     assert_eq!(
-        server.sql(database, "SELECT id FROM kept ORDER BY id").trim(),
+        server
+            .sql(database, "SELECT id FROM kept ORDER BY id")
+            .trim(),
         "7\n8"
     );
     assert_eq!(server.port(), port);

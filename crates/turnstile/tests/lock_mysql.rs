@@ -52,7 +52,10 @@ fn kill_holder(server: &MariaDbServer, name: &str) {
         server_lock_name(name)
     ));
     let holder = holder.trim();
-    assert!(holder.parse::<u64>().is_ok(), "nobody holds {name}: {holder}");
+    assert!(
+        holder.parse::<u64>().is_ok(),
+        "nobody holds {name}: {holder}"
+    );
     server.sql(&format!("KILL CONNECTION {holder}"));
 }
 
@@ -200,18 +203,12 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
     // Named locks are global on the server: a name no other test uses.
     let name = unique_name("batch");
     let mut first = store.pool().begin().await.unwrap();
-    let first_token = store
-        .lock_in_transaction(&mut first, &name)
-        .await
-        .unwrap();
+    let first_token = store.lock_in_transaction(&mut first, &name).await.unwrap();
     let waiter = {
         let (store, name) = (store.clone(), name.clone());
         tokio::spawn(async move {
             let mut second = store.pool().begin().await.unwrap();
-            let token = store
-                .lock_in_transaction(&mut second, &name)
-                .await
-                .unwrap();
+            let token = store.lock_in_transaction(&mut second, &name).await.unwrap();
             let got_it = tokio::time::Instant::now();
             second.rollback().await.unwrap();
             (token, got_it)

@@ -818,7 +818,12 @@ async fn a_terminated_session_is_fenced_and_noticed_within_a_third_of_the_ttl() 
         writes: 8,
         pause: Duration::from_millis(120),
     };
-    let exercise = faults::Exercise::start(&unique_name("sessionkill"), &fault_lease(), work, contenders);
+    let exercise = faults::Exercise::start(
+        &unique_name("sessionkill"),
+        &fault_lease(),
+        work,
+        contenders,
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut kills = Vec::new();
     for _ in 0..2 {

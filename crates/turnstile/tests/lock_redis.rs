@@ -391,7 +391,10 @@ async fn a_waiter_recovers_promptly_from_a_server_restart() {
         if subscribers == 1 {
             break;
         }
-        assert!(std::time::Instant::now() < until, "the waiter never subscribed");
+        assert!(
+            std::time::Instant::now() < until,
+            "the waiter never subscribed"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let restarted = std::time::Instant::now();
@@ -572,12 +575,9 @@ fn fault_lease() -> LockOptions {
 /// find its connections on the server), writing one resource through a fenced store.
 async fn redis_contenders(server: &RedisServer) -> (Vec<faults::Contender>, Vec<TcpProxy>) {
     let prefix = unique_name("faults");
-    let fenced = RedisFencedStore::connect(&format!(
-        "{}?turnstile_prefix={prefix}",
-        server.url()
-    ))
-    .await
-    .unwrap();
+    let fenced = RedisFencedStore::connect(&format!("{}?turnstile_prefix={prefix}", server.url()))
+        .await
+        .unwrap();
     let resource = unique_name("resource");
     let mut contenders = Vec::new();
     let mut proxies = Vec::new();
@@ -607,7 +607,12 @@ async fn redis_contenders(server: &RedisServer) -> (Vec<faults::Contender>, Vec<
 async fn exclusion_holds_when_the_server_is_killed() {
     let server = RedisServer::spawn();
     let (contenders, _proxies) = redis_contenders(&server).await;
-    let exercise = faults::Exercise::start(&unique_name("killed"), &fault_lease(), faults::Work::SHORT, contenders);
+    let exercise = faults::Exercise::start(
+        &unique_name("killed"),
+        &fault_lease(),
+        faults::Work::SHORT,
+        contenders,
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     exercise.new_holder().await;
     server.kill();
@@ -637,7 +642,8 @@ async fn a_restart_that_loses_the_lock_is_fenced_and_noticed_within_a_third_of_t
         writes: 8,
         pause: Duration::from_millis(120),
     };
-    let exercise = faults::Exercise::start(&unique_name("restart"), &fault_lease(), work, contenders);
+    let exercise =
+        faults::Exercise::start(&unique_name("restart"), &fault_lease(), work, contenders);
     tokio::time::sleep(Duration::from_secs(1)).await;
     exercise.new_holder().await;
     server.restart();
@@ -658,7 +664,12 @@ async fn a_restart_that_loses_the_lock_is_fenced_and_noticed_within_a_third_of_t
 async fn exclusion_holds_when_the_server_is_paused_past_the_lease() {
     let server = RedisServer::spawn();
     let (contenders, _proxies) = redis_contenders(&server).await;
-    let exercise = faults::Exercise::start(&unique_name("paused"), &fault_lease(), faults::Work::SHORT, contenders);
+    let exercise = faults::Exercise::start(
+        &unique_name("paused"),
+        &fault_lease(),
+        faults::Work::SHORT,
+        contenders,
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
     exercise.new_holder().await;
     server.pause();
@@ -683,7 +694,12 @@ async fn exclusion_holds_and_nobody_loses_when_the_holders_connection_is_killed(
     let client = redis::Client::open(server.url()).unwrap();
     let mut admin = client.get_multiplexed_async_connection().await.unwrap();
     let (contenders, proxies) = redis_contenders(&server).await;
-    let exercise = faults::Exercise::start(&unique_name("clientkill"), &fault_lease(), faults::Work::SHORT, contenders);
+    let exercise = faults::Exercise::start(
+        &unique_name("clientkill"),
+        &fault_lease(),
+        faults::Work::SHORT,
+        contenders,
+    );
     tokio::time::sleep(Duration::from_millis(800)).await;
     let mut kills = Vec::new();
     for _ in 0..3 {

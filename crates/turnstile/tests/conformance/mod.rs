@@ -101,7 +101,10 @@ pub async fn expiry_frees_a_crashed_holder(store: impl TestStore) {
     let guard = other.acquire(&lock, &options(5_000)).await.unwrap();
     // Freed by the expiry of the lease, no sooner, and promptly.
     let taken = sent.elapsed();
-    assert!(taken >= ttl, "the lock was free {taken:?} after the acquire");
+    assert!(
+        taken >= ttl,
+        "the lock was free {taken:?} after the acquire"
+    );
     assert!(
         taken < ttl + Duration::from_millis(500),
         "the lock came free only {taken:?} after the acquire"
@@ -238,12 +241,9 @@ pub async fn lost_signal_fires_when_the_lock_is_taken_away(store: impl TestStore
     assert_eq!(broken.fencing_token, guard.fencing_token());
     let thief = operator.acquire(&lock, &options(5_000)).await.unwrap();
     // Told at the first renewal, TTL/3 after the acquire.
-    let reason = tokio::time::timeout_at(
-        sent + Duration::from_millis(1_000 + 500),
-        guard.lost(),
-    )
-    .await
-    .expect("the lost signal did not fire at the first renewal");
+    let reason = tokio::time::timeout_at(sent + Duration::from_millis(1_000 + 500), guard.lost())
+        .await
+        .expect("the lost signal did not fire at the first renewal");
     assert_eq!(reason, LossReason::TakenOver);
     assert!(guard.lost_token().is_cancelled());
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::HeldByOther);
@@ -329,7 +329,11 @@ pub async fn cancelled_waiters_leave_nothing_behind(store: impl TestStore) {
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
-    assert!(started.elapsed() < Duration::from_millis(600), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        started.elapsed()
+    );
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(
@@ -357,7 +361,10 @@ pub async fn acquire_times_out(store: impl TestStore) {
     assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
     assert!(error.is_retryable());
     let waited = started.elapsed();
-    assert!(waited >= Duration::from_millis(300), "gave up after {waited:?}");
+    assert!(
+        waited >= Duration::from_millis(300),
+        "gave up after {waited:?}"
+    );
     assert!(
         waited < Duration::from_millis(800),
         "gave up only after {waited:?}"
@@ -868,7 +875,10 @@ impl LockBackend for Counting {
         self.inner.release(name, owner)
     }
 
-    fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, turnstile::Result<Option<LockInfo>>> {
+    fn inspect<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, turnstile::Result<Option<LockInfo>>> {
         self.inner.inspect(name)
     }
 
@@ -911,7 +921,10 @@ impl LockBackend for Counting {
 async fn eventually(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
     let until = Instant::now() + limit;
     while !condition() {
-        assert!(Instant::now() < until, "{what} did not happen within {limit:?}");
+        assert!(
+            Instant::now() < until,
+            "{what} did not happen within {limit:?}"
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
@@ -921,9 +934,11 @@ async fn eventually(what: &str, limit: Duration, mut condition: impl FnMut() -> 
 /// subscribing). It goes to sleep, offering itself for a hand-over, in the same poll
 /// that receives that answer; the short grace covers the hop between threads.
 pub async fn contender_sleeps(counting: &Counting) {
-    eventually("the contender waiting at the store", Duration::from_secs(5), || {
-        counting.watches() >= 1 && counting.answered() >= 2
-    })
+    eventually(
+        "the contender waiting at the store",
+        Duration::from_secs(5),
+        || counting.watches() >= 1 && counting.answered() >= 2,
+    )
     .await;
     tokio::time::sleep(Duration::from_millis(20)).await;
 }
@@ -992,10 +1007,21 @@ pub async fn one_store_contender_per_name_per_process(store: impl TestStore) {
     // A window in which polling engines poll several times, and in which any other
     // waiter that went to the store would show up.
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let owners: std::collections::HashSet<String> =
-        counting.attempts().into_iter().map(|(_, owner)| owner).collect();
-    assert_eq!(owners.len(), 1, "several waiters of one process asked the store");
-    assert_eq!(counting.watches(), 1, "several waiters of one process subscribed");
+    let owners: std::collections::HashSet<String> = counting
+        .attempts()
+        .into_iter()
+        .map(|(_, owner)| owner)
+        .collect();
+    assert_eq!(
+        owners.len(),
+        1,
+        "several waiters of one process asked the store"
+    );
+    assert_eq!(
+        counting.watches(),
+        1,
+        "several waiters of one process subscribed"
+    );
     guard.release().await.unwrap();
     for waiter in waiters {
         tokio::time::timeout(Duration::from_secs(20), waiter)
@@ -1030,7 +1056,11 @@ pub async fn a_hand_over_issues_a_new_larger_token(store: impl TestStore) {
         .expect("the waiter did not get the lock")
         .unwrap();
     assert_eq!(counting.hand_overs(), 1, "the lock was not handed over");
-    assert_eq!(counting.attempts().len(), asked, "the waiter asked the store again");
+    assert_eq!(
+        counting.attempts().len(),
+        asked,
+        "the waiter asked the store again"
+    );
     assert!(
         next.fencing_token() > first_token,
         "the hand-over gave token {} after {first_token}",
@@ -1043,7 +1073,11 @@ pub async fn a_hand_over_issues_a_new_larger_token(store: impl TestStore) {
     assert_eq!(
         locker
             .backend()
-            .extend(&LockName::new(&lock).unwrap(), &first_owner, Duration::from_secs(30))
+            .extend(
+                &LockName::new(&lock).unwrap(),
+                &first_owner,
+                Duration::from_secs(30)
+            )
             .await
             .unwrap(),
         ExtendOutcome::Lost(LossReason::TakenOver)
@@ -1100,9 +1134,11 @@ pub async fn a_remote_waiter_gets_in_within_nine_local_sections(store: impl Test
         guard.release().await.unwrap();
         // Let the busy process chain hand-overs again before the next round.
         let seen = starts.lock().unwrap().len();
-        eventually("the busy process at work again", Duration::from_secs(5), || {
-            starts.lock().unwrap().len() >= seen + 10
-        })
+        eventually(
+            "the busy process at work again",
+            Duration::from_secs(5),
+            || starts.lock().unwrap().len() >= seen + 10,
+        )
         .await;
     }
     stop.store(true, Ordering::SeqCst);

@@ -280,7 +280,11 @@ async fn contend(
         let guard = match contender.locker.acquire(&name, &options).await {
             Ok(guard) => guard,
             Err(error) => {
-                shared.acquire_errors.lock().unwrap().push(error.to_string());
+                shared
+                    .acquire_errors
+                    .lock()
+                    .unwrap()
+                    .push(error.to_string());
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 continue;
             }
@@ -393,7 +397,9 @@ impl Report {
                         .iter()
                         .map(|w| (at(w.sent), at(w.done), w.outcome.clone()))
                         .collect::<Vec<_>>(),
-                    section.loss.map(|(r, seen, deadline)| (r, at(seen), at(deadline))),
+                    section
+                        .loss
+                        .map(|(r, seen, deadline)| (r, at(seen), at(deadline))),
                     section.release,
                 ));
             }
@@ -404,7 +410,10 @@ impl Report {
         };
         let sections = &self.sections;
         if sections.len() < 4 {
-            fail(format!("too few sections to prove anything: {}", sections.len()));
+            fail(format!(
+                "too few sections to prove anything: {}",
+                sections.len()
+            ));
         }
         if let Some(last_fault) = expect.faults.iter().max()
             && sections.iter().filter(|s| s.start > *last_fault).count() < 2
