@@ -18,10 +18,12 @@ use std::time::{Duration, Instant};
 
 mod mariadb;
 mod postgres;
+mod proxy;
 mod redis;
 
 pub use mariadb::{MariaDbServer, shared_mariadb};
 pub use postgres::{PostgresServer, shared_postgres};
+pub use proxy::TcpProxy;
 pub use redis::{RedisServer, shared_redis};
 
 /// A free TCP port on 127.0.0.1 (free when this returns; the server retries on a clash).
@@ -30,6 +32,55 @@ pub fn free_port() -> u16 {
         .and_then(|listener| listener.local_addr())
         .map(|address| address.port())
         .expect("cannot bind a loopback port")
+}
+
+/// A loopback port that stays closed while this lives: a socket is bound to it but does
+/// not listen, so connections to it are refused and no server (of this test process or
+/// another) can take the port meanwhile, as one can a port that [`free_port`] found free.
+pub struct ClosedPort {
+    _socket: std::os::fd::OwnedFd,
+    port: u16,
+}
+
+impl ClosedPort {
+    /// Binds a socket to a free port on 127.0.0.1 without listening on it.
+    pub fn bind() -> ClosedPort {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain socket calls on a descriptor this function owns; `address` and
+        // `length` outlive the calls that use them.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+            let socket = std::os::fd::OwnedFd::from_raw_fd(fd);
+            let mut address: libc::sockaddr_in = std::mem::zeroed();
+            address.sin_family = libc::AF_INET as libc::sa_family_t;
+            address.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            address.sin_port = 0;
+            let mut length = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let raw = std::ptr::from_mut(&mut address).cast::<libc::sockaddr>();
+            assert_eq!(
+                libc::bind(fd, raw, length),
+                0,
+                "bind: {}",
+                std::io::Error::last_os_error()
+            );
+            assert_eq!(
+                libc::getsockname(fd, raw, &mut length),
+                0,
+                "getsockname: {}",
+                std::io::Error::last_os_error()
+            );
+            ClosedPort {
+                _socket: socket,
+                port: u16::from_be(address.sin_port),
+            }
+        }
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
 }
 
 type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
@@ -171,6 +222,11 @@ impl Process {
         }
     }
 
+    /// The process id of the running server, if it runs.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.lock().unwrap().as_ref().map(Child::id)
+    }
+
     pub(crate) fn signal(&self, signal_number: libc::c_int) {
         if let Some(child) = self.child.lock().unwrap().as_ref() {
             signal(child, signal_number);
@@ -178,9 +234,20 @@ impl Process {
     }
 }
 
-/// Waits until `needle` shows up in the log at `path` and `port` accepts connections.
+/// The length of the log at `path` now (0 if there is none yet): where the lines of a
+/// server about to start will begin.
+pub(crate) fn log_length(path: &Path) -> usize {
+    std::fs::metadata(path).map_or(0, |metadata| {
+        usize::try_from(metadata.len()).unwrap_or(usize::MAX)
+    })
+}
+
+/// Waits until `needle` shows up in the log at `path` after its first `log_from` bytes
+/// (a restarted server appends to the log of its predecessor, whose lines must not
+/// count) and `port` accepts connections.
 pub(crate) fn wait_until_ready(
     path: &Path,
+    log_from: usize,
     needle: &str,
     port: Option<u16>,
     child: &mut Child,
@@ -191,7 +258,11 @@ pub(crate) fn wait_until_ready(
         if let Ok(Some(_)) = child.try_wait() {
             return false;
         }
-        if read_log(path).contains(needle)
+        let log = read_log(path);
+        let fresh = log.as_bytes().get(log_from..).unwrap_or_default();
+        if fresh
+            .windows(needle.len())
+            .any(|window| window == needle.as_bytes())
             && port.is_none_or(|port| TcpStream::connect(("127.0.0.1", port)).is_ok())
         {
             return true;

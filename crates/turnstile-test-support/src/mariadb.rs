@@ -96,9 +96,11 @@ impl MariaDbServer {
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
+            let log_from = crate::log_length(&self.log_path());
             let mut child = spawn_tied_to_process(command).expect("cannot start mariadbd");
             if wait_until_ready(
                 &self.log_path(),
+                log_from,
                 &format!("port: {port}"),
                 Some(port),
                 &mut child,
@@ -129,6 +131,11 @@ impl MariaDbServer {
             String::from_utf8_lossy(&output.stderr)
         );
         String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// The server's process id while it runs (`None` after [`kill`](Self::kill)).
+    pub fn pid(&self) -> Option<u32> {
+        self.process.pid()
     }
 
     /// The port it listens on.

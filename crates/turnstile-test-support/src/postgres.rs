@@ -114,10 +114,12 @@ impl PostgresServer {
                 .stdin(Stdio::null())
                 .stdout(log.try_clone().unwrap())
                 .stderr(log);
+            let log_from = crate::log_length(&self.log_path());
             let mut child =
                 spawn_tied_to_process_as(command, self.run_as).expect("cannot start postgres");
             if wait_until_ready(
                 &self.log_path(),
+                log_from,
                 "database system is ready to accept connections",
                 Some(port),
                 &mut child,
@@ -131,6 +133,11 @@ impl PostgresServer {
             let _ = child.wait();
         }
         panic!("postgres did not start; its log:\n{}", self.log());
+    }
+
+    /// The server's process id while it runs (`None` after [`kill`](Self::kill)).
+    pub fn pid(&self) -> Option<u32> {
+        self.process.pid()
     }
 
     /// The port it listens on.
@@ -148,31 +155,28 @@ impl PostgresServer {
         format!("postgres://postgres@127.0.0.1:{}/{database}", self.port())
     }
 
-    /// Creates a fresh database and returns its URL (one per test keeps tests apart).
-    pub fn fresh_database(&self, label: &str) -> String {
-        let name = crate::unique_name(label).replace('-', "_").to_lowercase();
+    /// Runs SQL as `postgres` in `database` with `psql`; returns the rows, one per line
+    /// with columns separated by `|`.
+    pub fn sql(&self, database: &str, statements: &str) -> String {
         let output = Command::new(postgres_binary("psql"))
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-p",
-                &self.port().to_string(),
-                "-U",
-                "postgres",
-                "-d",
-                "postgres",
-                "-v",
-                "ON_ERROR_STOP=1",
-                "-c",
-            ])
-            .arg(format!("CREATE DATABASE {name}"))
+            .args(["-h", "127.0.0.1", "-p", &self.port().to_string()])
+            .args(["-U", "postgres", "-d", database])
+            .args(["-v", "ON_ERROR_STOP=1", "-X", "-A", "-t", "-q", "-c"])
+            .arg(statements)
             .output()
             .expect("cannot run psql");
         assert!(
             output.status.success(),
-            "CREATE DATABASE failed: {}",
+            "SQL failed: {}",
             String::from_utf8_lossy(&output.stderr)
         );
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    }
+
+    /// Creates a fresh database and returns its URL (one per test keeps tests apart).
+    pub fn fresh_database(&self, label: &str) -> String {
+        let name = crate::unique_name(label).replace('-', "_").to_lowercase();
+        self.sql("postgres", &format!("CREATE DATABASE {name}"));
         self.url_for(&name)
     }
 

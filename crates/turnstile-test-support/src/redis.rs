@@ -90,10 +90,12 @@ impl RedisServer {
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
+            let log_from = crate::log_length(&self.log_path());
             let mut child = spawn_tied_to_process(command).expect("cannot start redis-server");
             let ready = if self.tls {
                 wait_until_ready(
                     &self.log_path(),
+                    log_from,
                     "Ready to accept connections",
                     Some(port),
                     &mut child,
@@ -112,6 +114,11 @@ impl RedisServer {
             last_log = self.log();
         }
         panic!("redis-server did not start; its log:\n{last_log}");
+    }
+
+    /// The server's process id while it runs (`None` after [`kill`](Self::kill)).
+    pub fn pid(&self) -> Option<u32> {
+        self.process.pid()
     }
 
     /// The port it listens on.

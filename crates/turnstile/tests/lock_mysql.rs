@@ -2,6 +2,7 @@
 //! only named locks on sessions do.
 
 mod conformance;
+mod faults;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,7 +12,7 @@ use conformance::TestStore;
 use turnstile::fence::FencingToken;
 use turnstile::lock::mysql::MysqlLockStore;
 use turnstile::lock::{LockOptions, Locker, LossReason, ReleaseOutcome};
-use turnstile_test_support::{MariaDbServer, shared_mariadb};
+use turnstile_test_support::{MariaDbServer, shared_mariadb, unique_name};
 
 struct MysqlDatabase {
     url: String,
@@ -37,51 +38,80 @@ fn options() -> LockOptions {
         .wait(Duration::from_secs(10))
 }
 
+/// The server-side name of a lock whose name is short and plain (as `unique_name`'s
+/// are): `ts:` and the name.
+fn server_lock_name(name: &str) -> String {
+    assert!(name.len() <= 60 && !name.contains(|c: char| c.is_ascii_uppercase()));
+    format!("ts:{name}")
+}
+
+/// Ends the session holding `name` with `KILL CONNECTION`.
+fn kill_holder(server: &MariaDbServer, name: &str) {
+    let holder = server.sql(&format!(
+        "SELECT IS_USED_LOCK('{}')",
+        server_lock_name(name)
+    ));
+    let holder = holder.trim();
+    assert!(
+        holder.parse::<u64>().is_ok(),
+        "nobody holds {name}: {holder}"
+    );
+    server.sql(&format!("KILL CONNECTION {holder}"));
+}
+
+/// A killed session is a certain loss: the next renewal (within TTL/3) says
+/// `Expired`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_holders_session_fires_the_lost_signal() {
     let server = shared_mariadb();
     let url = server.fresh_database("kill");
     let locker = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let ttl = Duration::from_secs(1);
+    let name = unique_name("report");
     let guard = locker
-        .acquire(
-            "report",
-            &LockOptions::new().ttl(Duration::from_millis(600)),
-        )
+        .acquire(&name, &LockOptions::new().ttl(ttl))
         .await
         .unwrap();
-    let holder = server
-        .sql("SELECT ID FROM information_schema.PROCESSLIST WHERE ID = IS_USED_LOCK('ts:report')");
-    server.sql(&format!("KILL CONNECTION {}", holder.trim()));
-    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
-        .await
-        .expect("no signal");
+    kill_holder(server, &name);
+    let killed = tokio::time::Instant::now();
+    let (reason, seen) = faults::first_seen_lost(&guard, ttl).await;
     assert_eq!(reason, LossReason::Expired);
+    assert!(
+        seen - killed <= ttl / 3 + Duration::from_millis(300),
+        "the loss was seen {:?} after the kill",
+        seen - killed
+    );
 }
 
+/// A restart ends every session: the holder's next renewal finds its session dead and
+/// says `Expired` (within TTL/3 of the restart, whether or not the server is back), the
+/// lock is free, and tokens keep increasing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_keep_increasing_across_restarts_and_every_lock_is_freed() {
     let server = MariaDbServer::spawn();
     let url = server.url();
     let locker = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let ttl = Duration::from_secs(3);
+    let name = unique_name("ledger");
     let guard = locker
-        .acquire(
-            "ledger",
-            &LockOptions::new().ttl(Duration::from_millis(600)),
-        )
+        .acquire(&name, &LockOptions::new().ttl(ttl))
         .await
         .unwrap();
     let before = guard.fencing_token();
+    let restarting = tokio::time::Instant::now();
     server.restart();
-    // The restart ended the holder's session: its lock is gone and it is told so.
-    let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost())
-        .await
-        .expect("no signal");
+    let (reason, seen) = faults::first_seen_lost(&guard, ttl).await;
+    assert_eq!(reason, LossReason::Expired);
     assert!(
-        matches!(reason, LossReason::Expired | LossReason::RenewalFailed),
-        "{reason:?}"
+        seen - restarting <= ttl / 3 + Duration::from_millis(500),
+        "the loss was seen {:?} after the restart began",
+        seen - restarting
     );
     let other = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
-    let after = other.acquire("ledger", &options()).await.unwrap();
+    let after = other
+        .acquire(&name, &options().wait(Duration::ZERO))
+        .await
+        .unwrap();
     assert!(after.fencing_token() > before);
     after.release().await.unwrap();
     server.kill();
@@ -91,14 +121,20 @@ async fn tokens_keep_increasing_across_restarts_and_every_lock_is_freed() {
 async fn long_and_mixed_case_names_get_their_own_locks() {
     let url = shared_mariadb().fresh_database("names");
     let locker = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
-    let long = "x".repeat(300);
+    // Named locks are global on the server, across databases and test processes:
+    // every name here is unique.
+    let unique = unique_name("names");
+    let upper = format!("{unique}:Order:1");
+    let lower = format!("{unique}:order:1");
+    let long = format!("{unique}:{}", "x".repeat(300));
     let longer = format!("{long}y");
+    let japanese = format!("{unique}:注文:1");
     let names = [
-        "Order:1",
-        "order:1",
+        upper.as_str(),
+        lower.as_str(),
         long.as_str(),
         longer.as_str(),
-        "注文:1",
+        japanese.as_str(),
     ];
     let mut guards = Vec::new();
     for name in names {
@@ -164,25 +200,36 @@ async fn a_paused_holders_late_write_is_rejected() {
 async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
     let url = shared_mariadb().fresh_database("xact");
     let store = MysqlLockStore::connect(&url).await.unwrap();
+    // Named locks are global on the server: a name no other test uses.
+    let name = unique_name("batch");
     let mut first = store.pool().begin().await.unwrap();
-    let first_token = store
-        .lock_in_transaction(&mut first, "batch")
-        .await
-        .unwrap();
+    let first_token = store.lock_in_transaction(&mut first, &name).await.unwrap();
     let waiter = {
-        let store = store.clone();
+        let (store, name) = (store.clone(), name.clone());
         tokio::spawn(async move {
             let mut second = store.pool().begin().await.unwrap();
-            let token = store
-                .lock_in_transaction(&mut second, "batch")
-                .await
-                .unwrap();
+            let token = store.lock_in_transaction(&mut second, &name).await.unwrap();
             let got_it = tokio::time::Instant::now();
             second.rollback().await.unwrap();
             (token, got_it)
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The second transaction is seen waiting for a row lock in this test's database.
+    let database = url.rsplit('/').next().unwrap();
+    let waiting = format!(
+        "SELECT COUNT(*) FROM information_schema.INNODB_TRX t
+         JOIN information_schema.PROCESSLIST p ON p.ID = t.trx_mysql_thread_id
+         WHERE t.trx_state = 'LOCK WAIT' AND p.DB = '{database}'"
+    );
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while shared_mariadb().sql(&waiting).trim() == "0" {
+        assert!(
+            !waiter.is_finished(),
+            "the second transaction did not wait for the lock"
+        );
+        assert!(tokio::time::Instant::now() < until, "nobody waits");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert!(!waiter.is_finished(), "the lock did not hold");
     let committed = tokio::time::Instant::now();
     first.commit().await.unwrap();
@@ -192,11 +239,11 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
 
     // While a named lock is held, a transaction-scoped lock says so.
     let locker = Locker::new(store.clone());
-    let guard = locker.acquire("batch", &options()).await.unwrap();
+    let guard = locker.acquire(&name, &options()).await.unwrap();
     assert!(guard.fencing_token() > second_token);
     let mut third = store.pool().begin().await.unwrap();
     let error = store
-        .lock_in_transaction(&mut third, "batch")
+        .lock_in_transaction(&mut third, &name)
         .await
         .unwrap_err();
     assert_eq!(error.kind(), turnstile::ErrorKind::Held);
@@ -222,18 +269,25 @@ async fn concurrent_holders_of_both_kinds_get_tokens_in_lock_order() {
         .await
         .unwrap();
     let fence = store.fence();
+    // Named locks are global on the server: a name no other test uses.
+    let name = unique_name("batch");
     let inside = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for worker in 0..8 {
-        let (store, app, fence, inside) =
-            (store.clone(), app.clone(), fence.clone(), inside.clone());
+        let (store, app, fence, inside, name) = (
+            store.clone(),
+            app.clone(),
+            fence.clone(),
+            inside.clone(),
+            name.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let locker = Locker::new(store.clone());
             let mut done = 0;
             while done < 6 {
                 if worker % 4 == 3 {
                     // A named-lock holder.
-                    let guard = locker.acquire("batch", &options()).await.unwrap();
+                    let guard = locker.acquire(&name, &options()).await.unwrap();
                     assert_eq!(
                         inside.fetch_add(1, Ordering::SeqCst),
                         0,
@@ -241,7 +295,7 @@ async fn concurrent_holders_of_both_kinds_get_tokens_in_lock_order() {
                     );
                     let mut transaction = app.begin().await.unwrap();
                     let outcome = fence
-                        .check_and_record(&mut transaction, "batch", guard.fencing_token())
+                        .check_and_record(&mut transaction, &name, guard.fencing_token())
                         .await
                         .unwrap();
                     transaction.commit().await.unwrap();
@@ -255,7 +309,7 @@ async fn concurrent_holders_of_both_kinds_get_tokens_in_lock_order() {
                     continue;
                 }
                 let mut transaction = app.begin().await.unwrap();
-                match store.lock_in_transaction(&mut transaction, "batch").await {
+                match store.lock_in_transaction(&mut transaction, &name).await {
                     Ok(token) => {
                         assert_eq!(
                             inside.fetch_add(1, Ordering::SeqCst),
@@ -263,7 +317,7 @@ async fn concurrent_holders_of_both_kinds_get_tokens_in_lock_order() {
                             "two holders inside"
                         );
                         let outcome = fence
-                            .check_and_record(&mut transaction, "batch", token)
+                            .check_and_record(&mut transaction, &name, token)
                             .await
                             .unwrap();
                         assert!(
@@ -302,8 +356,9 @@ async fn a_dead_session_is_lost_at_once_even_when_the_lookup_cannot_run() {
     let store = MysqlLockStore::connect(&url).await.unwrap();
     let locker = Locker::new(store.clone());
     let ttl = Duration::from_secs(6);
+    let name = unique_name("exhausted");
     let guard = locker
-        .acquire("exhausted", &LockOptions::new().ttl(ttl))
+        .acquire(&name, &LockOptions::new().ttl(ttl))
         .await
         .unwrap();
     let acquired = tokio::time::Instant::now();
@@ -313,10 +368,7 @@ async fn a_dead_session_is_lost_at_once_even_when_the_lookup_cannot_run() {
     for _ in 0..8 {
         hostages.push(store.pool().acquire().await.unwrap());
     }
-    let holder = server.sql(
-        "SELECT ID FROM information_schema.PROCESSLIST WHERE ID = IS_USED_LOCK('ts:exhausted')",
-    );
-    server.sql(&format!("KILL CONNECTION {}", holder.trim()));
+    kill_holder(server, &name);
     let reason = tokio::time::timeout(Duration::from_secs(10), guard.lost())
         .await
         .expect("no signal");
@@ -384,4 +436,62 @@ async fn a_token_ahead_of_the_clock_survives_a_crash() {
     assert_eq!(second.fencing_token(), FencingToken::new(ahead + 2));
     second.release().await.unwrap();
     server.kill();
+}
+
+/// The holder's session ended (`KILL CONNECTION`) while contenders wait: the server
+/// frees the lock at once, so the next holder may start before the old one can know;
+/// the old one learns at its next renewal, within TTL/3, and its late writes are
+/// fenced out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_session_is_fenced_and_noticed_within_a_third_of_the_ttl() {
+    let server = shared_mariadb();
+    let url = server.fresh_database("sessionkill");
+    let resource = unique_name("resource");
+    let mut contenders = Vec::new();
+    for _ in 0..3 {
+        let store = MysqlLockStore::connect(&url).await.unwrap();
+        let (pool, fence, resource) = (store.pool().clone(), store.fence(), resource.clone());
+        let write: faults::Write = std::sync::Arc::new(move |token| {
+            let (pool, fence, resource) = (pool.clone(), fence.clone(), resource.clone());
+            Box::pin(async move {
+                let mut transaction = pool.begin().await.map_err(|e| e.to_string())?;
+                let outcome = fence
+                    .check_and_record(&mut transaction, &resource, token)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                transaction.commit().await.map_err(|e| e.to_string())?;
+                Ok(outcome)
+            })
+        });
+        contenders.push(faults::Contender {
+            locker: Locker::new(store),
+            write,
+        });
+    }
+    let name = unique_name("sessionkill");
+    let ttl = Duration::from_millis(1_500);
+    let lease = LockOptions::new().ttl(ttl).wait(Duration::from_secs(3));
+    // Sections longer than the renewal interval: the holder is still at work when its
+    // next renewal finds its session gone.
+    let work = faults::Work {
+        writes: 8,
+        pause: Duration::from_millis(120),
+    };
+    let exercise = faults::Exercise::start(&name, &lease, work, contenders);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut kills = Vec::new();
+    for _ in 0..2 {
+        exercise.new_holder().await;
+        kill_holder(server, &name);
+        kills.push(tokio::time::Instant::now());
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: false,
+        reasons: &[LossReason::Expired, LossReason::TakenOver],
+        someone_loses: true,
+        faults: &kills,
+        detect_slack: Duration::from_millis(300),
+    });
 }

@@ -2,6 +2,7 @@
 //! durable database does.
 
 mod conformance;
+mod faults;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,7 +13,7 @@ use turnstile::ErrorKind;
 use turnstile::fence::FencingToken;
 use turnstile::lock::postgres::{PostgresLockConfig, PostgresLockStore};
 use turnstile::lock::{LockOptions, Locker, LossReason};
-use turnstile_test_support::{PostgresServer, shared_postgres};
+use turnstile_test_support::{PostgresServer, TcpProxy, shared_postgres, unique_name};
 
 /// Clients of one database of the shared server.
 struct PostgresDatabase {
@@ -143,6 +144,7 @@ async fn the_applications_pool_can_be_used() {
 #[tokio::test]
 async fn bad_urls_and_options_say_what_is_wrong() {
     let base = shared_postgres().url();
+    let closed = turnstile_test_support::ClosedPort::bind();
     for (url, kind) in [
         (
             format!("{base}?turnstile_schema=bad-name"),
@@ -157,7 +159,7 @@ async fn bad_urls_and_options_say_what_is_wrong() {
             ErrorKind::InvalidUrl,
         ),
         (
-            "postgres://postgres@127.0.0.1:1/x".to_owned(),
+            format!("postgres://postgres@127.0.0.1:{}/x", closed.port()),
             ErrorKind::StoreUnavailable,
         ),
     ] {
@@ -209,7 +211,7 @@ async fn a_paused_holders_late_write_is_rejected() {
                 .unwrap()
         }
     };
-    let lease = LockOptions::new().ttl(Duration::from_millis(200));
+    let lease = LockOptions::new().ttl(Duration::from_millis(500));
     conformance::a_paused_holders_late_write_is_rejected(&Locker::new(store), lease, write, read)
         .await;
 }
@@ -238,7 +240,27 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
             (token, got_it)
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The second transaction is seen waiting on a lock in the database.
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            !waiter.is_finished(),
+            "the second transaction did not wait for the lock"
+        );
+        assert!(tokio::time::Instant::now() < until, "nobody waits");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert!(!waiter.is_finished(), "the lock did not hold");
     let committed = tokio::time::Instant::now();
     first.commit().await.unwrap();
@@ -253,7 +275,7 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
         .await
         .unwrap();
     assert!(third_token > second_token);
-    let locker = Locker::new(store.clone());
+    let (locker, counting) = conformance::Counting::wrap(&Locker::new(store.clone()));
     let lease = {
         let locker = locker.clone();
         tokio::spawn(async move {
@@ -262,7 +284,8 @@ async fn a_transaction_scoped_lock_lasts_exactly_as_long_as_its_transaction() {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The lease was refused and waits.
+    conformance::contender_sleeps(&counting).await;
     assert!(
         !lease.is_finished(),
         "the lease did not wait for the transaction"
@@ -398,11 +421,9 @@ mod session {
     async fn terminating_the_holders_backend_fires_the_lost_signal() {
         let database = session_database().await;
         let locker = database.locker().await;
+        let ttl = Duration::from_millis(1_500);
         let guard = locker
-            .acquire(
-                "report",
-                &LockOptions::new().ttl(Duration::from_millis(600)),
-            )
+            .acquire("report", &LockOptions::new().ttl(ttl))
             .await
             .unwrap();
         let admin = sqlx::PgPool::connect(database.url.split('?').next().unwrap())
@@ -417,10 +438,15 @@ mod session {
         .await
         .unwrap();
         assert_eq!(terminated, 1);
-        let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
-            .await
-            .expect("no signal");
+        let terminated_at = tokio::time::Instant::now();
+        // Told at the next renewal, within TTL/3.
+        let (reason, seen) = faults::first_seen_lost(&guard, ttl).await;
         assert_eq!(reason, LossReason::Expired);
+        assert!(
+            seen - terminated_at <= ttl / 3 + Duration::from_millis(300),
+            "the loss was seen {:?} after the termination",
+            seen - terminated_at
+        );
         // And the lock is free for others at once.
         let other = database.locker().await;
         let guard = other
@@ -462,7 +488,7 @@ async fn releases_notify_waiters_and_only_when_someone_waits() {
     let holder_store = PostgresLockStore::connect(&url).await.unwrap();
     let waiter_store = PostgresLockStore::connect(&url).await.unwrap();
     let holder = Locker::new(holder_store.clone());
-    let waiter = Locker::new(waiter_store.clone());
+    let (waiter, counting) = conformance::Counting::wrap(&Locker::new(waiter_store.clone()));
     // Start the waiter's LISTEN connection.
     let _watch = waiter_store
         .watch_releases(&LockName::new("warm-up").unwrap())
@@ -493,7 +519,8 @@ async fn releases_notify_waiters_and_only_when_someone_waits() {
             .acquire("busy", &long.clone().wait(Duration::from_secs(20)))
             .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Release once the waiter is asleep, waiting for the notification.
+    conformance::contender_sleeps(&counting).await;
     let released = tokio::time::Instant::now();
     guard.release().await.unwrap();
     let taken = waiting.await.unwrap().unwrap();
@@ -636,12 +663,14 @@ async fn refusals_are_configuration_errors_that_say_why() {
         assert!(text.contains(says), "{text}");
         assert!(!text.contains(" at line "), "driver internals in {text}");
     }
-    // Nothing listens: unavailable, and the cause is named.
-    let closed = turnstile_test_support::free_port();
-    let error =
-        PostgresLockStore::connect(&format!("postgres://postgres@127.0.0.1:{closed}/postgres"))
-            .await
-            .unwrap_err();
+    // Nothing listens (nor can, while `closed` lives): unavailable, and the cause is named.
+    let closed = turnstile_test_support::ClosedPort::bind();
+    let error = PostgresLockStore::connect(&format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        closed.port()
+    ))
+    .await
+    .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
     assert!(!error.to_string().contains("pool timed out"), "{error}");
 }
@@ -766,4 +795,176 @@ async fn the_listen_connection_ends_with_the_store() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A lease holder cut off by a partition stops before the next holder starts: its
+/// lost signal fires at its local deadline, and a client polling the database
+/// directly gets the lock only after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_holder_stops_before_the_next_holder_starts() {
+    let server = shared_postgres();
+    let url = server.fresh_database("partition");
+    let proxy = TcpProxy::start(server.port());
+    let holder = Locker::new(
+        PostgresLockStore::connect(&proxy.url_for(&url))
+            .await
+            .unwrap(),
+    );
+    let direct = Locker::new(PostgresLockStore::connect(&url).await.unwrap());
+    faults::a_partitioned_holder_stops_before_the_next_holder_starts(
+        &proxy,
+        &holder,
+        &direct,
+        Duration::from_secs(3),
+    )
+    .await;
+}
+
+/// The lease of the fault exercises.
+const FAULT_TTL: Duration = Duration::from_millis(1_500);
+
+fn fault_lease() -> LockOptions {
+    LockOptions::new()
+        .ttl(FAULT_TTL)
+        .wait(Duration::from_secs(2))
+}
+
+/// Three clients of `url` (lease or session mode), each with its own store, making
+/// fenced writes in transactions of their store's application pool.
+async fn postgres_contenders(url: &str) -> Vec<faults::Contender> {
+    let resource = unique_name("resource");
+    let mut contenders = Vec::new();
+    for _ in 0..3 {
+        let locker = Locker::connect(url).await.unwrap();
+        let base = url.split('?').next().unwrap();
+        let store = PostgresLockStore::connect(base).await.unwrap();
+        let (pool, fence, resource) = (store.pool().clone(), store.fence(), resource.clone());
+        let write: faults::Write = std::sync::Arc::new(move |token| {
+            let (pool, fence, resource) = (pool.clone(), fence.clone(), resource.clone());
+            Box::pin(async move {
+                let mut transaction = pool.begin().await.map_err(|e| e.to_string())?;
+                let outcome = fence
+                    .check_and_record(&mut transaction, &resource, token)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                transaction.commit().await.map_err(|e| e.to_string())?;
+                Ok(outcome)
+            })
+        });
+        contenders.push(faults::Contender { locker, write });
+    }
+    contenders
+}
+
+/// Ends every session of the database but the caller's; returns how many it ended.
+async fn terminate_sessions(admin: &sqlx::PgPool, filter: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = current_database() AND pid <> pg_backend_pid() {filter}) AS t"
+    )))
+    .fetch_one(admin)
+    .await
+    .unwrap()
+}
+
+/// A restart (data kept) while contenders hold and wait in lease mode: the lease is in
+/// the table and expires by the database clock, so nobody shares the lock; a holder
+/// that cannot renew in time stops at its local deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_holds_across_a_restart_in_lease_mode() {
+    let server = PostgresServer::spawn();
+    let contenders = postgres_contenders(&server.url()).await;
+    let exercise = faults::Exercise::start(
+        &unique_name("restart"),
+        &fault_lease(),
+        faults::Work::SHORT,
+        contenders,
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    exercise.new_holder().await;
+    server.restart();
+    let back = tokio::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: true,
+        reasons: &[LossReason::RenewalFailed],
+        someone_loses: false,
+        faults: &[back],
+        detect_slack: Duration::ZERO,
+    });
+}
+
+/// Every session of the database ended (pg_terminate_backend) three times while
+/// contenders hold and wait in lease mode: the pools reconnect, nobody loses the lock
+/// and nobody shares it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_holds_and_nobody_loses_when_sessions_are_terminated_in_lease_mode() {
+    let url = shared_postgres().fresh_database("terminate");
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let contenders = postgres_contenders(&url).await;
+    let exercise = faults::Exercise::start(
+        &unique_name("terminate"),
+        &fault_lease(),
+        faults::Work::SHORT,
+        contenders,
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let mut kills = Vec::new();
+    for _ in 0..3 {
+        exercise.new_holder().await;
+        assert!(terminate_sessions(&admin, "").await > 0);
+        kills.push(tokio::time::Instant::now());
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: true,
+        reasons: &[],
+        someone_loses: false,
+        faults: &kills,
+        detect_slack: Duration::ZERO,
+    });
+}
+
+/// Session mode: the holder's session ended (pg_terminate_backend) frees the lock at
+/// once, so the next holder may start before the old one can know; the old one learns
+/// at its next renewal, within TTL/3, and its late writes are fenced out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_session_is_fenced_and_noticed_within_a_third_of_the_ttl() {
+    let url = shared_postgres().fresh_database("sessionkill");
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let contenders = postgres_contenders(&format!("{url}?turnstile_mode=session")).await;
+    // Sections longer than the renewal interval: the holder is still at work when its
+    // next renewal finds its session gone.
+    let work = faults::Work {
+        writes: 8,
+        pause: Duration::from_millis(120),
+    };
+    let exercise = faults::Exercise::start(
+        &unique_name("sessionkill"),
+        &fault_lease(),
+        work,
+        contenders,
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut kills = Vec::new();
+    for _ in 0..2 {
+        exercise.new_holder().await;
+        let ended = terminate_sessions(
+            &admin,
+            "AND pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted)",
+        )
+        .await;
+        assert_eq!(ended, 1, "the holder's session was not found");
+        kills.push(tokio::time::Instant::now());
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: false,
+        reasons: &[LossReason::Expired, LossReason::TakenOver],
+        someone_loses: true,
+        faults: &kills,
+        detect_slack: Duration::from_millis(300),
+    });
 }

@@ -1,6 +1,7 @@
 //! The Redis engine: the conformance suite against a real redis-server, plus faults.
 
 mod conformance;
+mod faults;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,7 +13,7 @@ use turnstile::fence::FenceOutcome;
 use turnstile::fence::redis::RedisFencedStore;
 use turnstile::lock::redis::{RedisLockConfig, RedisLockStore};
 use turnstile::lock::{LockName, LockOptions, Locker, LossReason, ReleaseOutcome};
-use turnstile_test_support::{RedisServer, shared_redis, unique_name};
+use turnstile_test_support::{RedisServer, TcpProxy, shared_redis, unique_name};
 
 /// Clients of one Redis server under a key prefix of their own.
 struct RedisPrefix {
@@ -43,48 +44,59 @@ conformance_tests!(super::shared);
 
 fn short_lease() -> LockOptions {
     LockOptions::new()
-        .ttl(Duration::from_millis(600))
+        .ttl(Duration::from_secs(1))
         .wait(Duration::from_secs(5))
 }
 
+/// A server that dies leaves its holder unable to renew: the lost signal fires with
+/// `RenewalFailed` at the local deadline, not before and not much after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_server_fires_the_lost_signal() {
     let server = RedisServer::spawn();
     let locker = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
     let guard = locker.acquire("job", &short_lease()).await.unwrap();
+    faults::right_after_a_renewal(&guard, short_lease().get_ttl()).await;
     server.kill();
-    let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost())
-        .await
-        .expect("the lost signal did not fire");
+    // No renewal can succeed from here on: this is the deadline.
+    let deadline = guard.valid_until();
+    assert!(!guard.is_lost());
+    let (reason, seen) = faults::first_seen_lost(&guard, short_lease().get_ttl()).await;
     assert_eq!(reason, LossReason::RenewalFailed);
-    // It fired no later than the local validity deadline allows.
-    assert!(tokio::time::Instant::now() >= guard.valid_until());
+    faults::assert_at_deadline(seen, deadline);
 }
 
+/// A frozen server (SIGSTOP: connections open, nothing answers) is the same: the lost
+/// signal fires with `RenewalFailed` at the local deadline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pausing_the_server_fires_the_lost_signal_at_the_deadline() {
     let server = RedisServer::spawn();
     let locker = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
     let guard = locker.acquire("job", &short_lease()).await.unwrap();
+    faults::right_after_a_renewal(&guard, short_lease().get_ttl()).await;
     server.pause();
-    let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost()).await;
+    let deadline = guard.valid_until();
+    let lost = faults::first_seen_lost(&guard, short_lease().get_ttl()).await;
     server.resume();
-    assert_eq!(
-        reason.expect("the lost signal did not fire"),
-        LossReason::RenewalFailed
-    );
+    let (reason, seen) = lost;
+    assert_eq!(reason, LossReason::RenewalFailed);
+    faults::assert_at_deadline(seen, deadline);
 }
 
+/// A restart that loses every key frees the lock; the old holder's next renewal finds
+/// the new holder and says so (`TakenOver`) within TTL/3 of the restart, plus the
+/// reconnection; tokens keep increasing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_that_loses_all_data_frees_the_lock_and_tokens_keep_increasing() {
     let server = RedisServer::spawn();
     let locker = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let ttl = Duration::from_secs(3);
     let guard = locker
-        .acquire("job", &LockOptions::new().ttl(Duration::from_secs(3)))
+        .acquire("job", &LockOptions::new().ttl(ttl))
         .await
         .unwrap();
     let before = guard.fencing_token();
     server.restart();
+    let restarted = tokio::time::Instant::now();
     // The restarted server knows nothing: another client can take the lock, and its
     // token is still larger than every token issued before the restart.
     let other = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
@@ -95,35 +107,50 @@ async fn a_restart_that_loses_all_data_frees_the_lock_and_tokens_keep_increasing
         taken.fencing_token(),
         before
     );
-    // The old holder's watchdog (reconnecting) finds another owner.
-    let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost())
-        .await
-        .expect("no signal");
+    let (reason, seen) = faults::first_seen_lost(&guard, ttl).await;
+    assert_eq!(reason, LossReason::TakenOver);
     assert!(
-        matches!(reason, LossReason::TakenOver | LossReason::RenewalFailed),
-        "{reason:?}"
+        seen - restarted <= ttl / 3 + Duration::from_millis(600),
+        "the loss was seen {:?} after the restart",
+        seen - restarted
     );
     taken.release().await.unwrap();
 }
 
 #[tokio::test]
 async fn an_unreachable_server_is_reported_within_seconds() {
-    let port = turnstile_test_support::free_port();
+    // A port nobody can listen on while the test runs (a merely free port may be taken
+    // by another test's server at once).
+    let closed = turnstile_test_support::ClosedPort::bind();
     let started = std::time::Instant::now();
-    let error = Locker::connect(&format!("redis://127.0.0.1:{port}"))
+    let error = Locker::connect(&format!("redis://127.0.0.1:{}", closed.port()))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
-    assert!(started.elapsed() < Duration::from_secs(8));
+    // A refused connection is known at once; no need to wait for the 3 s timeout.
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        started.elapsed()
+    );
     let error = Locker::connect("redis://no host/").await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::InvalidUrl, "{error}");
 }
 
 #[tokio::test]
 async fn scripts_are_reloaded_after_a_script_flush() {
-    let store = shared().await;
-    let locker = store.locker().await;
-    let client = redis::Client::open(store.url.as_str()).unwrap();
+    // A server of its own: SCRIPT FLUSH on the shared one would hit the other tests.
+    let server = RedisServer::spawn();
+    let locker = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    // The scripts are loaded and in use before the flush.
+    locker
+        .acquire("before-flush", &LockOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
     let mut connection = client.get_multiplexed_async_connection().await.unwrap();
     let _: () = redis::cmd("SCRIPT")
         .arg("FLUSH")
@@ -199,7 +226,7 @@ async fn a_paused_holders_late_write_is_rejected() {
             String::from_utf8(value).unwrap().parse().unwrap()
         }
     };
-    let lease = LockOptions::new().ttl(Duration::from_millis(200));
+    let lease = LockOptions::new().ttl(Duration::from_millis(500));
     conformance::a_paused_holders_late_write_is_rejected(&store.locker().await, lease, write, read)
         .await;
 }
@@ -213,27 +240,32 @@ async fn fenced_writes_compare_large_tokens_exactly() {
     // Adjacent values above 2^53, where a float comparison would call them equal.
     let high = FencingToken::new(u64::MAX - 1);
     let higher = FencingToken::new(u64::MAX);
-    assert!(
-        fenced
-            .write(&resource, higher, b"1")
-            .await
-            .unwrap()
-            .is_applied()
+    assert_eq!(
+        fenced.write(&resource, higher, b"1").await.unwrap(),
+        FenceOutcome::Applied
     );
-    assert!(
-        !fenced
-            .write(&resource, high, b"2")
-            .await
-            .unwrap()
-            .is_applied()
+    assert_eq!(
+        fenced.write(&resource, high, b"2").await.unwrap(),
+        FenceOutcome::Rejected {
+            highest_seen: higher
+        }
     );
-    assert!(
+    // Fewer digits is smaller, though "9" > "1" as text.
+    assert_eq!(
         fenced
             .write(&resource, FencingToken::new(9), b"3")
             .await
-            .unwrap()
-            != FenceOutcome::Applied
+            .unwrap(),
+        FenceOutcome::Rejected {
+            highest_seen: higher
+        }
     );
+    // The same token again is allowed (the holder may write more than once).
+    assert_eq!(
+        fenced.write(&resource, higher, b"4").await.unwrap(),
+        FenceOutcome::Applied
+    );
+    assert_eq!(fenced.read(&resource).await.unwrap().unwrap(), b"4");
 }
 
 #[cfg(feature = "redis-tls")]
@@ -255,11 +287,22 @@ async fn locks_work_over_tls() {
     assert!(guard.fencing_token().get() > 0);
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
     // Without trusting the test CA, the server's certificate is refused.
+    // (Which kind of error it is: see the ignored test below.)
     let error = RedisLockStore::connect(&server.url()).await.unwrap_err();
-    assert!(
-        matches!(error.kind(), ErrorKind::StoreUnavailable | ErrorKind::Store),
-        "{error}"
-    );
+    assert!(error.to_string().contains("certificate"), "{error}");
+}
+
+/// An untrusted server certificate will not become trusted by trying again: it is a
+/// configuration error, like wrong credentials, not an unreachable store.
+#[cfg(feature = "redis-tls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "bug: an untrusted TLS certificate is StoreUnavailable (retryable, \"is it running?\"), not Configuration"]
+async fn an_untrusted_certificate_is_a_configuration_error() {
+    let server = RedisServer::spawn_tls();
+    let error = RedisLockStore::connect(&server.url()).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Configuration, "{error}");
+    assert!(!error.is_retryable());
+    assert!(!error.to_string().contains("is it running"), "{error}");
 }
 
 /// An acquire dropped while its request is in flight leaves no lock behind: the request
@@ -267,8 +310,15 @@ async fn locks_work_over_tls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_dropped_mid_request_leaves_no_lock_behind() {
     let server = RedisServer::spawn();
-    let locker = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    // Through a proxy, to see the request leave for the server.
+    let proxy = TcpProxy::start(server.port());
+    let locker = Locker::new(
+        RedisLockStore::connect(&proxy.url_for(&server.url()))
+            .await
+            .unwrap(),
+    );
     server.pause();
+    let sent_before = proxy.bytes_to_target();
     let pending = {
         let locker = locker.clone();
         tokio::spawn(async move {
@@ -281,12 +331,21 @@ async fn an_acquire_dropped_mid_request_leaves_no_lock_behind() {
         })
     };
     // The request is written and waits in the frozen server's socket.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    faults::eventually("the acquire sent", Duration::from_secs(5), || {
+        proxy.bytes_to_target() > sent_before
+    })
+    .await;
+    let sent_acquire = proxy.bytes_to_target();
     pending.abort();
     assert!(pending.await.unwrap_err().is_cancelled());
+    // The undo the drop spawned follows it on the same connection.
+    faults::eventually("the undo sent", Duration::from_secs(5), || {
+        proxy.bytes_to_target() > sent_acquire
+    })
+    .await;
     server.resume();
-    // The acquire executes now, then the undo: the lock must be free, not held for 30 s.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The server runs the acquire, then the undo, then this (one connection, in order):
+    // the lock must be free, not held for 30 s.
     assert_eq!(locker.status("in-flight").await.unwrap(), None);
 }
 
@@ -305,7 +364,9 @@ async fn a_waiter_recovers_promptly_from_a_server_restart() {
         )
         .await
         .unwrap();
-    let waiter = Locker::new(RedisLockStore::connect(&server.url()).await.unwrap());
+    let waiter_store = RedisLockStore::connect(&server.url()).await.unwrap();
+    let channel = waiter_store.release_channel(&LockName::new("restart").unwrap());
+    let waiter = Locker::new(waiter_store);
     let waiting = tokio::spawn(async move {
         waiter
             .acquire(
@@ -316,12 +377,33 @@ async fn a_waiter_recovers_promptly_from_a_server_restart() {
             )
             .await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Restart once the waiter listens for the release.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, subscribers): (String, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(&channel)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        if subscribers == 1 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "the waiter never subscribed"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let restarted = std::time::Instant::now();
     server.restart();
     let taken = waiting.await.unwrap().expect("the waiter got the lock");
+    // The old holder's lease had 30 s left; the waiter's backoff while the server is
+    // down is at most 1 s.
     assert!(
-        restarted.elapsed() < Duration::from_secs(10),
+        restarted.elapsed() < Duration::from_secs(3),
         "woke after {:?}",
         restarted.elapsed()
     );
@@ -387,7 +469,25 @@ async fn waiters_on_many_names_survive_a_pubsub_connection_kill() {
     };
     waiting.extend(start_waiters(&names[20..]));
     kill.await.unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Every waiter listens again (on a new connection) before the releases.
+    let resubscribed_by = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let channels: Vec<String> = redis::cmd("PUBSUB")
+            .arg("CHANNELS")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        if channels.len() == names.len() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < resubscribed_by,
+            "only {} of {} waiters listen again",
+            channels.len(),
+            names.len()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let released = std::time::Instant::now();
     for guard in guards {
         guard.release().await.unwrap();
@@ -478,4 +578,190 @@ async fn the_wait_bound_beats_a_paused_server() {
         "{text}"
     );
     drop(held);
+}
+
+/// A holder cut off by a partition stops before the next holder starts: its lost
+/// signal fires at its local deadline, and a client polling the server directly gets
+/// the lock only after that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_holder_stops_before_the_next_holder_starts() {
+    let server = shared_redis();
+    let prefix = unique_name("partition");
+    let proxy = TcpProxy::start(server.port());
+    let holder = Locker::new(connect(&proxy.url_for(&server.url()), &prefix).await);
+    let direct = Locker::new(connect(&server.url(), &prefix).await);
+    faults::a_partitioned_holder_stops_before_the_next_holder_starts(
+        &proxy,
+        &holder,
+        &direct,
+        Duration::from_secs(3),
+    )
+    .await;
+}
+
+/// The lease of the fault exercises: long enough for a noisy machine, short enough to
+/// run out a few times within seconds.
+const FAULT_TTL: Duration = Duration::from_millis(1_500);
+
+fn fault_lease() -> LockOptions {
+    LockOptions::new()
+        .ttl(FAULT_TTL)
+        .wait(Duration::from_secs(2))
+}
+
+/// Three clients of `server`, each through a proxy of its own (so that the test can
+/// find its connections on the server), writing one resource through a fenced store.
+async fn redis_contenders(server: &RedisServer) -> (Vec<faults::Contender>, Vec<TcpProxy>) {
+    let prefix = unique_name("faults");
+    let fenced = RedisFencedStore::connect(&format!("{}?turnstile_prefix={prefix}", server.url()))
+        .await
+        .unwrap();
+    let resource = unique_name("resource");
+    let mut contenders = Vec::new();
+    let mut proxies = Vec::new();
+    for _ in 0..3 {
+        let proxy = TcpProxy::start(server.port());
+        let locker = Locker::new(connect(&proxy.url_for(&server.url()), &prefix).await);
+        let (fenced, resource) = (fenced.clone(), resource.clone());
+        let write: faults::Write = std::sync::Arc::new(move |token| {
+            let (fenced, resource) = (fenced.clone(), resource.clone());
+            Box::pin(async move {
+                fenced
+                    .write(&resource, token, token.to_string().as_bytes())
+                    .await
+                    .map_err(|error| error.to_string())
+            })
+        });
+        contenders.push(faults::Contender { locker, write });
+        proxies.push(proxy);
+    }
+    (contenders, proxies)
+}
+
+/// The server is killed for longer than the lease, then comes back empty: the holder
+/// stops at its local deadline (`RenewalFailed`), nobody is inside meanwhile, and
+/// holders after the restart get larger tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_holds_when_the_server_is_killed() {
+    let server = RedisServer::spawn();
+    let (contenders, _proxies) = redis_contenders(&server).await;
+    let exercise = faults::Exercise::start(
+        &unique_name("killed"),
+        &fault_lease(),
+        faults::Work::SHORT,
+        contenders,
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    exercise.new_holder().await;
+    server.kill();
+    tokio::time::sleep(FAULT_TTL + Duration::from_millis(300)).await;
+    server.restart();
+    let back = tokio::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: true,
+        reasons: &[LossReason::RenewalFailed],
+        someone_loses: true,
+        faults: &[back],
+        detect_slack: Duration::ZERO,
+    });
+}
+
+/// A restart that loses every key frees the lock at once, so a new holder may start
+/// while the old one cannot know yet: the old one learns at its next renewal (within
+/// TTL/3 of the restart, plus the reconnection) and its late writes are fenced out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_that_loses_the_lock_is_fenced_and_noticed_within_a_third_of_the_ttl() {
+    let server = RedisServer::spawn();
+    let (contenders, _proxies) = redis_contenders(&server).await;
+    // Sections longer than the renewal interval, so the holder hit by the restart is
+    // still at work when its next renewal finds the lock gone.
+    let work = faults::Work {
+        writes: 8,
+        pause: Duration::from_millis(120),
+    };
+    let exercise =
+        faults::Exercise::start(&unique_name("restart"), &fault_lease(), work, contenders);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    exercise.new_holder().await;
+    server.restart();
+    let back = tokio::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: false,
+        reasons: &[LossReason::Expired, LossReason::TakenOver],
+        someone_loses: true,
+        faults: &[back],
+        detect_slack: Duration::from_millis(600),
+    });
+}
+
+/// A server frozen (SIGSTOP) for longer than the lease: the holder stops at its local
+/// deadline (`RenewalFailed`), before the server, thawed, lets anyone else in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_holds_when_the_server_is_paused_past_the_lease() {
+    let server = RedisServer::spawn();
+    let (contenders, _proxies) = redis_contenders(&server).await;
+    let exercise = faults::Exercise::start(
+        &unique_name("paused"),
+        &fault_lease(),
+        faults::Work::SHORT,
+        contenders,
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    exercise.new_holder().await;
+    server.pause();
+    tokio::time::sleep(FAULT_TTL + Duration::from_millis(500)).await;
+    server.resume();
+    let back = tokio::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: true,
+        reasons: &[LossReason::RenewalFailed],
+        someone_loses: true,
+        faults: &[back],
+        detect_slack: Duration::ZERO,
+    });
+}
+
+/// `CLIENT KILL` of the current holder's connections: the lock lives in the server,
+/// the client reconnects, and nobody loses the lock or shares it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_holds_and_nobody_loses_when_the_holders_connection_is_killed() {
+    let server = RedisServer::spawn();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+    let (contenders, proxies) = redis_contenders(&server).await;
+    let exercise = faults::Exercise::start(
+        &unique_name("clientkill"),
+        &fault_lease(),
+        faults::Work::SHORT,
+        contenders,
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let mut kills = Vec::new();
+    for _ in 0..3 {
+        let holder = exercise.new_holder().await;
+        let mut killed = 0;
+        for address in proxies[holder].upstream_addresses() {
+            killed += redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("ADDR")
+                .arg(address.to_string())
+                .query_async::<i64>(&mut admin)
+                .await
+                .unwrap_or(0);
+        }
+        assert!(killed > 0, "no connection of the holder was found");
+        kills.push(tokio::time::Instant::now());
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    exercise.finish().await.check(&faults::Expect {
+        exclusive: true,
+        reasons: &[],
+        someone_loses: false,
+        faults: &kills,
+        detect_slack: Duration::ZERO,
+    });
 }

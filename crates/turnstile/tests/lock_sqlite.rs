@@ -103,7 +103,7 @@ async fn a_paused_holders_late_write_is_rejected() {
                 .unwrap()
         }
     };
-    let lease = LockOptions::new().ttl(Duration::from_millis(200));
+    let lease = LockOptions::new().ttl(Duration::from_millis(500));
     conformance::a_paused_holders_late_write_is_rejected(&Locker::new(store), lease, write, read)
         .await;
 }

@@ -15,7 +15,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use turnstile::ErrorKind;
 use turnstile::lock::{
-    ExtendOutcome, LockName, LockOptions, Locker, LossReason, OwnerId, ReleaseOutcome, TryAcquire,
+    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LockOptions, Locker, LossReason,
+    OwnerId, ReleaseOutcome, ReleaseWatch, TryAcquire,
 };
 
 /// A store under test.
@@ -79,9 +80,11 @@ pub async fn mutual_exclusion_under_contention(store: impl TestStore) {
 /// A holder that vanishes without releasing frees the lock when its TTL runs out.
 pub async fn expiry_frees_a_crashed_holder(store: impl TestStore) {
     let lock = name("crash");
+    let ttl = Duration::from_secs(1);
     let crashed = store.locker().await;
+    let sent = Instant::now();
     let guard = crashed
-        .acquire(&lock, &options(300).watchdog(false))
+        .acquire(&lock, &options(1_000).watchdog(false))
         .await
         .unwrap();
     // A crash: no release, no renewals, the client is gone.
@@ -90,17 +93,21 @@ pub async fn expiry_frees_a_crashed_holder(store: impl TestStore) {
     let other = store.locker().await;
     assert!(
         other
-            .try_acquire(&lock, &options(300))
+            .try_acquire(&lock, &options(1_000))
             .await
             .unwrap()
             .is_none()
     );
-    let started = Instant::now();
     let guard = other.acquire(&lock, &options(5_000)).await.unwrap();
+    // Freed by the expiry of the lease, no sooner, and promptly.
+    let taken = sent.elapsed();
     assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "waited {:?}",
-        started.elapsed()
+        taken >= ttl,
+        "the lock was free {taken:?} after the acquire"
+    );
+    assert!(
+        taken < ttl + Duration::from_millis(500),
+        "the lock came free only {taken:?} after the acquire"
     );
     guard.release().await.unwrap();
 }
@@ -166,14 +173,23 @@ pub async fn release_after_expiry_reports_it(store: impl TestStore) {
 pub async fn extend_works(store: impl TestStore) {
     let lock = name("extend");
     let locker = store.locker().await;
+    let ttl = Duration::from_secs(1);
+    let acquired = Instant::now();
     let guard = locker
-        .acquire(&lock, &options(400).watchdog(false))
+        .acquire(&lock, &options(1_000).watchdog(false))
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sent = Instant::now();
     guard.extend().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    // 500 ms after acquiring with a 400 ms TTL: held only thanks to the extension.
+    // The local deadline moved with it: a full TTL from the extension, less the drift.
+    let drift = options(1_000).get_clock_drift();
+    assert!(
+        guard.valid_until() >= sent + ttl - drift,
+        "the extension did not move the deadline"
+    );
+    tokio::time::sleep_until(acquired + ttl + Duration::from_millis(200)).await;
+    // 1.2 s after acquiring with a 1 s TTL: held only thanks to the extension.
     let status = locker
         .status(&lock)
         .await
@@ -189,12 +205,13 @@ pub async fn watchdog_keeps_the_lock_past_several_ttls(store: impl TestStore) {
     let lock = name("watchdog");
     let locker = store.locker().await;
     let other = store.locker().await;
-    let guard = locker.acquire(&lock, &options(200)).await.unwrap();
-    for _ in 0..8 {
-        tokio::time::sleep(Duration::from_millis(150)).await;
+    // 600 ms: renewals every 200 ms, over three TTLs.
+    let guard = locker.acquire(&lock, &options(600)).await.unwrap();
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(
             other
-                .try_acquire(&lock, &options(200))
+                .try_acquire(&lock, &options(600))
                 .await
                 .unwrap()
                 .is_none()
@@ -202,8 +219,8 @@ pub async fn watchdog_keeps_the_lock_past_several_ttls(store: impl TestStore) {
     }
     assert!(!guard.is_lost(), "lost: {:?}", guard.loss_reason());
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
-    // Released: the watchdog must not bring it back.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Released: the watchdog must not bring it back (two renewal intervals).
+    tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(other.status(&lock).await.unwrap().is_none());
 }
 
@@ -213,6 +230,7 @@ pub async fn lost_signal_fires_when_the_lock_is_taken_away(store: impl TestStore
     let lock = name("taken");
     let locker = store.locker().await;
     // The first renewal comes after TTL/3 = 1 s, long after the break and the takeover.
+    let sent = Instant::now();
     let guard = locker.acquire(&lock, &options(3_000)).await.unwrap();
     let operator = store.locker().await;
     let broken = operator
@@ -222,9 +240,10 @@ pub async fn lost_signal_fires_when_the_lock_is_taken_away(store: impl TestStore
         .expect("it was held");
     assert_eq!(broken.fencing_token, guard.fencing_token());
     let thief = operator.acquire(&lock, &options(5_000)).await.unwrap();
-    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
+    // Told at the first renewal, TTL/3 after the acquire.
+    let reason = tokio::time::timeout_at(sent + Duration::from_millis(1_000 + 500), guard.lost())
         .await
-        .expect("the lost signal did not fire");
+        .expect("the lost signal did not fire at the first renewal");
     assert_eq!(reason, LossReason::TakenOver);
     assert!(guard.lost_token().is_cancelled());
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::HeldByOther);
@@ -253,7 +272,7 @@ pub async fn a_waiter_wakes_promptly_after_release(store: impl TestStore) {
     let lock = name("wake");
     let holder = store.locker().await;
     let guard = holder.acquire(&lock, &options(30_000)).await.unwrap();
-    let waiter = store.locker().await;
+    let (waiter, counting) = Counting::wrap(&store.locker().await);
     let waiting = {
         let lock = lock.clone();
         tokio::spawn(async move {
@@ -266,14 +285,15 @@ pub async fn a_waiter_wakes_promptly_after_release(store: impl TestStore) {
             woke
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Release only once the waiter is asleep, or it would not need waking.
+    contender_sleeps(&counting).await;
     let released = Instant::now();
     guard.release().await.unwrap();
     let woke = waiting.await.unwrap();
-    // The holder's TTL is 30 s; a wake-up within a couple of seconds can only come from
-    // a release notification (or, across processes on SQLite, the short poll).
+    // The holder's TTL is 30 s; a wake-up this soon can only come from a release
+    // notification (or, where an engine polls, its poll of at most 100 ms).
     assert!(
-        woke - released < Duration::from_secs(2),
+        woke - released < Duration::from_millis(500),
         "woke {:?} after release",
         woke - released
     );
@@ -282,7 +302,7 @@ pub async fn a_waiter_wakes_promptly_after_release(store: impl TestStore) {
 /// Waiters dropped mid-wait leave no holder and no queue behind.
 pub async fn cancelled_waiters_leave_nothing_behind(store: impl TestStore) {
     let lock = name("cancel");
-    let locker = store.locker().await;
+    let (locker, counting) = Counting::wrap(&store.locker().await);
     let guard = locker.acquire(&lock, &options(5_000)).await.unwrap();
     let mut waiters = Vec::new();
     for _ in 0..5 {
@@ -293,7 +313,9 @@ pub async fn cancelled_waiters_leave_nothing_behind(store: impl TestStore) {
                 .await
         }));
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Cancel them while they wait, their contender asleep at the store.
+    contender_sleeps(&counting).await;
+    assert!(waiters.iter().all(|waiter| !waiter.is_finished()));
     for waiter in &waiters {
         waiter.abort();
     }
@@ -301,11 +323,17 @@ pub async fn cancelled_waiters_leave_nothing_behind(store: impl TestStore) {
         assert!(waiter.await.unwrap_err().is_cancelled());
     }
     // Timed-out waiters are cancelled waiters too.
+    let started = Instant::now();
     let error = locker
         .acquire(&lock, &options(5_000).wait(Duration::from_millis(100)))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
+    assert!(
+        started.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        started.elapsed()
+    );
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(
@@ -332,12 +360,27 @@ pub async fn acquire_times_out(store: impl TestStore) {
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
     assert!(error.is_retryable());
-    assert!(started.elapsed() >= Duration::from_millis(300));
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(300),
+        "gave up after {waited:?}"
+    );
+    assert!(
+        waited < Duration::from_millis(800),
+        "gave up only after {waited:?}"
+    );
+    // No wait at all: one attempt, answered at once.
+    let started = Instant::now();
     let error = other
         .acquire(&lock, &options(5_000).wait(Duration::ZERO))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::AcquireTimeout);
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "a call that may not wait took {:?}",
+        started.elapsed()
+    );
     guard.release().await.unwrap();
 }
 
@@ -346,26 +389,40 @@ pub async fn with_lock_cancels_work_when_the_lock_is_lost(store: impl TestStore)
     let lock = name("with");
     let locker = store.locker().await;
     let operator = store.locker().await;
+    // An operator breaks the lock as soon as the work holds it.
     let breaker = {
         let lock = lock.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            operator.force_release(&lock).await.unwrap()
+            let until = Instant::now() + Duration::from_secs(5);
+            while operator.status(&lock).await.unwrap().is_none() {
+                assert!(Instant::now() < until, "the work never held the lock");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            let broken = operator.force_release(&lock).await.unwrap();
+            (broken, Instant::now())
         })
     };
     let finished = Arc::new(AtomicUsize::new(0));
     let flag = finished.clone();
     let error = locker
-        .with_lock(&lock, &options(300), |_token| async move {
+        .with_lock(&lock, &options(900), |_token| async move {
             tokio::time::sleep(Duration::from_secs(10)).await;
             flag.fetch_add(1, Ordering::SeqCst);
         })
         .await
         .unwrap_err();
+    let stopped = Instant::now();
     assert_eq!(error.kind(), ErrorKind::LockLost);
     assert_eq!(error.loss_reason(), Some(LossReason::Expired));
     assert_eq!(finished.load(Ordering::SeqCst), 0);
-    assert!(breaker.await.unwrap().is_some());
+    let (broken, broken_at) = breaker.await.unwrap();
+    assert!(broken.is_some());
+    // Cancelled at the first renewal after the break (every TTL/3 = 300 ms).
+    assert!(
+        stopped - broken_at < Duration::from_millis(300 + 300),
+        "the work ran on {:?} after the break",
+        stopped - broken_at
+    );
 
     let value = locker
         .with_lock(&lock, &options(5_000), |token| async move { token.get() })
@@ -382,14 +439,25 @@ pub async fn with_lock_cancels_work_when_the_lock_is_lost(store: impl TestStore)
 pub async fn max_hold_fires_the_lost_signal(store: impl TestStore) {
     let lock = name("cap");
     let locker = store.locker().await;
+    let cap = Duration::from_millis(1_500);
+    let sent = Instant::now();
+    // Renewals every 200 ms succeed; the cap ends the hold after seven of them.
     let guard = locker
-        .acquire(&lock, &options(200).max_hold(Duration::from_millis(500)))
+        .acquire(&lock, &options(600).max_hold(cap))
         .await
         .unwrap();
-    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
+    let acquired = Instant::now();
+    let reason = tokio::time::timeout(cap + Duration::from_secs(1), guard.lost())
         .await
         .expect("no signal");
+    let fired = Instant::now();
     assert_eq!(reason, LossReason::MaxHoldReached);
+    assert!(fired >= sent + cap, "fired {:?} early", sent + cap - fired);
+    assert!(
+        fired <= acquired + cap + Duration::from_millis(150),
+        "fired {:?} late",
+        fired - (acquired + cap)
+    );
     guard.release().await.unwrap();
 }
 
@@ -398,16 +466,51 @@ pub async fn max_hold_fires_the_lost_signal(store: impl TestStore) {
 pub async fn lease_without_watchdog_signals_at_its_deadline(store: impl TestStore) {
     let lock = name("lease");
     let locker = store.locker().await;
+    let other = store.locker().await;
     let guard = locker
-        .acquire(&lock, &options(300).watchdog(false))
+        .acquire(&lock, &options(1_000).watchdog(false))
         .await
         .unwrap();
     let deadline = guard.valid_until();
-    let reason = tokio::time::timeout(Duration::from_secs(3), guard.lost())
-        .await
-        .expect("no signal");
-    assert_eq!(reason, LossReason::LeaseElapsed);
-    assert!(Instant::now() >= deadline);
+    // A sampler sees the signal within a millisecond of its firing.
+    let sampler = {
+        let lost = guard.lost_token();
+        tokio::spawn(async move {
+            while !lost.is_cancelled() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Instant::now()
+        })
+    };
+    // Another client polls until the store lets it in: the signal must have fired by
+    // then.
+    let taken = loop {
+        if let Some(taken) = other.try_acquire(&lock, &options(5_000)).await.unwrap() {
+            assert!(
+                guard.is_lost(),
+                "another client got the lock before the holder's lost signal fired"
+            );
+            break taken;
+        }
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(2),
+            "the lease never ran out in the store"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let seen = sampler.await.unwrap();
+    assert_eq!(guard.loss_reason(), Some(LossReason::LeaseElapsed));
+    assert!(
+        seen + Duration::from_millis(1) >= deadline,
+        "the signal fired {:?} before the deadline",
+        deadline - seen
+    );
+    assert!(
+        seen <= deadline + Duration::from_millis(150),
+        "the signal fired {:?} after the deadline",
+        seen - deadline
+    );
+    taken.release().await.unwrap();
     guard.release().await.unwrap();
 }
 
@@ -444,11 +547,18 @@ pub async fn dropping_a_guard_releases_it(store: impl TestStore) {
     let lock = name("drop");
     let locker = store.locker().await;
     drop(locker.acquire(&lock, &options(30_000)).await.unwrap());
+    let dropped = Instant::now();
     let other = store.locker().await;
     let guard = other
         .acquire(&lock, &options(30_000).wait(Duration::from_secs(5)))
         .await
         .unwrap();
+    // Released in the background at once, not left to its 30 s lease.
+    assert!(
+        dropped.elapsed() < Duration::from_secs(1),
+        "free only {:?} after the drop",
+        dropped.elapsed()
+    );
     guard.release().await.unwrap();
 }
 
@@ -712,6 +822,363 @@ pub async fn pruning_forgets_unused_names_and_tokens_keep_increasing(store: impl
     holding.release().await.unwrap();
 }
 
+/// A store wrapper that counts what reaches the store: which owners asked for the lock
+/// (and when), how many release watches and hand-overs there were. Everything is passed
+/// on unchanged (a hand-over stays one atomic step where the engine has one).
+#[derive(Debug)]
+pub struct Counting {
+    inner: Arc<dyn LockBackend>,
+    attempts: std::sync::Mutex<Vec<(Instant, String)>>,
+    answered: Arc<AtomicUsize>,
+    watches: AtomicUsize,
+    hand_overs: AtomicUsize,
+}
+
+impl Counting {
+    /// Wraps the store of `locker`; returns a locker over the wrapper (with a local
+    /// queue of its own) and the counts.
+    pub fn wrap(locker: &Locker) -> (Locker, Arc<Counting>) {
+        let counting = Arc::new(Counting {
+            inner: locker.backend().clone(),
+            attempts: std::sync::Mutex::default(),
+            answered: Arc::new(AtomicUsize::new(0)),
+            watches: AtomicUsize::new(0),
+            hand_overs: AtomicUsize::new(0),
+        });
+        let backend: Arc<dyn LockBackend> = counting.clone();
+        (Locker::from_arc(backend), counting)
+    }
+
+    /// Every `try_acquire` so far: when it was sent, by which owner.
+    pub fn attempts(&self) -> Vec<(Instant, String)> {
+        self.attempts.lock().unwrap().clone()
+    }
+
+    /// How many `try_acquire` calls the store has answered.
+    pub fn answered(&self) -> usize {
+        self.answered.load(Ordering::SeqCst)
+    }
+
+    /// How many release watches were opened.
+    pub fn watches(&self) -> usize {
+        self.watches.load(Ordering::SeqCst)
+    }
+
+    /// How many hand-overs were sent.
+    pub fn hand_overs(&self) -> usize {
+        self.hand_overs.load(Ordering::SeqCst)
+    }
+}
+
+impl LockBackend for Counting {
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, turnstile::Result<TryAcquire>> {
+        self.attempts
+            .lock()
+            .unwrap()
+            .push((Instant::now(), owner.to_hex()));
+        let answered = self.answered.clone();
+        let attempt = self.inner.try_acquire(name, owner, ttl);
+        Box::pin(async move {
+            let answer = attempt.await;
+            answered.fetch_add(1, Ordering::SeqCst);
+            answer
+        })
+    }
+
+    fn extend<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, turnstile::Result<ExtendOutcome>> {
+        self.inner.extend(name, owner, ttl)
+    }
+
+    fn release<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+    ) -> BoxFuture<'a, turnstile::Result<ReleaseOutcome>> {
+        self.inner.release(name, owner)
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, turnstile::Result<Option<LockInfo>>> {
+        self.inner.inspect(name)
+    }
+
+    fn force_release<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, turnstile::Result<Option<LockInfo>>> {
+        self.inner.force_release(name)
+    }
+
+    fn watch_releases<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, turnstile::Result<ReleaseWatch>> {
+        self.watches.fetch_add(1, Ordering::SeqCst);
+        self.inner.watch_releases(name)
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn migrate(&self) -> BoxFuture<'_, turnstile::Result<()>> {
+        self.inner.migrate()
+    }
+
+    fn hand_over<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: &'a OwnerId,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, turnstile::Result<(ReleaseOutcome, TryAcquire)>> {
+        self.hand_overs.fetch_add(1, Ordering::SeqCst);
+        self.inner.hand_over(name, from, to, ttl)
+    }
+}
+
+/// Waits (bounded) until `condition` holds.
+async fn eventually(what: &str, limit: Duration, mut condition: impl FnMut() -> bool) {
+    let until = Instant::now() + limit;
+    while !condition() {
+        assert!(
+            Instant::now() < until,
+            "{what} did not happen within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Waits (bounded) until the one store contender of a counted locker sleeps: it has
+/// asked, subscribed, and had the answer to asking again (the re-check after
+/// subscribing). It goes to sleep, offering itself for a hand-over, in the same poll
+/// that receives that answer; the short grace covers the hop between threads.
+pub async fn contender_sleeps(counting: &Counting) {
+    eventually(
+        "the contender waiting at the store",
+        Duration::from_secs(5),
+        || counting.watches() >= 1 && counting.answered() >= 2,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+}
+
+/// Tasks of one process that start waiting one after another get the lock in that
+/// order.
+pub async fn local_waiters_are_served_first_come_first_served(store: impl TestStore) {
+    let lock = name("fifo");
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let guard = locker.acquire(&lock, &options(30_000)).await.unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for waiter in 0..5 {
+        let (locker, lock, order) = (locker.clone(), lock.clone(), order.clone());
+        let (started, is_started) = tokio::sync::oneshot::channel();
+        waiters.push(tokio::spawn(async move {
+            let _ = started.send(());
+            let guard = locker
+                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+                .await
+                .unwrap();
+            order.lock().unwrap().push(waiter);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            guard.release().await.unwrap();
+        }));
+        is_started.await.unwrap();
+        if waiter == 0 {
+            // The first waiter is the one that talks to the store.
+            contender_sleeps(&counting).await;
+        } else {
+            // Its acquire was entered in the same poll that sent `started`; the gap
+            // only orders it before the next one.
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+    }
+    guard.release().await.unwrap();
+    for waiter in waiters {
+        tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("a waiter never got the lock")
+            .unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+}
+
+/// However many tasks of one process wait for a name, the store sees one contender:
+/// one owner asking, one release watch.
+pub async fn one_store_contender_per_name_per_process(store: impl TestStore) {
+    let lock = name("contender");
+    let holder = store.locker().await;
+    let guard = holder.acquire(&lock, &options(30_000)).await.unwrap();
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let mut waiters = Vec::new();
+    for _ in 0..5 {
+        let (locker, lock) = (locker.clone(), lock.clone());
+        waiters.push(tokio::spawn(async move {
+            let guard = locker
+                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            guard.release().await.unwrap();
+        }));
+    }
+    contender_sleeps(&counting).await;
+    // A window in which polling engines poll several times, and in which any other
+    // waiter that went to the store would show up.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let owners: std::collections::HashSet<String> = counting
+        .attempts()
+        .into_iter()
+        .map(|(_, owner)| owner)
+        .collect();
+    assert_eq!(
+        owners.len(),
+        1,
+        "several waiters of one process asked the store"
+    );
+    assert_eq!(
+        counting.watches(),
+        1,
+        "several waiters of one process subscribed"
+    );
+    guard.release().await.unwrap();
+    for waiter in waiters {
+        tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("a waiter never got the lock")
+            .unwrap();
+    }
+}
+
+/// A release with a task of the same process waiting hands the lock straight over:
+/// the next holder gets a new, larger token, and the store knows it as the holder.
+pub async fn a_hand_over_issues_a_new_larger_token(store: impl TestStore) {
+    let lock = name("handover");
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let first = locker.acquire(&lock, &options(30_000)).await.unwrap();
+    let first_owner = first.owner().clone();
+    let first_token = first.fencing_token();
+    let next = {
+        let (locker, lock) = (locker.clone(), lock.clone());
+        tokio::spawn(async move {
+            locker
+                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+                .await
+                .unwrap()
+        })
+    };
+    contender_sleeps(&counting).await;
+    let asked = counting.attempts().len();
+    assert_eq!(first.release().await.unwrap(), ReleaseOutcome::Released);
+    let next = tokio::time::timeout(Duration::from_secs(5), next)
+        .await
+        .expect("the waiter did not get the lock")
+        .unwrap();
+    assert_eq!(counting.hand_overs(), 1, "the lock was not handed over");
+    assert_eq!(
+        counting.attempts().len(),
+        asked,
+        "the waiter asked the store again"
+    );
+    assert!(
+        next.fencing_token() > first_token,
+        "the hand-over gave token {} after {first_token}",
+        next.fencing_token(),
+    );
+    let status = locker.status(&lock).await.unwrap().expect("held");
+    assert_eq!(status.fencing_token, next.fencing_token());
+    assert_eq!(status.owner, next.owner().to_hex());
+    // The first owner holds nothing any more.
+    assert_eq!(
+        locker
+            .backend()
+            .extend(
+                &LockName::new(&lock).unwrap(),
+                &first_owner,
+                Duration::from_secs(30)
+            )
+            .await
+            .unwrap(),
+        ExtendOutcome::Lost(LossReason::TakenOver)
+    );
+    assert_eq!(next.release().await.unwrap(), ReleaseOutcome::Released);
+}
+
+/// With tasks of one process handing the lock to each other without a pause, a waiter
+/// in another process gets in after at most nine of their sections (the one under way
+/// when it started waiting and eight hand-overs), every time.
+pub async fn a_remote_waiter_gets_in_within_nine_local_sections(store: impl TestStore) {
+    let lock = name("cap");
+    let busy = store.locker().await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let starts = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let (busy, lock, stop, starts) = (busy.clone(), lock.clone(), stop.clone(), starts.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                let guard = busy
+                    .acquire(&lock, &options(5_000).wait(Duration::from_secs(30)))
+                    .await
+                    .unwrap();
+                starts.lock().unwrap().push(Instant::now());
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                guard.release().await.unwrap();
+            }
+        }));
+    }
+    eventually("the busy process at work", Duration::from_secs(5), || {
+        starts.lock().unwrap().len() >= 20
+    })
+    .await;
+    let (remote, counting) = Counting::wrap(&store.locker().await);
+    for round in 0..3 {
+        let asked_before = counting.attempts().len();
+        let guard = remote
+            .acquire(&lock, &options(5_000).wait(Duration::from_secs(10)))
+            .await
+            .unwrap_or_else(|error| panic!("round {round}: the remote waiter starved: {error}"));
+        let got_in = Instant::now();
+        let first_ask = counting.attempts()[asked_before].0;
+        let local_sections = starts
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|start| **start > first_ask && **start < got_in)
+            .count();
+        assert!(
+            local_sections <= 9,
+            "round {round}: {local_sections} local sections before the remote waiter got in"
+        );
+        guard.release().await.unwrap();
+        // Let the busy process chain hand-overs again before the next round.
+        let seen = starts.lock().unwrap().len();
+        eventually(
+            "the busy process at work again",
+            Duration::from_secs(5),
+            || starts.lock().unwrap().len() >= seen + 10,
+        )
+        .await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
 /// Generates one `#[tokio::test]` per conformance check for the store `$make` builds.
 #[macro_export]
 macro_rules! conformance_tests {
@@ -740,6 +1207,10 @@ macro_rules! conformance_tests {
             cancelled_acquires_leak_no_lock,
             two_processes_with_long_sections_both_make_progress,
             pruning_forgets_unused_names_and_tokens_keep_increasing,
+            local_waiters_are_served_first_come_first_served,
+            one_store_contender_per_name_per_process,
+            a_hand_over_issues_a_new_larger_token,
+            a_remote_waiter_gets_in_within_nine_local_sections,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
