@@ -693,7 +693,12 @@ fn rediss_urls_work_with_a_ca_from_ssl_cert_file() {
         .env_remove("SSL_CERT_FILE")
         .output()
         .unwrap();
-    assert_ne!(code(&output), 0);
+    assert_eq!(code(&output), 78, "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("does not trust"),
+        "{}",
+        stderr(&output)
+    );
 }
 
 /// The same commands against the database stores, as an operator would use them.

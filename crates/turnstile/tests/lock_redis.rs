@@ -296,7 +296,6 @@ async fn locks_work_over_tls() {
 /// configuration error, like wrong credentials, not an unreachable store.
 #[cfg(feature = "redis-tls")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: an untrusted TLS certificate is StoreUnavailable (retryable, \"is it running?\"), not Configuration"]
 async fn an_untrusted_certificate_is_a_configuration_error() {
     let server = RedisServer::spawn_tls();
     let error = RedisLockStore::connect(&server.url()).await.unwrap_err();

@@ -102,6 +102,16 @@ pub(crate) async fn connect_manager(
     .await
     {
         Ok(Ok(connection)) => Ok(connection),
+        // A certificate this client does not trust is not going to change on a retry.
+        Ok(Err(error)) if is_untrusted_certificate(&error) => Err(Error::new(
+            ErrorKind::Configuration,
+            format!(
+                "Redis at {} presented a TLS certificate this client does not trust; give the \
+                 CA with SSL_CERT_FILE or RedisLockConfig::tls_root_certificate",
+                crate::store::redact(url)
+            ),
+        )
+        .with_source(error)),
         Ok(Err(error))
             if error.is_io_error() || error.is_timeout() || error.is_connection_refusal() =>
         {
@@ -113,6 +123,15 @@ pub(crate) async fn connect_manager(
         )),
         Err(_) => Err(unavailable()),
     }
+}
+
+/// Whether a connection failed because the server's TLS certificate is not trusted
+/// (rustls reports it through an I/O error, so only its text tells).
+fn is_untrusted_certificate(error: &redis::RedisError) -> bool {
+    let text = error.to_string();
+    text.contains("invalid peer certificate")
+        || text.contains("UnknownIssuer")
+        || text.contains("certificate verify failed")
 }
 
 /// One Pub/Sub connection per store, shared by every waiter, reconnected on demand.
