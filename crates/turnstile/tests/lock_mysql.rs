@@ -22,6 +22,10 @@ impl TestStore for MysqlDatabase {
     fn locker(&self) -> Pin<Box<dyn Future<Output = Locker> + Send + '_>> {
         Box::pin(async move { Locker::new(MysqlLockStore::connect(&self.url).await.unwrap()) })
     }
+
+    fn notifies_other_processes(&self) -> bool {
+        false
+    }
 }
 
 async fn fresh_database() -> MysqlDatabase {

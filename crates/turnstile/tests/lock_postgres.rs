@@ -24,6 +24,10 @@ impl TestStore for PostgresDatabase {
     fn locker(&self) -> Pin<Box<dyn Future<Output = Locker> + Send + '_>> {
         Box::pin(async move { Locker::new(PostgresLockStore::connect(&self.url).await.unwrap()) })
     }
+
+    fn notifies_other_processes(&self) -> bool {
+        !self.url.contains("turnstile_notify=off")
+    }
 }
 
 async fn fresh_database() -> PostgresDatabase {
@@ -403,6 +407,10 @@ mod session {
     impl TestStore for SessionDatabase {
         fn locker(&self) -> Pin<Box<dyn Future<Output = Locker> + Send + '_>> {
             Box::pin(async move { Locker::connect(&self.url).await.unwrap() })
+        }
+
+        fn notifies_other_processes(&self) -> bool {
+            false
         }
     }
 

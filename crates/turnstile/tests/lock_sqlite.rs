@@ -26,6 +26,10 @@ impl TestStore for SqliteFile {
     fn locker(&self) -> Pin<Box<dyn Future<Output = Locker> + Send + '_>> {
         Box::pin(async move { Locker::new(SqliteLockStore::open(self.path()).await.unwrap()) })
     }
+
+    fn notifies_other_processes(&self) -> bool {
+        false
+    }
 }
 
 async fn sqlite_file() -> SqliteFile {

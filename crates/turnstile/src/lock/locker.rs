@@ -374,14 +374,18 @@ impl Locker {
                 return Ok((guard, true));
             }
             // The lock passed between this process's tasks as often as it may in a row
-            // and was released to everyone: stand back for as long as waiters in other
-            // processes may take to notice (their longest poll interval, and half as
-            // much again for their round trip and timer slack), so one of them can get
-            // in before this process takes it again.
-            if queue.take_yield() {
-                let pause = watch
-                    .poll_max()
-                    .map_or(YIELD_TO_NOTIFIED_WAITERS, |max| max + max / 2);
+            // and was released to everyone: stand back so that waiters elsewhere can get
+            // in. The pause is what they need to notice — a notified waiter a round trip
+            // or two, a polling one its longest poll interval and half again — but at
+            // most a fraction of the time this process just kept the lock (an eighth
+            // when others poll, a sixteenth when they are notified), so a process alone
+            // with its lock loses little. With long critical sections the others' polls
+            // land in the pause at the first cap; with short ones, within a few runs.
+            if let Some(run) = queue.take_yield() {
+                let pause = match watch.poll_max() {
+                    Some(max) => (max + max / 2).min(run / 8),
+                    None => YIELD_TO_NOTIFIED_WAITERS.min(run / 16),
+                };
                 let until = bound.deadline.map_or(Instant::now() + pause, |deadline| {
                     deadline.min(Instant::now() + pause)
                 });

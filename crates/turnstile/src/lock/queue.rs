@@ -2,7 +2,7 @@
 //! a release hands the lock straight to the contender when it can.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
@@ -25,9 +25,12 @@ pub(crate) struct LocalQueue {
     /// The contender, while it sleeps, offers itself here for a direct handoff.
     waiting: Mutex<Option<HandoffOffer>>,
     handoffs_in_a_row: AtomicU32,
-    /// Set when the hand-over cap sent a release to the store: the next local contender
-    /// stands back for a moment so that waiters elsewhere can get in.
-    yield_to_others: AtomicBool,
+    /// Set when the hand-over cap sent a release to the store: how long this process
+    /// kept the lock in its run of hand-overs. The next local contender stands back for
+    /// a moment (at most an eighth of that) so that waiters elsewhere can get in.
+    yield_to_others: Mutex<Option<Duration>>,
+    /// When the current run of hand-overs began (the lock came from the store).
+    run_started: Mutex<Option<Instant>>,
     /// Guards of this locker that hold the lock and have not started releasing it.
     local_holders: AtomicUsize,
 }
@@ -44,6 +47,10 @@ pub(crate) struct HandoffOffer {
 pub(crate) struct Handoff {
     pub(crate) sent: Instant,
     pub(crate) outcome: Result<TryAcquire>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl LocalQueue {
@@ -76,16 +83,18 @@ impl LocalQueue {
         waiting.as_ref()?;
         if self.handoffs_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 > MAX_HANDOFFS_IN_A_ROW {
             self.handoffs_in_a_row.store(0, Ordering::Relaxed);
-            self.yield_to_others.store(true, Ordering::SeqCst);
+            let run = lock(&self.run_started).map(|started| started.elapsed());
+            *lock(&self.yield_to_others) = Some(run.unwrap_or_default());
             return None;
         }
         waiting.take()
     }
 
-    /// Whether the contender should stand back once before its next attempt (see
-    /// `yield_to_others`); clears the flag.
-    pub(crate) fn take_yield(&self) -> bool {
-        self.yield_to_others.swap(false, Ordering::SeqCst)
+    /// Whether the contender should stand back once before its next attempt, with
+    /// how long this process's run of hand-overs kept the lock (see `yield_to_others`);
+    /// clears it.
+    pub(crate) fn take_yield(&self) -> Option<Duration> {
+        lock(&self.yield_to_others).take()
     }
 
     /// A guard of this locker now holds the lock.
@@ -106,6 +115,7 @@ impl LocalQueue {
 
     /// The lock was taken through the store rather than handed over.
     pub(crate) fn acquired_from_store(&self) {
+        *lock(&self.run_started) = Some(Instant::now());
         self.handoffs_in_a_row.store(0, Ordering::Relaxed);
     }
 }
