@@ -499,3 +499,39 @@ async fn a_killed_session_is_fenced_and_noticed_within_a_third_of_the_ttl() {
         detect_slack: Duration::from_millis(300),
     });
 }
+
+/// A named acquire that took `GET_LOCK` and then found a transaction-scoped holder
+/// (its `NOWAIT` check failed) must not return its session to the pool still holding
+/// the named lock: the next user of that session would "acquire" re-entrantly, and the
+/// lock would stay held for everyone else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_failed_after_get_lock_is_never_pooled() {
+    let url = shared_mariadb().fresh_database("failpool");
+    let name = turnstile_test_support::unique_name("xleak");
+    let store = MysqlLockStore::connect(&url).await.unwrap();
+    let locker = Locker::new(store.clone());
+    // A transaction-scoped holder.
+    let mut transaction = store.pool().begin().await.unwrap();
+    store
+        .lock_in_transaction(&mut transaction, name.as_str())
+        .await
+        .unwrap();
+    // The named acquire gets GET_LOCK, then finds the transaction's row lock: held.
+    assert!(
+        locker
+            .try_acquire(&name, &options())
+            .await
+            .unwrap()
+            .is_none(),
+        "a named lock was granted while a transaction held the name"
+    );
+    transaction.commit().await.unwrap();
+    // Another client must find the lock free now.
+    let other = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let guard = other
+        .try_acquire(&name, &options())
+        .await
+        .unwrap()
+        .expect("the named lock leaked into the first client's pool");
+    guard.release().await.unwrap();
+}
