@@ -29,7 +29,7 @@ use super::{
 use crate::engine::postgres::{CLOCK_US, Listener, connect_options, open_bounded_pool};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
-use crate::lock::{BoxFuture, ExtendOutcome, LossReason, ReleaseSignals, ReleaseWatch};
+use crate::lock::{BoxFuture, ExtendOutcome, ReleaseSignals, ReleaseWatch};
 use crate::sql::{Statement, map_error, statement, validate_identifier};
 use crate::store::{split_url_options, unknown_option};
 
@@ -520,11 +520,7 @@ impl IdempotencyStore for PostgresIdempotencyStore {
                 .map_err(|error| map_error(error, "cannot renew the idempotency claim"))?;
             let renewed: bool = row.try_get("renewed").map_err(bad)?;
             let taken: bool = row.try_get("taken").map_err(bad)?;
-            Ok(match (renewed, taken) {
-                (true, _) => ExtendOutcome::Extended,
-                (false, true) => ExtendOutcome::Lost(LossReason::TakenOver),
-                (false, false) => ExtendOutcome::Lost(LossReason::Expired),
-            })
+            Ok(ExtendOutcome::from_answers(renewed, taken))
         })
     }
 

@@ -25,7 +25,7 @@ use super::{
 use crate::engine::sqlite::{millis_i64, open_pool, parse_url, wall_clock};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
-use crate::lock::{BoxFuture, ExtendOutcome, LossReason, ReleaseSignals, ReleaseWatch};
+use crate::lock::{BoxFuture, ExtendOutcome, ReleaseSignals, ReleaseWatch};
 use crate::sql::map_error;
 
 const CREATE: &str = "CREATE TABLE IF NOT EXISTS turnstile_idempotency (
@@ -402,11 +402,7 @@ impl IdempotencyStore for SqliteIdempotencyStore {
             .fetch_optional(&self.pool)
             .await
             .map_err(fail)?;
-            Ok(ExtendOutcome::Lost(if newer.is_some() {
-                LossReason::TakenOver
-            } else {
-                LossReason::Expired
-            }))
+            Ok(ExtendOutcome::from_answers(false, newer.is_some()))
         })
     }
 

@@ -133,6 +133,45 @@ pub enum ExtendOutcome {
     Lost(LossReason),
 }
 
+impl ExtendOutcome {
+    /// From a store's two answers: whether the renewal applied, and whether another
+    /// owner holds the lock (or claim) now.
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    pub(crate) fn from_answers(renewed: bool, taken_by_another: bool) -> Self {
+        match (renewed, taken_by_another) {
+            (true, _) => ExtendOutcome::Extended,
+            (false, true) => ExtendOutcome::Lost(LossReason::TakenOver),
+            (false, false) => ExtendOutcome::Lost(LossReason::Expired),
+        }
+    }
+}
+
+/// A hand-over's answer when the store moved the lock to its new owner in one step with
+/// `token`; without one (the old owner no longer held it), a release followed by an
+/// acquire, as [`LockBackend::hand_over`]'s default does.
+#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+pub(crate) async fn moved_or_released<B: LockBackend + ?Sized>(
+    backend: &B,
+    moved: Option<i64>,
+    name: &LockName,
+    from: &OwnerId,
+    to: &OwnerId,
+    ttl: Duration,
+) -> Result<(ReleaseOutcome, TryAcquire)> {
+    match moved {
+        Some(token) => Ok((
+            ReleaseOutcome::Released,
+            TryAcquire::Acquired {
+                token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
+            },
+        )),
+        None => {
+            let released = backend.release(name, from).await?;
+            Ok((released, backend.try_acquire(name, to, ttl).await?))
+        }
+    }
+}
+
 /// What a release found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]

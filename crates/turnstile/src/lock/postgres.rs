@@ -51,7 +51,7 @@ use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
 
 use super::{
-    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
+    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, OwnerId, ReleaseOutcome,
     ReleaseSignals, ReleaseWatch, TryAcquire, ceil_millis,
 };
 use crate::error::{Error, ErrorKind, Result};
@@ -719,11 +719,7 @@ impl LockBackend for PostgresLockStore {
             let taken: bool = row
                 .try_get("taken")
                 .map_err(|e| map_error(e, "bad reply"))?;
-            Ok(match (renewed, taken) {
-                (true, _) => ExtendOutcome::Extended,
-                (false, true) => ExtendOutcome::Lost(LossReason::TakenOver),
-                (false, false) => ExtendOutcome::Lost(LossReason::Expired),
-            })
+            Ok(ExtendOutcome::from_answers(renewed, taken))
         })
     }
 
@@ -835,18 +831,7 @@ impl LockBackend for PostgresLockStore {
                 .fetch_one(&self.ops)
                 .await
                 .map_err(|error| map_error(error, "cannot hand the lock over"))?;
-            match token {
-                Some(token) => Ok((
-                    ReleaseOutcome::Released,
-                    TryAcquire::Acquired {
-                        token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
-                    },
-                )),
-                None => {
-                    let released = self.release(name, from).await?;
-                    Ok((released, self.try_acquire(name, to, ttl).await?))
-                }
-            }
+            super::backend::moved_or_released(self, token, name, from, to, ttl).await
         })
     }
 

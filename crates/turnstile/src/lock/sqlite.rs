@@ -373,19 +373,7 @@ impl LockBackend for SqliteLockStore {
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(|error| map_error(error, "cannot hand the lock over"))?;
-            match token {
-                Some(token) => Ok((
-                    ReleaseOutcome::Released,
-                    TryAcquire::Acquired {
-                        token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
-                    },
-                )),
-                // Not ours any more: release what there is to release, then try.
-                None => {
-                    let released = self.release(name, from).await?;
-                    Ok((released, self.try_acquire(name, to, ttl).await?))
-                }
-            }
+            super::backend::moved_or_released(self, token, name, from, to, ttl).await
         })
     }
 
