@@ -55,7 +55,8 @@ enum Command {
     /// Idempotency records: show, list stale claims, forget, sweep.
     #[command(subcommand)]
     Idempotency(idempotency::IdempotencyCommand),
-    /// Create the store's tables if they are missing (SQL stores); harmless to repeat.
+    /// Create the store's tables (locks, fences, idempotency records) if they are
+    /// missing (SQL stores); harmless to repeat.
     Migrate(StoreOnlyArgs),
 }
 
@@ -450,13 +451,22 @@ async fn migrate(args: StoreOnlyArgs) -> ExitCode {
         Ok(locker) => locker,
         Err(error) => return fail(&error),
     };
-    match locker.backend().migrate().await {
-        Ok(()) => {
-            println!("{}: tables ready", locker.backend().describe());
-            ExitCode::SUCCESS
-        }
-        Err(error) => fail(&error),
+    if let Err(error) = locker.backend().migrate().await {
+        return fail(&error);
     }
+    // The idempotency records' table too (opening the store creates it), where the
+    // engine has one.
+    let url = match args.store.url() {
+        Ok(url) => url,
+        Err(error) => return fail(&error),
+    };
+    match turnstile::store::connect_idempotency(&url).await {
+        Ok(_) => {}
+        Err(error) if error.kind() == ErrorKind::UnsupportedStore => {}
+        Err(error) => return fail(&error),
+    }
+    println!("{}: tables ready", locker.backend().describe());
+    ExitCode::SUCCESS
 }
 
 fn main() -> ExitCode {

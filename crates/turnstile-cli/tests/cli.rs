@@ -901,3 +901,31 @@ fn idempotency_records_can_be_shown_listed_forgotten_and_swept() {
     let output = sandbox.run(&["idempotency", "show", "--scope", "tenant-1", "bad key\u{7}"]);
     assert_eq!(code(&output), 64, "{}", stderr(&output));
 }
+
+#[test]
+fn migrate_creates_the_idempotency_table_too() {
+    let sandbox = Sandbox::new();
+    let output = sandbox.run(&["migrate"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let tables: i64 = runtime.block_on(async {
+        // Opened without creating anything: the table must already be there.
+        let url = format!("{}?turnstile_migrate=off", sandbox.store());
+        let store = turnstile::idempotency::sqlite::SqliteIdempotencyStore::open_url(&url)
+            .await
+            .unwrap();
+        sqlx::query_scalar(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'turnstile_idempotency'",
+        )
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+    });
+    assert_eq!(
+        tables, 1,
+        "turnstile migrate did not create the idempotency table"
+    );
+}
