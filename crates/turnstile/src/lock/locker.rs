@@ -597,6 +597,24 @@ impl Locker {
     }
 }
 
+/// Undoes an acquire whose outcome is unknown (its future was dropped mid-request).
+/// The request may still land after a first release — a statement sent on a pooled
+/// connection runs on — so the holder is looked at again a few times (50 ms, 250 ms,
+/// 1 s, 3 s after), and the lock released whenever this owner turns out to hold it.
+/// Releasing a lock this owner does not hold changes nothing on any store.
+async fn release_until_not_held(backend: Arc<dyn LockBackend>, name: LockName, owner: OwnerId) {
+    let _ = backend.release(&name, &owner).await;
+    for after in [50, 200, 750, 2_000] {
+        tokio::time::sleep(Duration::from_millis(after)).await;
+        match backend.inspect(&name).await {
+            Ok(Some(holder)) if holder.owner == owner.as_str() => {
+                let _ = backend.release(&name, &owner).await;
+            }
+            _ => {}
+        }
+    }
+}
+
 /// How a waiter treats store errors: at once before the store first answered; after
 /// that, transient ones ([`ErrorKind::StoreUnavailable`]) are retried with a backoff
 /// (50 ms doubling to 1 s) until the wait bound.
@@ -657,10 +675,7 @@ impl Drop for UndoOnDrop<'_> {
             let backend = Arc::clone(&self.backend);
             let name = self.name.clone();
             let owner = self.owner.clone();
-            // Releasing a lock this owner never got is a no-op in every store.
-            runtime.spawn(async move {
-                let _ = backend.release(&name, &owner).await;
-            });
+            runtime.spawn(release_until_not_held(backend, name, owner));
         }
     }
 }

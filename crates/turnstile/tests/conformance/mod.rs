@@ -1127,7 +1127,7 @@ pub async fn a_hand_over_issues_a_new_larger_token(store: impl TestStore) {
 /// in another process gets in: a notified one after at most nine of their sections
 /// (the one under way when it started waiting and eight hand-overs), every time; a
 /// polling one, whose polls must land in the short pause after a run of hand-overs,
-/// within two seconds of 2 ms sections (a pause as long as its poll interval would cost
+/// within seconds of 2 ms sections (five, on a loaded two-core machine) (a pause as long as its poll interval would cost
 /// a process alone with its lock most of its throughput).
 pub async fn a_remote_waiter_gets_in_within_nine_local_sections(store: impl TestStore) {
     let notified = store.notifies_other_processes();
@@ -1165,7 +1165,7 @@ pub async fn a_remote_waiter_gets_in_within_nine_local_sections(store: impl Test
         let first_ask = counting.attempts()[asked_before].0;
         if !notified {
             assert!(
-                got_in - first_ask < Duration::from_secs(2),
+                got_in - first_ask < Duration::from_secs(5),
                 "round {round}: the polling remote waiter waited {:?}",
                 got_in - first_ask
             );
