@@ -38,7 +38,8 @@ const MIN_PAUSE: Duration = Duration::from_millis(1);
 /// makes.
 struct Bound<'a> {
     name: &'a LockName,
-    store: String,
+    /// The store, described only when an error needs it (not on every call).
+    backend: &'a dyn LockBackend,
     wait: Option<Duration>,
     /// `None`: wait forever (or a bound so large that it cannot be represented).
     deadline: Option<Instant>,
@@ -47,13 +48,18 @@ struct Bound<'a> {
 }
 
 impl<'a> Bound<'a> {
-    fn new(name: &'a LockName, locker: &Locker, options: &LockOptions, started: Instant) -> Self {
+    fn new(
+        name: &'a LockName,
+        locker: &'a Locker,
+        options: &LockOptions,
+        started: Instant,
+    ) -> Self {
         let wait = options.get_wait();
         let deadline = wait.and_then(|wait| started.checked_add(wait));
         let attempt_deadline = deadline.map(|deadline| deadline.max(started + MIN_ATTEMPT_TIME));
         Bound {
             name,
-            store: locker.inner.backend.describe(),
+            backend: locker.inner.backend.as_ref(),
             wait,
             deadline,
             attempt_deadline,
@@ -84,7 +90,7 @@ impl<'a> Bound<'a> {
                     format!(
                         "lock \"{}\": the store {} did not answer within the wait bound ({})",
                         self.name,
-                        self.store,
+                        self.backend.describe(),
                         describe_wait(self.wait.unwrap_or_default().max(MIN_ATTEMPT_TIME))
                     ),
                 ))
