@@ -153,13 +153,7 @@ pub async fn connect_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
         "sqlite" => open_sqlite_idempotency(url).await,
         "postgres" | "postgresql" => open_postgres_idempotency(url).await,
         "redis" | "rediss" => open_redis_idempotency(url).await,
-        "mysql" | "mariadb" => Err(Error::new(
-            ErrorKind::UnsupportedStore,
-            format!(
-                "{}: there is no idempotency store for {scheme}:// yet; use SQLite, PostgreSQL or Redis",
-                redact(url)
-            ),
-        )),
+        "mysql" | "mariadb" => open_mysql_idempotency(url).await,
         _ => Err(Error::new(
             ErrorKind::InvalidUrl,
             format!(
@@ -199,6 +193,23 @@ async fn open_redis_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
         ErrorKind::UnsupportedStore,
         format!(
             "{} needs Redis support: build turnstile with the `redis` feature",
+            redact(url)
+        ),
+    ))
+}
+
+#[cfg(feature = "mysql")]
+async fn open_mysql_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
+    let store = crate::idempotency::mysql::MysqlIdempotencyStore::connect(url).await?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "mysql"))]
+async fn open_mysql_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!(
+            "{} needs MySQL support: build turnstile with the `mysql` feature",
             redact(url)
         ),
     ))

@@ -3,6 +3,8 @@
 //! statements and scripts live in the concept's folder; this is the one home of the
 //! rest, so that concepts borrow from here and not from each other.
 
+#[cfg(feature = "mysql")]
+pub(crate) mod mysql;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(feature = "redis")]

@@ -66,6 +66,8 @@ use crate::lock::{BoxFuture, ExtendOutcome, ReleaseWatch};
 #[cfg(feature = "axum")]
 pub mod http;
 pub mod inbox;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "redis")]
@@ -900,7 +902,12 @@ fn in_progress(scope: &Scope, key: &IdempotencyKey, lease_left: Option<Duration>
 pub const MAX_OUTCOME_LEN: usize = 16 * 1024 * 1024;
 
 #[cfg_attr(
-    not(any(feature = "sqlite", feature = "postgres", feature = "redis")),
+    not(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "redis"
+    )),
     allow(dead_code)
 )]
 pub(crate) fn check_outcome(outcome: &[u8]) -> Result<()> {

@@ -47,12 +47,11 @@
 //!   reused for another lock at once, would lose that other lock (its lost signal fires
 //!   and fencing keeps its writes out).
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySql, MySqlPool, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, Row};
 use tokio::time::Instant;
 
@@ -61,14 +60,11 @@ use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, OwnerId, ReleaseOutcome,
     ReleaseSignals, ReleaseWatch, TryAcquire,
 };
+use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::sql::{Statement, map_error, statement, validate_identifier};
 use crate::store::split_url_options;
-
-/// The server clock in microseconds since the Unix epoch, the floor of new tokens. Both
-/// parts read the statement's start time; neither depends on the session's time zone.
-const CLOCK_US: &str = "(UNIX_TIMESTAMP() * 1000000 + MICROSECOND(NOW(6)))";
 
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
@@ -224,31 +220,14 @@ impl MysqlLockStore {
     pub async fn connect_with(url: &str, config: MysqlLockConfig) -> Result<Self> {
         validate_identifier("table prefix", &config.prefix)?;
         let redacted = crate::store::redact(url);
-        let options = MySqlConnectOptions::from_str(url).map_err(|error| {
-            Error::new(
-                ErrorKind::InvalidUrl,
-                format!("{redacted} is not a valid MySQL URL (mysql://user[:password]@host[:port]/database)"),
-            )
-            .with_source(error)
-        })?;
-        let what = format!("cannot connect to MySQL at {redacted}");
-        let pool = MySqlPoolOptions::new()
-            .max_connections(config.max_connections)
-            .acquire_timeout(config.connect_timeout)
-            .connect_with(options.clone())
-            .await;
-        let pool = match pool {
-            Ok(pool) => pool,
-            Err(error) => {
-                return Err(crate::sql::connect_failure(
-                    error,
-                    &options,
-                    &what,
-                    config.connect_timeout,
-                )
-                .await);
-            }
-        };
+        let options = connect_options(url)?;
+        let pool = open_pool(
+            &options,
+            config.max_connections,
+            config.connect_timeout,
+            &redacted,
+        )
+        .await?;
         let sessions = MySqlPoolOptions::new()
             .max_connections(config.max_held)
             .min_connections(0)
