@@ -702,6 +702,12 @@ pub trait TransactionalIdempotency: Sync {
     /// The connection a transaction runs on.
     type Connection: Send;
 
+    /// The statement that opens a transaction this store can claim in, when it is not
+    /// the driver's plain `BEGIN` (SQLite: `BEGIN IMMEDIATE`).
+    fn begin_statement(&self) -> Option<&'static str> {
+        None
+    }
+
     /// Claims (scope, key) inside the transaction on `connection`.
     fn claim_in_transaction<'a>(
         &'a self,
@@ -857,6 +863,37 @@ impl RunningClaim {
         match self
             .store
             .complete(scope, key, self.token, outcome, self.retention)
+            .await?
+        {
+            Finish::Done => {
+                telemetry::completed(scope, key, self.lease.started.elapsed());
+                Ok(())
+            }
+            Finish::Fenced => {
+                telemetry::fenced_out(scope, key, self.token);
+                Err(fenced(scope, key))
+            }
+        }
+    }
+
+    /// Stores `outcome` inside the caller's transaction on `connection` (the watchdog
+    /// stops first: the transaction's commit is what completes the claim). On an error
+    /// roll the transaction back and [give the key back](Self::give_back).
+    #[cfg(all(
+        feature = "axum",
+        any(feature = "sqlite", feature = "postgres", feature = "mysql")
+    ))]
+    pub(crate) async fn complete_in_transaction<S: TransactionalIdempotency>(
+        &mut self,
+        store: &S,
+        connection: &mut S::Connection,
+        outcome: &[u8],
+    ) -> Result<()> {
+        self.keeper.stop();
+        let (scope, key) = (&self.scope, &self.key);
+        let options = IdempotencyOptions::new().retention(self.retention);
+        match store
+            .complete_in_transaction(connection, scope, key, self.token, outcome, &options)
             .await?
         {
             Finish::Done => {

@@ -225,6 +225,10 @@ fn complete_statement<'q>(
 impl TransactionalIdempotency for SqliteIdempotencyStore {
     type Connection = SqliteConnection;
 
+    fn begin_statement(&self) -> Option<&'static str> {
+        Some("BEGIN IMMEDIATE")
+    }
+
     /// Claims inside the caller's transaction, which must be a write transaction from the
     /// start (`pool.begin_with("BEGIN IMMEDIATE")`): a deferred one that reads first
     /// may find it cannot upgrade to writing while another transaction writes.

@@ -49,10 +49,15 @@
 //!   413; a response over [`max_response_body`](IdempotencyLayer::max_response_body)
 //!   (1 MiB) is passed on but not stored, and the record says so (a repeat gets 422).
 //!
+//! - With [`in_transactions`](IdempotencyLayer::in_transactions), a handler that takes
+//!   an `IdempotentTransaction` commits its writes and the stored response together.
+//!
 //! Errors are `application/problem+json` with the stable `type` values in [`types`].
 
 mod problem;
 mod replay;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+mod transaction;
 
 use std::convert::Infallible;
 use std::fmt;
@@ -71,6 +76,8 @@ use tower::{Layer, Service};
 use problem::problem;
 pub use problem::types;
 use replay::Stored;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub use transaction::{IdempotentTransaction, TransactionRejection};
 
 use super::{Begun, Fingerprint, Idempotency, IdempotencyKey, Scope};
 use crate::error::{Error, ErrorKind};
@@ -93,6 +100,8 @@ struct Config {
     replay_headers: Vec<HeaderName>,
     fingerprint_headers: Vec<HeaderName>,
     store_status: fn(StatusCode) -> bool,
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    transactions: Option<Box<dyn transaction::TransactionSource>>,
 }
 
 /// Makes POST (and any other) routes safe to retry with an `Idempotency-Key`.
@@ -143,6 +152,8 @@ impl IdempotencyLayer {
                 ],
                 fingerprint_headers: Vec::new(),
                 store_status: stored_by_default,
+                #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+                transactions: None,
             }),
         }
     }
@@ -181,6 +192,39 @@ impl IdempotencyLayer {
     pub fn fingerprint_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config_mut().fingerprint_headers = headers.into_iter().collect();
         self
+    }
+
+    /// The same-transaction mode, for handlers that take an [`IdempotentTransaction`]:
+    /// such a handler's writes on `pool` and the stored response commit together, after
+    /// the handler answered with a response that is stored (any other answer rolls the
+    /// writes back and gives the key back). `store` must be the engine's store (it keeps
+    /// the records in the database `pool` reaches); handlers that do not take the
+    /// transaction keep the lease mode.
+    ///
+    /// The key is claimed with a lease first, as in the lease mode: a duplicate gets 409
+    /// or waits for a completion notice, and never holds a connection or a row lock
+    /// while it waits. A crash rolls the transaction back — writes and response
+    /// together — and the key is claimable again when its lease ends.
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    pub fn in_transactions<DB, S>(mut self, store: S, pool: sqlx::Pool<DB>) -> crate::Result<Self>
+    where
+        DB: sqlx::Database,
+        S: super::TransactionalIdempotency<Connection = DB::Connection>
+            + super::IdempotencyStore
+            + Clone,
+    {
+        let engine_store = self.config.engine.store().describe();
+        if store.describe() != engine_store {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "the layer's transactions must use its engine's store ({engine_store}), not {}",
+                    store.describe()
+                ),
+            ));
+        }
+        self.config_mut().transactions = Some(Box::new(transaction::Source { pool, store }));
+        Ok(self)
     }
 
     /// Which responses are stored and replayed ([`stored_by_default`] unless set); the
@@ -363,7 +407,7 @@ pub fn error_response(error: &Error) -> Response<Body> {
             &error.to_string(),
             None,
         ),
-        ErrorKind::LockLost => problem(
+        ErrorKind::LockLost | ErrorKind::Fencing => problem(
             StatusCode::SERVICE_UNAVAILABLE,
             types::CLAIM_LOST,
             "The claim on this Idempotency-Key was lost while the request ran",
@@ -462,22 +506,35 @@ where
 async fn run_claimed<S>(
     config: &Config,
     mut inner: S,
-    request: Request<Body>,
+    #[allow(unused_mut)] mut request: Request<Body>,
     claim: super::RunningClaim,
 ) -> Response<Body>
 where
     S: Service<Request<Body>, Response = Response<Body>, Error = Infallible>,
 {
+    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    let finisher = config
+        .transactions
+        .as_ref()
+        .map(|source| source.attach(request.extensions_mut(), claim.token()));
+    #[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+    let finisher: Option<NoTransactions> = None;
     let lost = claim.lost_signal();
     let response = tokio::select! {
         biased;
         reason = lost => {
+            if let Some(finisher) = finisher {
+                finisher.rollback().await;
+            }
             claim.give_back().await;
             return error_response(&Error::lost(reason));
         }
         response = call(&mut inner, request) => response,
     };
     if !(config.store_status)(response.status()) {
+        if let Some(finisher) = finisher {
+            finisher.rollback().await;
+        }
         claim.give_back().await;
         return mark(response, false);
     }
@@ -490,9 +547,20 @@ where
             config.max_response_body
         )),
     };
-    // A refusal (a newer claim holds the key) changes nothing for this answer: the
-    // handler ran, and its response goes to this client.
-    let _ = claim.complete(&outcome).await;
+    match finisher.filter(|finisher| finisher.opened()) {
+        // The handler's writes and the response commit together, or its answer does
+        // not stand.
+        Some(finisher) => {
+            if let Err(error) = finisher.commit(claim, outcome).await {
+                return error_response(&error);
+            }
+        }
+        // A refusal (a newer claim holds the key) changes nothing for this answer: the
+        // handler ran, and its response goes to this client.
+        None => {
+            let _ = claim.complete(&outcome).await;
+        }
+    }
     let body = match rest {
         None => Body::from(prefix),
         Some(rest) => Body::from_stream(
@@ -501,6 +569,21 @@ where
         ),
     };
     mark(Response::from_parts(head, body), false)
+}
+
+/// Stands in for the transaction hooks when no SQL engine is built in.
+#[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+struct NoTransactions;
+
+#[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+impl NoTransactions {
+    fn opened(&self) -> bool {
+        false
+    }
+    async fn rollback(self) {}
+    async fn commit(self, _claim: super::RunningClaim, _outcome: Vec<u8>) -> crate::Result<()> {
+        Ok(())
+    }
 }
 
 async fn call<S>(inner: &mut S, request: Request<Body>) -> Response<Body>

@@ -29,6 +29,10 @@ pub mod types {
     /// 503: the claim on the key was lost while the handler ran (renewals failed); the
     /// handler was cancelled. Retry with the same key.
     pub const CLAIM_LOST: &str = "urn:turnstile:problem:idempotency-claim-lost";
+    /// 500: the handler asks for an
+    /// [`IdempotentTransaction`](super::super::IdempotentTransaction), but its route's
+    /// layer has no transactions for that database (or the request has no key).
+    pub const NO_TRANSACTION: &str = "urn:turnstile:problem:idempotency-no-transaction";
 }
 
 /// A problem response: `type`, `title`, `status`, `detail`, and `Retry-After` when
