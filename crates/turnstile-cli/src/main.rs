@@ -2,6 +2,7 @@
 //! locks, benchmark a store.
 
 mod bench;
+mod bench_http;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod bench_sql;
 mod exec;
@@ -107,6 +108,11 @@ enum LockCommand {
 enum BenchCommand {
     /// The lock workload (v1): uncontended cycles, then contended critical sections.
     Lock(bench::BenchArgs),
+    /// Serve the idempotency layer's HTTP workload for `wrk` (see BENCHMARKS.md).
+    IdempotencyServer(bench_http::ServerArgs),
+    /// Send many requests with one new key at once to a running idempotency-server and
+    /// report what they got.
+    IdempotencyDuplicates(bench_http::DuplicatesArgs),
 }
 
 /// Where the locks live.
@@ -495,6 +501,10 @@ fn main() -> ExitCode {
             Command::Lock(LockCommand::Break(args)) => status(args, true).await,
             Command::Lock(LockCommand::Prune(args)) => prune(args).await,
             Command::Bench(BenchCommand::Lock(args)) => bench::run(args).await,
+            Command::Bench(BenchCommand::IdempotencyServer(args)) => bench_http::serve(args).await,
+            Command::Bench(BenchCommand::IdempotencyDuplicates(args)) => {
+                bench_http::duplicates(args).await
+            }
             Command::Migrate(args) => migrate(args).await,
             Command::Idempotency(command) => idempotency::run(command).await,
         }

@@ -61,6 +61,11 @@
 mod engine;
 pub mod error;
 pub mod fence;
+#[cfg_attr(
+    not(any(feature = "redis", feature = "mysql", feature = "axum")),
+    allow(dead_code)
+)]
+mod hex;
 pub mod idempotency;
 pub mod lock;
 pub mod optimistic;

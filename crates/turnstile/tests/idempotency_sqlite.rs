@@ -178,3 +178,71 @@ async fn the_inbox_skips_redeliveries_per_consumer() {
         .unwrap_err();
     assert_eq!(error.kind(), turnstile::ErrorKind::InvalidName);
 }
+
+/// Every outcome is counted and every store call timed, by engine and operation, into
+/// whatever `metrics` recorder the application installed.
+#[test]
+fn outcomes_and_store_latency_reach_the_metrics_recorder() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use turnstile::idempotency::{Fingerprint, IdempotencyKey, Scope};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let dir = tempfile::tempdir().unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let keys = Idempotency::new(
+                SqliteIdempotencyStore::open(dir.path().join("m.db"))
+                    .await
+                    .unwrap(),
+            );
+            let (scope, key) = (Scope::global(), IdempotencyKey::new("k").unwrap());
+            let fingerprint = Fingerprint::of(&[b"x"]);
+            for _ in 0..2 {
+                let answer: u32 = keys
+                    .run_once(&scope, &key, &fingerprint, async |_| {
+                        Ok::<_, turnstile::Error>(7)
+                    })
+                    .await
+                    .unwrap();
+                assert_eq!(answer, 7);
+            }
+        });
+    });
+    let mut outcomes = std::collections::BTreeMap::new();
+    let mut store_calls = std::collections::BTreeMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let labels: Vec<(String, String)> = key
+            .key()
+            .labels()
+            .map(|label| (label.key().to_owned(), label.value().to_owned()))
+            .collect();
+        let label = |name: &str| {
+            labels
+                .iter()
+                .find(|(key, _)| key == name)
+                .map(|(_, value)| value.clone())
+                .unwrap_or_default()
+        };
+        match (key.key().name(), value) {
+            ("turnstile_idempotency_outcomes_total", DebugValue::Counter(n)) => {
+                outcomes.insert(label("outcome"), n);
+            }
+            ("turnstile_idempotency_store_seconds", DebugValue::Histogram(samples)) => {
+                assert_eq!(label("engine"), "sqlite");
+                assert_eq!(label("result"), "ok");
+                store_calls.insert(label("op"), samples.len());
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(outcomes.get("started"), Some(&1), "{outcomes:?}");
+    assert_eq!(outcomes.get("completed"), Some(&1), "{outcomes:?}");
+    assert_eq!(outcomes.get("replayed"), Some(&1), "{outcomes:?}");
+    assert_eq!(store_calls.get("claim"), Some(&2), "{store_calls:?}");
+    assert_eq!(store_calls.get("complete"), Some(&1), "{store_calls:?}");
+}

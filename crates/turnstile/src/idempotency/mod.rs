@@ -467,6 +467,9 @@ impl IdempotencyOptions {
 /// Cheap to clone; clones share the store.
 #[derive(Clone)]
 pub struct Idempotency {
+    /// The store as given (what [`store`](Self::store) returns).
+    given: Arc<dyn IdempotencyStore>,
+    /// The same store, every call timed: what the engine calls.
     store: Arc<dyn IdempotencyStore>,
     options: IdempotencyOptions,
 }
@@ -503,8 +506,13 @@ impl Idempotency {
 
     /// Over a shared store, with default options.
     pub fn from_arc(store: Arc<dyn IdempotencyStore>) -> Self {
+        let timed = telemetry::TimedStore {
+            engine: telemetry::engine_of(store.as_ref()),
+            inner: Arc::clone(&store),
+        };
         Idempotency {
-            store,
+            given: store,
+            store: Arc::new(timed),
             options: IdempotencyOptions::default(),
         }
     }
@@ -526,7 +534,7 @@ impl Idempotency {
 
     /// The store.
     pub fn store(&self) -> &Arc<dyn IdempotencyStore> {
-        &self.store
+        &self.given
     }
 
     /// Runs `work` once for (`scope`, `key`), and replays its stored outcome to every

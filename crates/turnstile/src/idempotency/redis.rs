@@ -229,15 +229,24 @@ impl RedisIdempotencyStore {
         })
     }
 
-    /// The record's key and its notification channel.
-    fn keys(&self, scope: &Scope, key: &IdempotencyKey) -> (String, String) {
+    /// The record's key.
+    fn record_key(&self, scope: &Scope, key: &IdempotencyKey) -> String {
         let mut hasher = Sha256::new();
         hasher.update((scope.as_str().len() as u64).to_be_bytes());
         hasher.update(scope.as_str());
         hasher.update(key.as_str());
         let digest = hasher.finalize();
-        let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-        let record = format!("{}:idem:{{{hex}}}", self.prefix);
+        let mut record = String::with_capacity(self.prefix.len() + 48);
+        record.push_str(&self.prefix);
+        record.push_str(":idem:{");
+        crate::hex::push_hex(&mut record, &digest[..16]);
+        record.push('}');
+        record
+    }
+
+    /// The record's key and its notification channel.
+    fn keys(&self, scope: &Scope, key: &IdempotencyKey) -> (String, String) {
+        let record = self.record_key(scope, key);
         let channel = format!("{record}:done");
         (record, channel)
     }
@@ -264,11 +273,7 @@ fn millis(value: &Value) -> Option<Duration> {
 }
 
 fn fingerprint_hex(fingerprint: &Fingerprint) -> String {
-    fingerprint
-        .as_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::hex::hex(fingerprint.as_bytes())
 }
 
 impl IdempotencyStore for RedisIdempotencyStore {
@@ -281,7 +286,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
         retention: Duration,
     ) -> BoxFuture<'a, Result<ClaimAnswer>> {
         Box::pin(async move {
-            let (record, _) = self.keys(scope, key);
+            let record = self.record_key(scope, key);
             let mut connection = self.connection.clone();
             let reply: Vec<Value> = self
                 .scripts
@@ -325,7 +330,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
         lease: Duration,
     ) -> BoxFuture<'a, Result<ExtendOutcome>> {
         Box::pin(async move {
-            let (record, _) = self.keys(scope, key);
+            let record = self.record_key(scope, key);
             let mut connection = self.connection.clone();
             let answer: i64 = self
                 .scripts
@@ -407,7 +412,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
         key: &'a IdempotencyKey,
     ) -> BoxFuture<'a, Result<Option<Record>>> {
         Box::pin(async move {
-            let (record, _) = self.keys(scope, key);
+            let record = self.record_key(scope, key);
             let mut connection = self.connection.clone();
             let reply: Value = self
                 .scripts

@@ -7,12 +7,20 @@
 //! | `turnstile_idempotency_replay_seconds` | histogram | — (from the call to the replayed outcome, waiting included) |
 //! | `turnstile_idempotency_lease_lost_total` | counter | `reason` |
 //! | `turnstile_idempotency_renewal_failures_total` | counter | — |
+//! | `turnstile_idempotency_store_seconds` | histogram | `engine` (`sqlite`, `postgres`, `mysql`, `redis`), `op` (`claim`, `heartbeat`, `complete`, `release`, `get`, `forget`, `sweep`, `stale`, `watch`), `result` (`ok`, `error`) |
 
+use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::{IdempotencyKey, Scope};
-use crate::error::Error;
+use tokio::time::Instant;
+
+use super::{
+    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyStore, Record, Scope, StaleClaim,
+};
+use crate::error::{Error, Result};
 use crate::fence::FencingToken;
+use crate::lock::{BoxFuture, ExtendOutcome, ReleaseWatch};
 
 fn count(outcome: &'static str) {
     metrics::counter!("turnstile_idempotency_outcomes_total", "outcome" => outcome).increment(1);
@@ -63,4 +71,131 @@ pub(crate) fn fenced_out(scope: &Scope, key: &IdempotencyKey, token: FencingToke
 pub(crate) fn store_error(scope: &Scope, key: &IdempotencyKey, error: &Error) {
     count("store_error");
     tracing::warn!(%scope, %key, %error, "the idempotency store failed");
+}
+
+/// The engine's label for a store: the scheme of the URL it describes.
+pub(crate) fn engine_of(store: &dyn IdempotencyStore) -> &'static str {
+    let description = store.describe();
+    match description.split_once(':').map(|(scheme, _)| scheme) {
+        Some("sqlite") => "sqlite",
+        Some("postgres" | "postgresql") => "postgres",
+        Some("mysql" | "mariadb") => "mysql",
+        Some("redis" | "rediss" | "redis+unix" | "unix") => "redis",
+        _ => "other",
+    }
+}
+
+/// A store whose every call is timed into `turnstile_idempotency_store_seconds`
+/// (labels `engine`, `op`, `result` = `ok` | `error`): what the engine uses, so that
+/// claims, heartbeats, completions and operators' calls are all measured in one place.
+pub(crate) struct TimedStore {
+    pub(crate) inner: Arc<dyn IdempotencyStore>,
+    pub(crate) engine: &'static str,
+}
+
+impl fmt::Debug for TimedStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+impl TimedStore {
+    fn timed<'a, T: Send + 'a>(
+        &'a self,
+        op: &'static str,
+        call: BoxFuture<'a, Result<T>>,
+    ) -> BoxFuture<'a, Result<T>> {
+        Box::pin(async move {
+            let started = Instant::now();
+            let result = call.await;
+            let outcome = if result.is_ok() { "ok" } else { "error" };
+            metrics::histogram!(
+                "turnstile_idempotency_store_seconds",
+                "engine" => self.engine, "op" => op, "result" => outcome
+            )
+            .record(started.elapsed().as_secs_f64());
+            result
+        })
+    }
+}
+
+impl IdempotencyStore for TimedStore {
+    fn claim<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        fingerprint: &'a Fingerprint,
+        lease: Duration,
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<ClaimAnswer>> {
+        let call = self.inner.claim(scope, key, fingerprint, lease, retention);
+        self.timed("claim", call)
+    }
+
+    fn heartbeat<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<ExtendOutcome>> {
+        self.timed("heartbeat", self.inner.heartbeat(scope, key, token, lease))
+    }
+
+    fn complete<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+        outcome: &'a [u8],
+        retention: Duration,
+    ) -> BoxFuture<'a, Result<Finish>> {
+        let call = self.inner.complete(scope, key, token, outcome, retention);
+        self.timed("complete", call)
+    }
+
+    fn release<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+        token: FencingToken,
+    ) -> BoxFuture<'a, Result<Finish>> {
+        self.timed("release", self.inner.release(scope, key, token))
+    }
+
+    fn get<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<Option<Record>>> {
+        self.timed("get", self.inner.get(scope, key))
+    }
+
+    fn forget<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<bool>> {
+        self.timed("forget", self.inner.forget(scope, key))
+    }
+
+    fn sweep(&self, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        self.timed("sweep", self.inner.sweep(limit))
+    }
+
+    fn stale(&self, limit: u32) -> BoxFuture<'_, Result<Vec<StaleClaim>>> {
+        self.timed("stale", self.inner.stale(limit))
+    }
+
+    fn watch<'a>(
+        &'a self,
+        scope: &'a Scope,
+        key: &'a IdempotencyKey,
+    ) -> BoxFuture<'a, Result<ReleaseWatch>> {
+        self.timed("watch", self.inner.watch(scope, key))
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
 }

@@ -63,6 +63,7 @@ use super::{
 use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
+use crate::hex::hex;
 use crate::sql::{Statement, map_error, statement, validate_identifier};
 use crate::store::split_url_options;
 
@@ -488,10 +489,6 @@ impl MysqlLockStore {
             None => None,
         })
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
 }
 
 /// One round trip that takes the named lock and, if it got it, records the holder and

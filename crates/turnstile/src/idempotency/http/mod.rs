@@ -337,12 +337,8 @@ fn record_scope(scope: &Scope, parts: &Parts) -> Scope {
     let combined = format!("{scope} {} {route}", parts.method);
     Scope::new(combined.clone()).unwrap_or_else(|_| {
         let digest = Fingerprint::of(&[combined.as_bytes()]);
-        let hex: String = digest
-            .as_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        Scope::new(format!("h:{hex}")).unwrap_or_else(|_| Scope::global())
+        Scope::new(format!("h:{}", crate::hex::hex(digest.as_bytes())))
+            .unwrap_or_else(|_| Scope::global())
     })
 }
 
