@@ -468,9 +468,9 @@ impl IdempotencyOptions {
 #[derive(Clone)]
 pub struct Idempotency {
     /// The store as given (what [`store`](Self::store) returns).
-    given: Arc<dyn IdempotencyStore>,
-    /// The same store, every call timed: what the engine calls.
     store: Arc<dyn IdempotencyStore>,
+    /// The same store, every call timed: what the engine calls.
+    timed: Arc<dyn IdempotencyStore>,
     options: IdempotencyOptions,
 }
 
@@ -511,8 +511,8 @@ impl Idempotency {
             inner: Arc::clone(&store),
         };
         Idempotency {
-            given: store,
-            store: Arc::new(timed),
+            store,
+            timed: Arc::new(timed),
             options: IdempotencyOptions::default(),
         }
     }
@@ -534,7 +534,7 @@ impl Idempotency {
 
     /// The store.
     pub fn store(&self) -> &Arc<dyn IdempotencyStore> {
-        &self.given
+        &self.store
     }
 
     /// Runs `work` once for (`scope`, `key`), and replays its stored outcome to every
@@ -609,7 +609,7 @@ impl Idempotency {
         telemetry::started(scope, key, token);
         let lease = Lease::new(
             ClaimRenewal {
-                store: Arc::clone(&self.store),
+                store: Arc::clone(&self.timed),
                 scope: scope.clone(),
                 key: key.clone(),
                 token,
@@ -622,7 +622,7 @@ impl Idempotency {
         );
         let keeper = Keeper::start(Arc::clone(&lease), true, None);
         Ok(Begun::Started(RunningClaim {
-            store: Arc::clone(&self.store),
+            store: Arc::clone(&self.timed),
             scope: scope.clone(),
             key: key.clone(),
             token,
@@ -647,7 +647,7 @@ impl Idempotency {
         loop {
             let sent = Instant::now();
             let answer = self
-                .store
+                .timed
                 .claim(
                     scope,
                     key,
@@ -677,7 +677,7 @@ impl Idempotency {
             // Subscribe, then claim again at once: a completion between the claim and
             // the subscription would otherwise go unnoticed until the re-check.
             if watch.as_ref().is_none_or(ReleaseWatch::is_closed) {
-                watch = Some(self.store.watch(scope, key).await?);
+                watch = Some(self.timed.watch(scope, key).await?);
                 continue;
             }
             let Some(watching) = watch.as_mut() else {
