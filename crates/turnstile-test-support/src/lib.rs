@@ -17,11 +17,13 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 mod mariadb;
+mod nats;
 mod postgres;
 mod proxy;
 mod redis;
 
 pub use mariadb::{MariaDbServer, shared_mariadb};
+pub use nats::NatsServer;
 pub use postgres::{PostgresServer, shared_postgres};
 pub use proxy::TcpProxy;
 pub use redis::{RedisServer, shared_redis};

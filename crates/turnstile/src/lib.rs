@@ -69,6 +69,7 @@ mod hex;
 pub mod idempotency;
 pub mod lock;
 pub mod optimistic;
+pub mod outbox;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod sql;
 pub mod store;

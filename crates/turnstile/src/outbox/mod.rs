@@ -1,0 +1,367 @@
+//! The transactional outbox: events written in the same database transaction as the
+//! business change, then published to a broker by a [`Relay`](relay::Relay), in order per
+//! key, effectively once together with a consumer-side
+//! [`Inbox`](crate::idempotency::inbox::Inbox).
+//!
+//! ```no_run
+//! # #[cfg(feature = "sqlite")]
+//! # async fn demo() -> turnstile::Result<()> {
+//! use turnstile::outbox::{Message, sqlite::SqliteOutbox};
+//!
+//! let outbox = SqliteOutbox::open("app.db").await?;
+//! let mut transaction = outbox.pool().begin_with("BEGIN IMMEDIATE").await.map_err(|e| {
+//!     turnstile::Error::new(turnstile::ErrorKind::Store, "cannot begin").with_source(e)
+//! })?;
+//! // … the business change on `transaction` …
+//! let message = Message::json("payments.created", "account-42", &serde_json::json!({"cents": 1000}))?;
+//! outbox.enqueue(&mut transaction, &message).await?;
+//! outbox.commit(transaction).await?; // commits and wakes relays in this process
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # The model
+//! - Every message has an ordering key (an aggregate id, an account). Each key has a
+//!   gapless sequence number, assigned in the enqueue transaction under the key's row
+//!   lock, so order per key is commit order. There is no relay cursor over a global
+//!   serial id: ids assigned before commit commit out of order, and such a cursor skips
+//!   the late ones.
+//! - A relay leases keys (a lease with a token, judged by the database's clock), reads
+//!   each leased key's next messages, publishes them one key at a time in order and many
+//!   keys at once, then settles: delivered messages are deleted, a failure backs the key
+//!   off (computed in SQL, with jitter), a permanent failure parks the key after
+//!   [`RelayOptions::max_attempts`](relay::RelayOptions::max_attempts) while every other
+//!   key flows. A settlement whose lease token is no longer the key's is refused, so a
+//!   relay that stalled past its lease cannot mark another relay's work.
+//! - Several relays run at once with no leader: a key is leased by one relay at a time.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::lock::BoxFuture;
+
+#[cfg(feature = "nats")]
+pub mod nats;
+pub mod relay;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+mod telemetry;
+
+/// The longest ordering key and topic accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// The largest payload accepted, in bytes (brokers refuse far less: NATS 1 MiB by
+/// default).
+pub const MAX_PAYLOAD_LEN: usize = 16 * 1024 * 1024;
+
+/// A message to publish: a topic (subject, routing key, stream, Kafka topic), an
+/// ordering key, headers and a payload, with a UUID v7 id that brokers use to drop
+/// redeliveries and consumers' inboxes use to skip duplicates.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Message {
+    id: String,
+    topic: String,
+    key: String,
+    headers: Vec<(String, String)>,
+    payload: Vec<u8>,
+}
+
+impl fmt::Debug for Message {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Message")
+            .field("id", &self.id)
+            .field("topic", &self.topic)
+            .field("key", &self.key)
+            .field("headers", &self.headers)
+            .field("payload_len", &self.payload.len())
+            .finish()
+    }
+}
+
+fn check_name(what: &str, text: &str) -> Result<()> {
+    if text.is_empty() || text.len() > MAX_KEY_LEN {
+        return Err(Error::new(
+            ErrorKind::InvalidName,
+            format!(
+                "an outbox {what} is 1 to {MAX_KEY_LEN} bytes; this one has {}",
+                text.len()
+            ),
+        ));
+    }
+    if let Some(bad) = text.chars().find(|c| c.is_control()) {
+        return Err(Error::new(
+            ErrorKind::InvalidName,
+            format!("an outbox {what} must not contain control characters; found {bad:?}"),
+        ));
+    }
+    Ok(())
+}
+
+impl Message {
+    /// A message with a new UUID v7 id, and the current span's W3C `traceparent` when
+    /// the application set one with [`Message::header`].
+    pub fn new(topic: impl Into<String>, key: impl Into<String>, payload: Vec<u8>) -> Result<Self> {
+        let (topic, key) = (topic.into(), key.into());
+        check_name("topic", &topic)?;
+        check_name("ordering key", &key)?;
+        if payload.len() > MAX_PAYLOAD_LEN {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "an outbox payload of {} bytes is larger than the {MAX_PAYLOAD_LEN} bytes accepted",
+                    payload.len()
+                ),
+            ));
+        }
+        Ok(Message {
+            id: uuid::Uuid::now_v7().to_string(),
+            topic,
+            key,
+            headers: Vec::new(),
+            payload,
+        })
+    }
+
+    /// A message whose payload is `value` as JSON.
+    pub fn json<T: Serialize>(
+        topic: impl Into<String>,
+        key: impl Into<String>,
+        value: &T,
+    ) -> Result<Self> {
+        let payload = serde_json::to_vec(value).map_err(|error| {
+            Error::new(
+                ErrorKind::InvalidOptions,
+                "the payload does not serialise as JSON",
+            )
+            .with_source(error)
+        })?;
+        Message::new(topic, key, payload)
+    }
+
+    /// Adds a header (for example `traceparent`); names are ASCII tokens, values visible
+    /// ASCII.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Result<Self> {
+        let (name, value) = (name.into(), value.into());
+        let token = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
+        if name.is_empty() || !name.chars().all(token) || name.len() > MAX_KEY_LEN {
+            return Err(Error::new(
+                ErrorKind::InvalidName,
+                format!(
+                    "an outbox header name is 1 to {MAX_KEY_LEN} of A-Z a-z 0-9 - _ .; got {name:?}"
+                ),
+            ));
+        }
+        if value.chars().any(|c| !(' '..='~').contains(&c)) {
+            return Err(Error::new(
+                ErrorKind::InvalidName,
+                format!("the value of outbox header {name} must be visible ASCII"),
+            ));
+        }
+        self.headers.push((name, value));
+        Ok(self)
+    }
+
+    /// The id (a UUID v7, text).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The topic.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The ordering key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The headers, in the order added.
+    pub fn headers(&self) -> &[(String, String)] {
+        &self.headers
+    }
+
+    /// The payload.
+    pub fn payload(&self) -> &[u8] {
+        &self.payload
+    }
+
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    fn headers_json(&self) -> String {
+        let map: serde_json::Map<String, serde_json::Value> = self
+            .headers
+            .iter()
+            .map(|(name, value)| (name.clone(), serde_json::Value::String(value.clone())))
+            .collect();
+        serde_json::Value::Object(map).to_string()
+    }
+
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    fn from_stored(
+        id: String,
+        topic: String,
+        key: String,
+        headers: &str,
+        payload: Vec<u8>,
+    ) -> Self {
+        let headers = serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(headers)
+            .map(|map| {
+                map.into_iter()
+                    .filter_map(|(name, value)| value.as_str().map(|v| (name, v.to_owned())))
+                    .collect()
+            })
+            .unwrap_or_default();
+        Message {
+            id,
+            topic,
+            key,
+            headers,
+            payload,
+        }
+    }
+}
+
+/// A message as the relay reads it: its place in its key's sequence, and how long it
+/// has waited.
+#[derive(Debug, Clone)]
+pub struct Stored {
+    /// Its number in its key's gapless sequence (1, 2, 3…).
+    pub seq: u64,
+    /// How long ago it was enqueued, by the database's clock.
+    pub age: Duration,
+    /// The message.
+    pub message: Message,
+}
+
+/// One key a relay leased, with its next messages in order.
+#[derive(Debug, Clone)]
+pub struct LeasedKey {
+    /// The ordering key.
+    pub key: String,
+    /// The lease's token: a settlement must carry it.
+    pub token: u64,
+    /// Failed attempts so far at its head message.
+    pub attempts: u32,
+    /// Its next undelivered messages, in sequence order, without gaps.
+    pub messages: Vec<Stored>,
+}
+
+/// What became of a leased key's messages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settlement {
+    /// The ordering key.
+    pub key: String,
+    /// The lease token it was leased with.
+    pub token: u64,
+    /// Every message up to this sequence number was published (0: none).
+    pub delivered_through: u64,
+    /// Why the next one failed, if one did.
+    pub failure: Option<Failure>,
+}
+
+/// A failed publish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// A permanent failure (the broker refused this message) counts toward parking the
+    /// key; a transient one (broker unreachable, timeout) only backs the key off.
+    pub permanent: bool,
+    /// What went wrong, for `turnstile outbox status`.
+    pub reason: String,
+}
+
+/// How a settlement landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Recorded.
+    Done,
+    /// Recorded, and the key is now parked (too many permanent failures).
+    Parked,
+    /// Refused: the lease token is no longer the key's (the lease ran out and another
+    /// relay has the key).
+    Fenced,
+}
+
+/// A parked key: its head message failed permanently too often.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParkedKey {
+    /// The ordering key.
+    pub key: String,
+    /// Failed attempts.
+    pub attempts: u32,
+    /// The last failure's reason.
+    pub reason: Option<String>,
+    /// Messages waiting behind it.
+    pub pending: u64,
+}
+
+/// What an outbox holds, for `turnstile outbox status`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Status {
+    /// Undelivered messages of keys that are not parked.
+    pub pending: u64,
+    /// Keys with undelivered messages (not parked).
+    pub pending_keys: u64,
+    /// The age of the oldest undelivered message of a key that is not parked.
+    pub oldest_pending: Option<Duration>,
+    /// Parked keys (up to the limit asked for), oldest failure first.
+    pub parked: Vec<ParkedKey>,
+}
+
+/// Backoff of a failing key: `min(max, base × 2^attempts)`, times a random factor from
+/// 0.5 to 1, computed by the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// The first delay.
+    pub base: Duration,
+    /// The longest delay.
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff {
+            base: Duration::from_millis(100),
+            max: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Where an outbox's messages live: what a relay needs of a store. Every operation is
+/// atomic; the SQL stores implement it.
+pub trait OutboxStore: Send + Sync + fmt::Debug + 'static {
+    /// Leases up to `max_keys` keys that have undelivered messages and are due (not
+    /// leased, not backing off, not parked), for `lease`, and returns up to `per_key`
+    /// next messages of each, in order.
+    fn claim(
+        &self,
+        max_keys: u32,
+        per_key: u32,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<Vec<LeasedKey>>>;
+
+    /// Records what became of leased keys: deletes delivered messages, backs failing
+    /// keys off, parks a key whose permanent failures reach `max_attempts`, and ends
+    /// the leases. One answer per settlement, in order.
+    fn settle<'a>(
+        &'a self,
+        settlements: &'a [Settlement],
+        max_attempts: u32,
+        backoff: Backoff,
+    ) -> BoxFuture<'a, Result<Vec<Settled>>>;
+
+    /// Unparks `key` (its head message is tried again); false if it was not parked.
+    fn redrive<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>>;
+
+    /// Counts what is pending and lists up to `parked_limit` parked keys.
+    fn status(&self, parked_limit: u32) -> BoxFuture<'_, Result<Status>>;
+
+    /// Resolves when a message may have been committed in this process since the last
+    /// call ([`commit`](sqlite::SqliteOutbox::commit) wakes it), or after `timeout`.
+    fn committed(&self, timeout: Duration) -> BoxFuture<'_, ()>;
+
+    /// The store, for messages (URL without password).
+    fn describe(&self) -> String;
+}

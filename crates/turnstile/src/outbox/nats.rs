@@ -1,0 +1,169 @@
+//! Publishing to NATS JetStream (feature `nats`).
+//!
+//! Each message goes to the subject named by its topic with its id as `Nats-Msg-Id`, so
+//! the stream drops a redelivery inside its duplicate window; the relay waits for the
+//! stream's ack before the key's next message. Headers: the message's own, plus
+//! `Turnstile-Key` and `Turnstile-Seq` (its key and its place in the key's sequence,
+//! which a consumer can use to check order).
+//!
+//! Before the first publish to a subject the relay checks that a stream takes it and
+//! that the stream's duplicate window is longer than the relay's redelivery window
+//! (lease + longest backoff): otherwise a redelivery could land outside it, and the
+//! relay refuses to run ([`ErrorKind::Configuration`]).
+
+use std::time::Duration;
+
+use async_nats::jetstream::context::PublishErrorKind;
+
+use super::Failure;
+use super::Message;
+use super::relay::Publisher;
+use crate::error::{Error, ErrorKind, Result};
+use crate::lock::BoxFuture;
+
+/// A JetStream publisher.
+#[derive(Clone)]
+pub struct JetStreamPublisher {
+    jetstream: async_nats::jetstream::Context,
+    url: String,
+}
+
+impl std::fmt::Debug for JetStreamPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JetStreamPublisher")
+            .field("url", &self.url)
+            .finish()
+    }
+}
+
+impl JetStreamPublisher {
+    /// Connects to the NATS server at `url` (`nats://host:port`); fails if it does not
+    /// answer within `timeout`.
+    pub async fn connect(url: &str, timeout: Duration) -> Result<Self> {
+        let redacted = crate::store::redact(url);
+        let options = async_nats::ConnectOptions::new()
+            .connection_timeout(timeout)
+            .request_timeout(Some(timeout));
+        let client = match tokio::time::timeout(timeout, options.connect(url)).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(error)) => {
+                return Err(Error::new(
+                    ErrorKind::StoreUnavailable,
+                    format!("cannot connect to NATS at {redacted}: {error}"),
+                ));
+            }
+            Err(_) => {
+                return Err(Error::new(
+                    ErrorKind::StoreUnavailable,
+                    format!("NATS at {redacted} did not answer within {timeout:?}"),
+                ));
+            }
+        };
+        Ok(JetStreamPublisher {
+            jetstream: async_nats::jetstream::new(client),
+            url: redacted,
+        })
+    }
+
+    /// The JetStream context, for the application's own streams and consumers.
+    pub fn jetstream(&self) -> &async_nats::jetstream::Context {
+        &self.jetstream
+    }
+}
+
+fn failure(permanent: bool, reason: String) -> Failure {
+    Failure { permanent, reason }
+}
+
+impl Publisher for JetStreamPublisher {
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+        seq: u64,
+    ) -> BoxFuture<'a, std::result::Result<(), Failure>> {
+        Box::pin(async move {
+            let mut headers = async_nats::HeaderMap::new();
+            for (name, value) in message.headers() {
+                headers.append(name.as_str(), value.as_str());
+            }
+            headers.insert("Nats-Msg-Id", message.id());
+            headers.insert("Turnstile-Key", message.key());
+            headers.insert("Turnstile-Seq", seq.to_string().as_str());
+            let classify = |kind: PublishErrorKind, error: String| match kind {
+                // The broker refuses this message for good.
+                PublishErrorKind::MaxPayloadExceeded
+                | PublishErrorKind::WrongLastMessageId
+                | PublishErrorKind::WrongLastSequence => failure(true, error),
+                // No stream takes the subject (an operator's fix), or the broker is
+                // unreachable or slow: try again later.
+                _ => failure(false, error),
+            };
+            let ack = self
+                .jetstream
+                .publish_with_headers(
+                    message.topic().to_owned(),
+                    headers,
+                    bytes::Bytes::copy_from_slice(message.payload()),
+                )
+                .await
+                .map_err(|error| classify(error.kind(), error.to_string()))?;
+            ack.await
+                .map(|_| ())
+                .map_err(|error| classify(error.kind(), error.to_string()))
+        })
+    }
+
+    fn check<'a>(&'a self, topic: &'a str, redelivery: Duration) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            let stream = self
+                .jetstream
+                .stream_by_subject(topic.to_owned())
+                .await
+                .map_err(|error| {
+                    Error::new(
+                        ErrorKind::Configuration,
+                        format!(
+                            "no JetStream stream at {} takes subject {topic:?} ({error}); create one \
+                             before relaying",
+                            self.url
+                        ),
+                    )
+                })?;
+            let info = self
+                .jetstream
+                .get_stream(&stream)
+                .await
+                .map_err(|error| {
+                    Error::new(
+                        ErrorKind::StoreUnavailable,
+                        format!("cannot read stream {stream:?} at {}: {error}", self.url),
+                    )
+                })?
+                .get_info()
+                .await
+                .map_err(|error| {
+                    Error::new(
+                        ErrorKind::StoreUnavailable,
+                        format!("cannot read stream {stream:?} at {}: {error}", self.url),
+                    )
+                })?;
+            let window = info.config.duplicate_window;
+            if window <= redelivery {
+                return Err(Error::new(
+                    ErrorKind::Configuration,
+                    format!(
+                        "stream {stream:?} drops duplicates for {window:?}, but the relay may publish \
+                         a message again up to {redelivery:?} later (lease + longest backoff): raise \
+                         the stream's duplicate_window above that, or shorten the relay's lease or \
+                         backoff"
+                    ),
+                ));
+            }
+            Ok(())
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.url.clone()
+    }
+}

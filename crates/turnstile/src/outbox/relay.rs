@@ -1,0 +1,324 @@
+//! The relay: leases keys, publishes their messages in order, settles.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::{Backoff, Failure, LeasedKey, Message, OutboxStore, Settled, Settlement, telemetry};
+use crate::error::{Error, ErrorKind, Result};
+use crate::lock::BoxFuture;
+
+/// Where a relay publishes: a broker client. Implementations must hand the message id
+/// to the broker's own duplicate detection where it has one, and answer only once the
+/// broker has the message (an ack, a publisher confirm).
+pub trait Publisher: Send + Sync + 'static {
+    /// Publishes `message` (the `seq`-th of its key) and waits for the broker to have it.
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+        seq: u64,
+    ) -> BoxFuture<'a, std::result::Result<(), Failure>>;
+
+    /// Checks, once per topic before its first publish, that the broker can take
+    /// messages for `topic` and that its duplicate detection covers a message
+    /// published again up to `redelivery` after its first publish; a
+    /// [`ErrorKind::Configuration`] error makes the relay refuse to run.
+    fn check<'a>(&'a self, topic: &'a str, redelivery: Duration) -> BoxFuture<'a, Result<()>>;
+
+    /// The broker, for messages.
+    fn describe(&self) -> String;
+}
+
+/// How a relay works.
+#[derive(Debug, Clone)]
+pub struct RelayOptions {
+    max_keys: u32,
+    per_key: u32,
+    lease: Duration,
+    max_attempts: u32,
+    backoff: Backoff,
+    idle_poll: (Duration, Duration),
+}
+
+impl Default for RelayOptions {
+    fn default() -> Self {
+        RelayOptions {
+            max_keys: 64,
+            per_key: 32,
+            lease: Duration::from_secs(30),
+            max_attempts: 5,
+            backoff: Backoff::default(),
+            idle_poll: (Duration::from_millis(5), Duration::from_millis(500)),
+        }
+    }
+}
+
+impl RelayOptions {
+    /// Defaults: 64 keys a round, up to 32 messages a key, a 30 s lease, park after 5
+    /// permanent failures, backoff 100 ms to 60 s, idle polls from 5 ms to 500 ms.
+    pub fn new() -> Self {
+        RelayOptions::default()
+    }
+
+    /// How many keys one round leases (and publishes at once).
+    pub fn max_keys(mut self, keys: u32) -> Self {
+        self.max_keys = keys.max(1);
+        self
+    }
+
+    /// How many messages of one key a round publishes.
+    pub fn per_key(mut self, messages: u32) -> Self {
+        self.per_key = messages.max(1);
+        self
+    }
+
+    /// How long a round's lease on its keys lasts; the relay stops publishing a key
+    /// when four fifths of it have passed.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(100));
+        self
+    }
+
+    /// Permanent failures of a key's head message before the key is parked.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// The backoff of a failing key.
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// The idle poll's first and longest interval (a commit in this process wakes the
+    /// relay at once; the poll finds other processes' commits).
+    pub fn idle_poll(mut self, min: Duration, max: Duration) -> Self {
+        self.idle_poll = (min.max(Duration::from_millis(1)), max.max(min));
+        self
+    }
+
+    /// The longest time after its first publish that a message may be published again:
+    /// a relay that dies mid-publish leaves the key leased for the lease, and a failed
+    /// key waits at most the longest backoff.
+    pub fn redelivery_window(&self) -> Duration {
+        self.lease + self.backoff.max
+    }
+}
+
+/// What one round did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Round {
+    /// Keys leased.
+    pub keys: usize,
+    /// Messages published.
+    pub published: usize,
+    /// Publishes that failed.
+    pub failed: usize,
+    /// Keys parked.
+    pub parked: usize,
+    /// Settlements refused (a lease that ran out).
+    pub fenced: usize,
+}
+
+/// Publishes an outbox's messages; several may run at once, on one store, with no
+/// leader.
+#[derive(Clone)]
+pub struct Relay {
+    store: Arc<dyn OutboxStore>,
+    publisher: Arc<dyn Publisher>,
+    options: RelayOptions,
+    checked: Arc<Mutex<HashSet<String>>>,
+}
+
+impl fmt::Debug for Relay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Relay")
+            .field("store", &self.store.describe())
+            .field("publisher", &self.publisher.describe())
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+impl Relay {
+    /// A relay from `store` to `publisher`, with default options.
+    pub fn new(store: impl OutboxStore, publisher: impl Publisher) -> Self {
+        Relay::from_arcs(Arc::new(store), Arc::new(publisher))
+    }
+
+    /// A relay over shared store and publisher.
+    pub fn from_arcs(store: Arc<dyn OutboxStore>, publisher: Arc<dyn Publisher>) -> Self {
+        Relay {
+            store,
+            publisher,
+            options: RelayOptions::default(),
+            checked: Arc::default(),
+        }
+    }
+
+    /// The same relay with other options.
+    pub fn with_options(mut self, options: RelayOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// One round: lease due keys, publish their messages (keys at once, each key's in
+    /// order, a key stopping at its first failure or when its lease is nearly over),
+    /// settle. A broker configuration that cannot keep the promises is an error
+    /// ([`ErrorKind::Configuration`]), and nothing of that topic is published.
+    pub async fn run_once(&self) -> Result<Round> {
+        let sent = Instant::now();
+        let leased = self
+            .store
+            .claim(
+                self.options.max_keys,
+                self.options.per_key,
+                self.options.lease,
+            )
+            .await?;
+        let mut round = Round {
+            keys: leased.len(),
+            ..Round::default()
+        };
+        if leased.is_empty() {
+            return Ok(round);
+        }
+        for topic in leased
+            .iter()
+            .flat_map(|key| key.messages.iter().map(|stored| stored.message.topic()))
+            .collect::<HashSet<_>>()
+        {
+            self.check_topic(topic).await?;
+        }
+        // Stop publishing a key well before its lease ends: past that, another relay
+        // may have it.
+        let deadline = sent + self.options.lease * 4 / 5;
+        let mut tasks = tokio::task::JoinSet::new();
+        for key in leased {
+            let publisher = Arc::clone(&self.publisher);
+            tasks.spawn(publish_key(publisher, key, deadline));
+        }
+        let mut settlements = Vec::with_capacity(round.keys);
+        while let Some(done) = tasks.join_next().await {
+            let (settlement, published) = done.map_err(|error| {
+                Error::new(
+                    ErrorKind::Store,
+                    format!("a publishing task failed: {error}"),
+                )
+            })?;
+            round.published += published;
+            round.failed += usize::from(settlement.failure.is_some());
+            settlements.push(settlement);
+        }
+        let answers = self
+            .store
+            .settle(
+                &settlements,
+                self.options.max_attempts,
+                self.options.backoff,
+            )
+            .await?;
+        for (settlement, answer) in settlements.iter().zip(answers) {
+            match answer {
+                Settled::Done => {}
+                Settled::Parked => {
+                    round.parked += 1;
+                    telemetry::parked(&settlement.key);
+                }
+                Settled::Fenced => {
+                    round.fenced += 1;
+                    telemetry::fenced(&settlement.key);
+                }
+            }
+        }
+        Ok(round)
+    }
+
+    async fn check_topic(&self, topic: &str) -> Result<()> {
+        if self
+            .checked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(topic)
+        {
+            return Ok(());
+        }
+        self.publisher
+            .check(topic, self.options.redelivery_window())
+            .await?;
+        self.checked
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(topic.to_owned());
+        Ok(())
+    }
+
+    /// Runs rounds until `shutdown` is cancelled; a round in flight is finished and
+    /// settled first, so nothing is left half-marked. Idle, it waits for a commit in
+    /// this process or polls with a backoff; a store or broker that fails makes it wait
+    /// and try again. Returns early only for a configuration the broker cannot serve.
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+        let (poll_min, poll_max) = self.options.idle_poll;
+        let mut idle = poll_min;
+        while !shutdown.is_cancelled() {
+            match self.run_once().await {
+                Ok(round) if round.keys > 0 => {
+                    idle = poll_min;
+                    continue;
+                }
+                Ok(_) => {}
+                Err(error) if error.kind() == ErrorKind::Configuration => return Err(error),
+                Err(error) => {
+                    tracing::warn!(%error, "outbox relay round failed; retrying");
+                    idle = poll_max;
+                }
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = self.store.committed(idle) => {}
+            }
+            idle = (idle * 2).min(poll_max);
+        }
+        Ok(())
+    }
+}
+
+/// Publishes one key's messages in order, stopping at the first failure or the
+/// deadline; says how far it got.
+async fn publish_key(
+    publisher: Arc<dyn Publisher>,
+    key: LeasedKey,
+    deadline: Instant,
+) -> (Settlement, usize) {
+    let mut settlement = Settlement {
+        key: key.key,
+        token: key.token,
+        delivered_through: 0,
+        failure: None,
+    };
+    let mut published = 0;
+    for stored in &key.messages {
+        if Instant::now() >= deadline {
+            break;
+        }
+        let started = Instant::now();
+        match publisher.publish(&stored.message, stored.seq).await {
+            Ok(()) => {
+                telemetry::published(&stored.message, stored.seq, started.elapsed(), stored.age);
+                settlement.delivered_through = stored.seq;
+                published += 1;
+            }
+            Err(failure) => {
+                telemetry::failed(&stored.message, stored.seq, &failure);
+                settlement.failure = Some(failure);
+                break;
+            }
+        }
+    }
+    (settlement, published)
+}

@@ -1,0 +1,384 @@
+//! The outbox in the embedded SQLite database (the default store): a single-host
+//! service relays from its own file.
+//!
+//! Two tables, `turnstile_outbox_keys` (a row per ordering key: its last sequence
+//! number, what is delivered, its lease, backoff and parking) and `turnstile_outbox`
+//! (undelivered messages). Application transactions that enqueue must be write
+//! transactions from the start (`begin_with("BEGIN IMMEDIATE")`).
+//!
+//! # Guarantees
+//! - **Order**: SQLite serialises writers, so sequence numbers per key follow commit
+//!   order.
+//! - **Clock**: leases and backoff are judged by the host's wall clock.
+//! - **Durability**: WAL with `synchronous = FULL`: a committed message survives a crash
+//!   of the process and of the host.
+//! - **Waking**: [`SqliteOutbox::commit`] wakes relays in this process at once; relays in
+//!   other processes poll, backing off while idle.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Row;
+use sqlx::sqlite::{SqliteConnection, SqlitePool};
+use tokio::sync::Notify;
+
+use super::{
+    Backoff, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status, Stored,
+};
+use crate::engine::sqlite::{millis_i64, open_pool, parse_url, wall_clock};
+use crate::error::{Error, Result};
+use crate::lock::BoxFuture;
+use crate::sql::map_error;
+
+const CREATE: [&str; 3] = [
+    "CREATE TABLE IF NOT EXISTS turnstile_outbox_keys (
+        ordering_key TEXT PRIMARY KEY,
+        last_seq INTEGER NOT NULL,
+        acked_seq INTEGER NOT NULL DEFAULT 0,
+        available_ms INTEGER NOT NULL DEFAULT 0,
+        lease_token INTEGER NOT NULL DEFAULT 0,
+        attempts INTEGER NOT NULL DEFAULT 0,
+        last_error TEXT,
+        parked INTEGER NOT NULL DEFAULT 0,
+        parked_ms INTEGER) WITHOUT ROWID",
+    "CREATE INDEX IF NOT EXISTS turnstile_outbox_keys_due
+        ON turnstile_outbox_keys (available_ms) WHERE acked_seq < last_seq AND parked = 0",
+    "CREATE TABLE IF NOT EXISTS turnstile_outbox (
+        ordering_key TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        id TEXT NOT NULL,
+        topic TEXT NOT NULL,
+        headers TEXT NOT NULL,
+        payload BLOB NOT NULL,
+        created_ms INTEGER NOT NULL,
+        PRIMARY KEY (ordering_key, seq))",
+];
+
+/// The outbox in a SQLite database file.
+#[derive(Debug, Clone)]
+pub struct SqliteOutbox {
+    pool: SqlitePool,
+    path: PathBuf,
+    committed: Arc<Notify>,
+}
+
+fn fail(what: &'static str) -> impl Fn(sqlx::Error) -> Error {
+    move |error| map_error(error, what)
+}
+
+fn unsigned(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+impl SqliteOutbox {
+    /// Opens (creating if needed) the database at `path` and the outbox tables.
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let pool = open_pool(&path, true, "outbox").await?;
+        let outbox = SqliteOutbox {
+            pool,
+            path,
+            committed: Arc::default(),
+        };
+        outbox.migrate().await?;
+        Ok(outbox)
+    }
+
+    /// Opens the outbox named by `sqlite://PATH` (with `?turnstile_migrate=off`, an
+    /// existing file without creating anything).
+    pub async fn open_url(url: &str) -> Result<Self> {
+        let url = parse_url(url)?;
+        if url.create {
+            return SqliteOutbox::open(url.path).await;
+        }
+        Ok(SqliteOutbox {
+            pool: open_pool(&url.path, false, "outbox").await?,
+            path: url.path,
+            committed: Arc::default(),
+        })
+    }
+
+    /// Creates the tables if missing. Harmless to run again or concurrently.
+    pub async fn migrate(&self) -> Result<()> {
+        for create in CREATE {
+            sqlx::query(create)
+                .execute(&self.pool)
+                .await
+                .map_err(fail("cannot create the outbox tables"))?;
+        }
+        Ok(())
+    }
+
+    /// The connection pool (same database file), for the application's transactions.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Writes `message` in the application's transaction on `connection` (a write
+    /// transaction: `BEGIN IMMEDIATE`), after its key's last message. It is published
+    /// once the transaction commits; a rollback takes it back.
+    pub async fn enqueue(
+        &self,
+        connection: &mut SqliteConnection,
+        message: &Message,
+    ) -> Result<u64> {
+        let seq: i64 = sqlx::query_scalar(
+            "INSERT INTO turnstile_outbox_keys (ordering_key, last_seq) VALUES (?1, 1)
+             ON CONFLICT (ordering_key) DO UPDATE SET last_seq = last_seq + 1
+             RETURNING last_seq",
+        )
+        .bind(message.key())
+        .fetch_one(&mut *connection)
+        .await
+        .map_err(fail("cannot enqueue the message"))?;
+        let (now_ms, _) = wall_clock();
+        sqlx::query(
+            "INSERT INTO turnstile_outbox (ordering_key, seq, id, topic, headers, payload, created_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        )
+        .bind(message.key())
+        .bind(seq)
+        .bind(message.id())
+        .bind(message.topic())
+        .bind(message.headers_json())
+        .bind(message.payload())
+        .bind(now_ms)
+        .execute(&mut *connection)
+        .await
+        .map_err(fail("cannot enqueue the message"))?;
+        super::telemetry::enqueued(message, unsigned(seq));
+        Ok(unsigned(seq))
+    }
+
+    /// Commits `transaction` and wakes this process's relays at once.
+    pub async fn commit(&self, transaction: sqlx::Transaction<'_, sqlx::Sqlite>) -> Result<()> {
+        transaction
+            .commit()
+            .await
+            .map_err(fail("cannot commit the transaction"))?;
+        self.committed.notify_one();
+        Ok(())
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl OutboxStore for SqliteOutbox {
+    fn claim(
+        &self,
+        max_keys: u32,
+        per_key: u32,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<Vec<LeasedKey>>> {
+        Box::pin(async move {
+            let what = "cannot claim outbox messages";
+            let mut transaction = self
+                .pool
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(fail(what))?;
+            let (now_ms, _) = wall_clock();
+            let leased = sqlx::query(
+                "UPDATE turnstile_outbox_keys
+                 SET available_ms = ?1 + ?2, lease_token = lease_token + 1
+                 WHERE ordering_key IN (
+                    SELECT ordering_key FROM turnstile_outbox_keys
+                    WHERE acked_seq < last_seq AND parked = 0 AND available_ms <= ?1
+                    ORDER BY available_ms LIMIT ?3)
+                 RETURNING ordering_key, acked_seq, lease_token, attempts",
+            )
+            .bind(now_ms)
+            .bind(millis_i64(lease))
+            .bind(i64::from(max_keys))
+            .fetch_all(&mut *transaction)
+            .await
+            .map_err(fail(what))?;
+            let mut keys = Vec::with_capacity(leased.len());
+            for row in leased {
+                let key: String = row.try_get("ordering_key").map_err(fail(what))?;
+                let acked: i64 = row.try_get("acked_seq").map_err(fail(what))?;
+                let rows = sqlx::query(
+                    "SELECT seq, id, topic, headers, payload, created_ms FROM turnstile_outbox
+                     WHERE ordering_key = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+                )
+                .bind(&key)
+                .bind(acked)
+                .bind(i64::from(per_key))
+                .fetch_all(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+                let mut messages = Vec::with_capacity(rows.len());
+                for row in rows {
+                    let created_ms: i64 = row.try_get("created_ms").map_err(fail(what))?;
+                    let headers: String = row.try_get("headers").map_err(fail(what))?;
+                    messages.push(Stored {
+                        seq: unsigned(row.try_get("seq").map_err(fail(what))?),
+                        age: Duration::from_millis(unsigned(now_ms - created_ms)),
+                        message: Message::from_stored(
+                            row.try_get("id").map_err(fail(what))?,
+                            row.try_get("topic").map_err(fail(what))?,
+                            key.clone(),
+                            &headers,
+                            row.try_get("payload").map_err(fail(what))?,
+                        ),
+                    });
+                }
+                keys.push(LeasedKey {
+                    token: unsigned(row.try_get("lease_token").map_err(fail(what))?),
+                    attempts: u32::try_from(row.try_get::<i64, _>("attempts").map_err(fail(what))?)
+                        .unwrap_or(u32::MAX),
+                    key,
+                    messages,
+                });
+            }
+            transaction.commit().await.map_err(fail(what))?;
+            Ok(keys)
+        })
+    }
+
+    fn settle<'a>(
+        &'a self,
+        settlements: &'a [Settlement],
+        max_attempts: u32,
+        backoff: Backoff,
+    ) -> BoxFuture<'a, Result<Vec<Settled>>> {
+        Box::pin(async move {
+            let what = "cannot record delivered outbox messages";
+            let mut transaction = self
+                .pool
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(fail(what))?;
+            let (now_ms, _) = wall_clock();
+            let mut answers = Vec::with_capacity(settlements.len());
+            for settlement in settlements {
+                let failed = settlement.failure.is_some();
+                let permanent = settlement.failure.as_ref().is_some_and(|f| f.permanent);
+                // Every SET reads the row as it was. `tries` is the failures of the
+                // head message before this one (0 if this settlement moved the head).
+                let row = sqlx::query(
+                    "UPDATE turnstile_outbox_keys SET
+                        attempts = CASE WHEN ?4 THEN (CASE WHEN ?3 > acked_seq THEN 0 ELSE attempts END) + 1 ELSE 0 END,
+                        parked = CASE WHEN ?5 AND (CASE WHEN ?3 > acked_seq THEN 0 ELSE attempts END) + 1 >= ?6
+                                      THEN 1 ELSE 0 END,
+                        parked_ms = ?7,
+                        last_error = ?8,
+                        available_ms = CASE WHEN ?4 THEN ?7 + (
+                            min(?10, ?9 << min(CASE WHEN ?3 > acked_seq THEN 0 ELSE attempts END, 20)) / 2
+                            + abs(random() % (min(?10, ?9 << min(CASE WHEN ?3 > acked_seq THEN 0 ELSE attempts END, 20)) / 2 + 1)))
+                          ELSE ?7 END,
+                        acked_seq = max(acked_seq, ?3)
+                     WHERE ordering_key = ?1 AND lease_token = ?2
+                     RETURNING parked",
+                )
+                .bind(&settlement.key)
+                .bind(i64::try_from(settlement.token).unwrap_or(i64::MAX))
+                .bind(i64::try_from(settlement.delivered_through).unwrap_or(i64::MAX))
+                .bind(failed)
+                .bind(permanent)
+                .bind(i64::from(max_attempts.max(1)))
+                .bind(now_ms)
+                .bind(settlement.failure.as_ref().map(|f| f.reason.as_str()))
+                .bind(millis_i64(backoff.base).max(1))
+                .bind(millis_i64(backoff.max).max(1))
+                .fetch_optional(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+                let Some(row) = row else {
+                    answers.push(Settled::Fenced);
+                    continue;
+                };
+                sqlx::query("DELETE FROM turnstile_outbox WHERE ordering_key = ?1 AND seq <= ?2")
+                    .bind(&settlement.key)
+                    .bind(i64::try_from(settlement.delivered_through).unwrap_or(i64::MAX))
+                    .execute(&mut *transaction)
+                    .await
+                    .map_err(fail(what))?;
+                let parked: i64 = row.try_get("parked").map_err(fail(what))?;
+                answers.push(if parked == 1 {
+                    Settled::Parked
+                } else {
+                    Settled::Done
+                });
+            }
+            transaction.commit().await.map_err(fail(what))?;
+            Ok(answers)
+        })
+    }
+
+    fn redrive<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let changed = sqlx::query(
+                "UPDATE turnstile_outbox_keys
+                 SET parked = 0, attempts = 0, last_error = NULL, available_ms = 0
+                 WHERE ordering_key = ?1 AND parked = 1",
+            )
+            .bind(key)
+            .execute(&self.pool)
+            .await
+            .map_err(fail("cannot redrive the key"))?
+            .rows_affected();
+            if changed > 0 {
+                self.committed.notify_one();
+            }
+            Ok(changed > 0)
+        })
+    }
+
+    fn status(&self, parked_limit: u32) -> BoxFuture<'_, Result<Status>> {
+        Box::pin(async move {
+            let what = "cannot read the outbox status";
+            let (now_ms, _) = wall_clock();
+            let row = sqlx::query(
+                "SELECT coalesce(sum(last_seq - acked_seq), 0) AS pending, count(*) AS keys,
+                    (SELECT min(m.created_ms) FROM turnstile_outbox_keys k
+                     JOIN turnstile_outbox m ON m.ordering_key = k.ordering_key AND m.seq = k.acked_seq + 1
+                     WHERE k.acked_seq < k.last_seq AND k.parked = 0) AS oldest_ms
+                 FROM turnstile_outbox_keys WHERE acked_seq < last_seq AND parked = 0",
+            )
+            .fetch_one(&self.pool)
+            .await
+            .map_err(fail(what))?;
+            let oldest: Option<i64> = row.try_get("oldest_ms").map_err(fail(what))?;
+            let parked = sqlx::query(
+                "SELECT ordering_key, attempts, last_error, last_seq - acked_seq AS pending
+                 FROM turnstile_outbox_keys WHERE parked = 1 ORDER BY parked_ms LIMIT ?1",
+            )
+            .bind(i64::from(parked_limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(fail(what))?
+            .iter()
+            .map(|row| {
+                Ok(ParkedKey {
+                    key: row.try_get("ordering_key").map_err(fail(what))?,
+                    attempts: u32::try_from(row.try_get::<i64, _>("attempts").map_err(fail(what))?)
+                        .unwrap_or(u32::MAX),
+                    reason: row.try_get("last_error").map_err(fail(what))?,
+                    pending: unsigned(row.try_get("pending").map_err(fail(what))?),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+            Ok(Status {
+                pending: unsigned(row.try_get("pending").map_err(fail(what))?),
+                pending_keys: unsigned(row.try_get("keys").map_err(fail(what))?),
+                oldest_pending: oldest.map(|ms| Duration::from_millis(unsigned(now_ms - ms))),
+                parked,
+            })
+        })
+    }
+
+    fn committed(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let _ = tokio::time::timeout(timeout, self.committed.notified()).await;
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!("sqlite://{}", self.path.display())
+    }
+}

@@ -1,0 +1,60 @@
+//! What the outbox reports: `tracing` events and `metrics`.
+//!
+//! | metric | kind | labels |
+//! |---|---|---|
+//! | `turnstile_outbox_enqueued_total` | counter | — |
+//! | `turnstile_outbox_published_total` | counter | — |
+//! | `turnstile_outbox_publish_seconds` | histogram | — (one publish, to the broker's ack) |
+//! | `turnstile_outbox_lag_seconds` | histogram | — (enqueue to publish, by the database clock) |
+//! | `turnstile_outbox_failures_total` | counter | `kind` = `transient`, `permanent` |
+//! | `turnstile_outbox_parked_total` | counter | — |
+//! | `turnstile_outbox_fenced_total` | counter | — (settlements refused: the lease had moved on) |
+
+use std::time::Duration;
+
+use super::{Failure, Message};
+
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+pub(crate) fn enqueued(message: &Message, seq: u64) {
+    metrics::counter!("turnstile_outbox_enqueued_total").increment(1);
+    tracing::debug!(
+        id = message.id(),
+        key = message.key(),
+        topic = message.topic(),
+        seq,
+        "outbox message enqueued"
+    );
+}
+
+pub(crate) fn published(message: &Message, seq: u64, took: Duration, lag: Duration) {
+    metrics::counter!("turnstile_outbox_published_total").increment(1);
+    metrics::histogram!("turnstile_outbox_publish_seconds").record(took.as_secs_f64());
+    metrics::histogram!("turnstile_outbox_lag_seconds").record(lag.as_secs_f64());
+    tracing::debug!(id = message.id(), key = message.key(), seq, took = ?took, "outbox message published");
+}
+
+pub(crate) fn failed(message: &Message, seq: u64, failure: &Failure) {
+    let kind = if failure.permanent {
+        "permanent"
+    } else {
+        "transient"
+    };
+    metrics::counter!("turnstile_outbox_failures_total", "kind" => kind).increment(1);
+    tracing::warn!(id = message.id(), key = message.key(), seq, kind, reason = %failure.reason, "outbox publish failed");
+}
+
+pub(crate) fn parked(key: &str) {
+    metrics::counter!("turnstile_outbox_parked_total").increment(1);
+    tracing::error!(
+        key,
+        "outbox key parked: its head message keeps failing; `turnstile outbox redrive` puts it back"
+    );
+}
+
+pub(crate) fn fenced(key: &str) {
+    metrics::counter!("turnstile_outbox_fenced_total").increment(1);
+    tracing::warn!(
+        key,
+        "outbox settlement refused: the key's lease had passed to another relay"
+    );
+}
