@@ -59,10 +59,13 @@ async fn urls_open_the_store() {
         .await
         .unwrap_err();
     assert_eq!(error.kind(), turnstile::ErrorKind::InvalidUrl);
+    // MySQL is an idempotency store too: a server that is not there is unavailable.
     let error = Idempotency::connect("mysql://127.0.0.1:1/db")
         .await
         .unwrap_err();
-    assert_eq!(error.kind(), turnstile::ErrorKind::UnsupportedStore);
+    assert_eq!(error.kind(), turnstile::ErrorKind::StoreUnavailable);
+    let error = Idempotency::connect("nope://x").await.unwrap_err();
+    assert_eq!(error.kind(), turnstile::ErrorKind::InvalidUrl);
 }
 
 /// Same-transaction mode: 20 concurrent duplicates, each in its own transaction,

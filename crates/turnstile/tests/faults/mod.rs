@@ -160,6 +160,9 @@ pub struct WriteRecord {
 pub struct Section {
     pub contender: usize,
     pub token: FencingToken,
+    /// When the acquire that got this token was called: the token may have been issued
+    /// any time from then until `start`.
+    pub asked: Instant,
     pub start: Instant,
     pub end: Instant,
     pub writes: Vec<WriteRecord>,
@@ -277,6 +280,7 @@ async fn contend(
     shared: Arc<Shared>,
 ) {
     while !stop.load(Ordering::SeqCst) {
+        let asked = Instant::now();
         let guard = match contender.locker.acquire(&name, &options).await {
             Ok(guard) => guard,
             Err(error) => {
@@ -339,6 +343,7 @@ async fn contend(
         shared.sections.lock().unwrap().push(Section {
             contender: index,
             token,
+            asked,
             start,
             end,
             writes,
@@ -459,13 +464,15 @@ impl Report {
             }
         }
 
-        // Fenced writes: a write sent before any larger token was handed out must
-        // apply; a rejection names a larger token that was handed out before it.
+        // Fenced writes: a write sent before any larger token was asked for must
+        // apply; a rejection names a larger token that was asked for before it ended.
+        // (A token is issued somewhere between its acquire's call and return: a fault
+        // can hand the lock on while a holder's first write is in flight.)
         for section in sections {
             let next_start = sections
                 .iter()
                 .filter(|other| other.token > section.token)
-                .map(|other| other.start)
+                .map(|other| other.asked)
                 .min();
             for write in &section.writes {
                 match &write.outcome {
@@ -480,7 +487,7 @@ impl Report {
                         }
                         let beaten_by = sections.iter().find(|s| s.token == *highest_seen);
                         if *highest_seen <= section.token
-                            || beaten_by.is_none_or(|s| s.start > write.done)
+                            || beaten_by.is_none_or(|s| s.asked > write.done)
                         {
                             fail(format!(
                                 "token {}'s write was rejected for {highest_seen}, \
