@@ -45,6 +45,8 @@ use crate::lock::BoxFuture;
 
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 pub mod relay;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
@@ -189,7 +191,7 @@ impl Message {
         &self.payload
     }
 
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     fn headers_json(&self) -> String {
         let map: serde_json::Map<String, serde_json::Value> = self
             .headers
@@ -199,7 +201,7 @@ impl Message {
         serde_json::Value::Object(map).to_string()
     }
 
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
     fn from_stored(
         id: String,
         topic: String,

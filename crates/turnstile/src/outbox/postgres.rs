@@ -1,0 +1,542 @@
+//! The outbox in PostgreSQL.
+//!
+//! Tables `{schema}.{prefix}_outbox_keys` (a row per ordering key: its last sequence
+//! number, what is delivered, its lease, backoff and parking), `{prefix}_outbox`
+//! (undelivered messages) and `{prefix}_outbox_relays` (which relays are idle); schema
+//! `public` and prefix `turnstile` by default, with the URL options `turnstile_schema`,
+//! `turnstile_prefix`, `turnstile_notify` and `turnstile_migrate` as for the other
+//! stores.
+//!
+//! # Guarantees
+//! - **Order**: the enqueue statement takes the key's row lock to assign the next
+//!   sequence number, so sequence numbers per key follow commit order. A relay skips
+//!   keys whose rows an application transaction holds (`FOR UPDATE SKIP LOCKED`), so it
+//!   never waits for one; it never reads past a gap.
+//! - **Clock**: leases and backoff are judged by the database server's clock.
+//! - **Durability**: committed with the application's transaction; the store's own
+//!   statements run with `synchronous_commit = on`.
+//! - **Waking**: a relay that finds nothing marks itself idle in the same statement;
+//!   an enqueue sends `NOTIFY` only while some relay is marked idle, so a busy system
+//!   sends none (each `NOTIFY` makes its commit take a database-wide lock). Relays in
+//!   the process of a [`commit`](PostgresOutbox::commit) are woken directly; the idle
+//!   poll covers a notification that crossed the mark.
+//! - **Enqueue last**: the key's row stays locked until the application's transaction
+//!   ends; enqueue at the end of the transaction, and to several keys in a fixed order.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Row;
+use sqlx::postgres::{PgConnection, PgPool};
+
+use super::{
+    Backoff, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status, Stored,
+};
+use crate::engine::postgres::{Listener, connect_options, open_bounded_pool};
+use crate::error::{Error, Result};
+use crate::lock::{BoxFuture, ReleaseSignals, ReleaseWatch};
+use crate::sql::{Statement, map_error, statement, validate_identifier};
+use crate::store::{split_url_options, unknown_option};
+
+struct Sql {
+    create: Vec<String>,
+    enqueue: Statement,
+    claim: Statement,
+    settle: Statement,
+    redrive: Statement,
+    status: Statement,
+    parked: Statement,
+    forget_relays: Statement,
+    channel: String,
+}
+
+impl Sql {
+    fn new(schema: &str, prefix: &str) -> Sql {
+        let schema = format!("\"{schema}\"");
+        let keys = format!("{schema}.\"{prefix}_outbox_keys\"");
+        let outbox = format!("{schema}.\"{prefix}_outbox\"");
+        let relays = format!("{schema}.\"{prefix}_outbox_relays\"");
+        let channel = format!("{prefix}_outbox");
+        let now = "clock_timestamp()";
+        let secs = |n: u8| format!("make_interval(secs => ${n}::float8)");
+        Sql {
+            create: vec![
+                format!("CREATE SCHEMA IF NOT EXISTS {schema}"),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {keys} (
+                        ordering_key TEXT COLLATE \"C\" PRIMARY KEY,
+                        last_seq BIGINT NOT NULL,
+                        acked_seq BIGINT NOT NULL DEFAULT 0,
+                        available_at TIMESTAMPTZ NOT NULL DEFAULT '-infinity',
+                        lease_token BIGINT NOT NULL DEFAULT 0,
+                        attempts INT NOT NULL DEFAULT 0,
+                        last_error TEXT,
+                        parked BOOLEAN NOT NULL DEFAULT false,
+                        parked_at TIMESTAMPTZ)"
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS \"{prefix}_outbox_keys_due\" ON {keys} (available_at)
+                     WHERE acked_seq < last_seq AND NOT parked"
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {outbox} (
+                        ordering_key TEXT COLLATE \"C\" NOT NULL,
+                        seq BIGINT NOT NULL,
+                        id TEXT NOT NULL,
+                        topic TEXT NOT NULL,
+                        headers TEXT NOT NULL,
+                        payload BYTEA NOT NULL,
+                        created_at TIMESTAMPTZ NOT NULL,
+                        PRIMARY KEY (ordering_key, seq))"
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {relays} (
+                        relay_id TEXT PRIMARY KEY,
+                        idle_until TIMESTAMPTZ NOT NULL,
+                        seen_at TIMESTAMPTZ NOT NULL)"
+                ),
+            ],
+            // $1 key, $2 id, $3 topic, $4 headers, $5 payload.
+            enqueue: statement(format!(
+                "WITH k AS (
+                    INSERT INTO {keys} AS k (ordering_key, last_seq) VALUES ($1, 1)
+                    ON CONFLICT (ordering_key) DO UPDATE SET last_seq = k.last_seq + 1
+                    RETURNING last_seq),
+                 m AS (
+                    INSERT INTO {outbox} (ordering_key, seq, id, topic, headers, payload, created_at)
+                    SELECT $1, last_seq, $2, $3, $4, $5, {now} FROM k RETURNING seq),
+                 woken AS (
+                    SELECT pg_notify('{channel}', '') FROM {relays} WHERE idle_until > {now} LIMIT 1)
+                 SELECT (SELECT seq FROM m) AS seq, (SELECT count(*) FROM woken) AS woken"
+            )),
+            // $1 keys, $2 lease (s), $3 relay id, $4 messages per key, $5 idle mark (s).
+            // The messages are read from the statement's snapshot: a key's visible
+            // messages are a prefix of its sequence (its commits are in order).
+            claim: statement(format!(
+                "WITH picked AS (
+                    SELECT ordering_key FROM {keys}
+                    WHERE acked_seq < last_seq AND NOT parked AND available_at <= {now}
+                    ORDER BY available_at LIMIT $1 FOR UPDATE SKIP LOCKED),
+                 leased AS (
+                    UPDATE {keys} k SET available_at = {now} + {lease}, lease_token = k.lease_token + 1
+                    FROM picked p WHERE k.ordering_key = p.ordering_key
+                    RETURNING k.ordering_key, k.acked_seq, k.lease_token, k.attempts),
+                 mark AS (
+                    INSERT INTO {relays} AS r (relay_id, idle_until, seen_at)
+                    SELECT $3, CASE WHEN EXISTS (SELECT 1 FROM leased) THEN '-infinity'::timestamptz
+                                    ELSE {now} + {idle} END, {now}
+                    ON CONFLICT (relay_id) DO UPDATE
+                    SET idle_until = EXCLUDED.idle_until, seen_at = EXCLUDED.seen_at
+                    RETURNING 1)
+                 SELECT l.ordering_key, l.lease_token, l.attempts, m.seq, m.id, m.topic, m.headers,
+                        m.payload, EXTRACT(EPOCH FROM ({now} - m.created_at))::float8 AS age_s,
+                        (SELECT count(*) FROM mark) AS marked
+                 FROM leased l LEFT JOIN {outbox} m
+                   ON m.ordering_key = l.ordering_key AND m.seq > l.acked_seq AND m.seq <= l.acked_seq + $4
+                 ORDER BY l.ordering_key, m.seq",
+                lease = secs(2),
+                idle = secs(5),
+            )),
+            // Arrays: $1 keys, $2 tokens, $3 delivered through, $4 failed, $5 permanent,
+            // $6 reasons; $7 max attempts, $8 backoff base ms, $9 backoff max ms. Every SET
+            // reads the row as it was; `tries` is the failures of the head message
+            // before this one (0 when this settlement moved the head).
+            settle: statement(format!(
+                "WITH d AS (
+                    SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::bool[], $5::bool[], $6::text[])
+                        AS d(ordering_key, token, delivered, failed, permanent, reason)),
+                 settled AS (
+                    UPDATE {keys} k SET
+                        attempts = CASE WHEN d.failed
+                            THEN (CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END) + 1
+                            ELSE 0 END,
+                        parked = d.permanent
+                            AND (CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END) + 1 >= $7,
+                        parked_at = {now},
+                        last_error = d.reason,
+                        available_at = CASE WHEN d.failed THEN {now} + make_interval(secs =>
+                            LEAST($9::int8, $8::int8 << LEAST(CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END, 20))
+                            * (0.5 + random() / 2) / 1000.0)
+                            ELSE {now} END,
+                        acked_seq = GREATEST(k.acked_seq, d.delivered)
+                    FROM d WHERE k.ordering_key = d.ordering_key AND k.lease_token = d.token
+                    RETURNING k.ordering_key, k.acked_seq, k.parked),
+                 gone AS (
+                    DELETE FROM {outbox} m USING settled s
+                    WHERE m.ordering_key = s.ordering_key AND m.seq <= s.acked_seq RETURNING 1)
+                 SELECT ordering_key, parked, (SELECT count(*) FROM gone) AS deleted FROM settled"
+            )),
+            redrive: statement(format!(
+                "WITH k AS (
+                    UPDATE {keys} SET parked = false, attempts = 0, last_error = NULL,
+                        available_at = '-infinity'
+                    WHERE ordering_key = $1 AND parked RETURNING 1),
+                 woken AS (SELECT pg_notify('{channel}', '') FROM k)
+                 SELECT (SELECT count(*) FROM k) AS redriven, (SELECT count(*) FROM woken) AS woken"
+            )),
+            status: statement(format!(
+                "SELECT coalesce(sum(last_seq - acked_seq), 0)::int8 AS pending, count(*) AS keys,
+                    (SELECT EXTRACT(EPOCH FROM ({now} - min(m.created_at)))::float8 FROM {keys} k
+                     JOIN {outbox} m ON m.ordering_key = k.ordering_key AND m.seq = k.acked_seq + 1
+                     WHERE k.acked_seq < k.last_seq AND NOT k.parked) AS oldest_s
+                 FROM {keys} WHERE acked_seq < last_seq AND NOT parked"
+            )),
+            parked: statement(format!(
+                "SELECT ordering_key, attempts, last_error, last_seq - acked_seq AS pending
+                 FROM {keys} WHERE parked ORDER BY parked_at LIMIT $1"
+            )),
+            forget_relays: statement(format!(
+                "DELETE FROM {relays} WHERE seen_at < {now} - interval '1 day'"
+            )),
+            channel,
+        }
+    }
+}
+
+/// The outbox in PostgreSQL tables.
+#[derive(Clone)]
+pub struct PostgresOutbox {
+    pool: PgPool,
+    sql: Arc<Sql>,
+    relay_id: String,
+    signals: ReleaseSignals,
+    listener: Arc<Listener>,
+    notifications: bool,
+    /// The relay's wake-up watch, kept between rounds so that a wake-up that comes
+    /// while a round runs is not missed.
+    wake: Arc<tokio::sync::Mutex<Option<ReleaseWatch>>>,
+    url: String,
+}
+
+impl std::fmt::Debug for PostgresOutbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresOutbox")
+            .field("url", &self.url)
+            .finish()
+    }
+}
+
+fn fail(what: &'static str) -> impl Fn(sqlx::Error) -> Error {
+    move |error| map_error(error, what)
+}
+
+fn unsigned(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+fn signed(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn seconds(value: Option<f64>) -> Option<Duration> {
+    value
+        .filter(|s| s.is_finite())
+        .map(|s| Duration::from_secs_f64(s.max(0.0)))
+}
+
+impl PostgresOutbox {
+    /// Connects with the URL's `turnstile_*` options (`schema`, `prefix`, `notify`,
+    /// `migrate`), creating the tables on first use unless `turnstile_migrate=off`.
+    pub async fn connect(url: &str) -> Result<Self> {
+        let (driver_url, options) = split_url_options(url);
+        let (mut schema, mut prefix, mut notify, mut migrate) =
+            ("public".to_owned(), "turnstile".to_owned(), true, true);
+        for (key, value) in &options {
+            let on = || match value.as_str() {
+                "on" | "true" | "1" | "yes" => Ok(true),
+                "off" | "false" | "0" | "no" => Ok(false),
+                _ => Err(unknown_option(key, value, "on or off")),
+            };
+            match key.as_str() {
+                "schema" => schema = value.clone(),
+                "prefix" => prefix = value.clone(),
+                "notify" => notify = on()?,
+                "migrate" => migrate = on()?,
+                _ => {
+                    return Err(unknown_option(
+                        key,
+                        value,
+                        "turnstile_schema, turnstile_prefix, turnstile_notify, turnstile_migrate",
+                    ));
+                }
+            }
+        }
+        validate_identifier("schema", &schema)?;
+        validate_identifier("table prefix", &prefix)?;
+        let redacted = crate::store::redact(&driver_url);
+        let options = connect_options(&driver_url)?;
+        let timeout = Duration::from_secs(3);
+        let pool = open_bounded_pool(options.clone(), 8, timeout, &redacted).await?;
+        let outbox = PostgresOutbox {
+            pool,
+            sql: Arc::new(Sql::new(&schema, &prefix)),
+            relay_id: uuid::Uuid::now_v7().to_string(),
+            signals: ReleaseSignals::new(),
+            listener: Arc::new(Listener::new(options, timeout)),
+            notifications: notify,
+            wake: Arc::default(),
+            url: redacted,
+        };
+        if migrate {
+            outbox.migrate().await?;
+        }
+        // Marks of relays gone for a day (their processes ended) are no use.
+        let _ = sqlx::query(outbox.sql.forget_relays.sql())
+            .execute(&outbox.pool)
+            .await;
+        Ok(outbox)
+    }
+
+    /// Creates the schema and tables if missing; harmless to repeat and to run from
+    /// several processes at once.
+    pub async fn migrate(&self) -> Result<()> {
+        let what = "cannot create the outbox tables";
+        let mut transaction = self.pool.begin().await.map_err(fail(what))?;
+        sqlx::raw_sql("SET LOCAL lock_timeout = '60s'; SET LOCAL statement_timeout = 0")
+            .execute(&mut *transaction)
+            .await
+            .map_err(fail(what))?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('turnstile:migrate'))")
+            .execute(&mut *transaction)
+            .await
+            .map_err(fail(what))?;
+        for create in &self.sql.create {
+            sqlx::query(sqlx::AssertSqlSafe(create.as_str()))
+                .execute(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+        }
+        transaction.commit().await.map_err(fail(what))
+    }
+
+    /// Writes `message` in the application's transaction on `connection`, after its
+    /// key's last message. It is published once the transaction commits; a rollback
+    /// takes it back. Enqueue last in the transaction: the key's row stays locked until
+    /// it ends.
+    pub async fn enqueue(&self, connection: &mut PgConnection, message: &Message) -> Result<u64> {
+        let row = sqlx::query(self.sql.enqueue.sql())
+            .bind(message.key())
+            .bind(message.id())
+            .bind(message.topic())
+            .bind(message.headers_json())
+            .bind(message.payload())
+            .fetch_one(&mut *connection)
+            .await
+            .map_err(fail("cannot enqueue the message"))?;
+        let seq = unsigned(
+            row.try_get("seq")
+                .map_err(fail("cannot enqueue the message"))?,
+        );
+        super::telemetry::enqueued(message, seq);
+        Ok(seq)
+    }
+
+    /// Commits `transaction` and wakes this process's relays at once.
+    pub async fn commit(&self, transaction: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<()> {
+        transaction
+            .commit()
+            .await
+            .map_err(fail("cannot commit the transaction"))?;
+        self.signals.notify("");
+        Ok(())
+    }
+
+    /// Whether the relay's `LISTEN` connection is up (it polls while it is not).
+    pub fn is_listening(&self) -> bool {
+        self.listener.is_listening()
+    }
+
+    /// How many notifications the `LISTEN` connection has delivered.
+    pub fn notifications_received(&self) -> u64 {
+        self.listener.received()
+    }
+}
+
+impl OutboxStore for PostgresOutbox {
+    fn claim(
+        &self,
+        max_keys: u32,
+        per_key: u32,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<Vec<LeasedKey>>> {
+        Box::pin(async move {
+            let what = "cannot claim outbox messages";
+            // Listening before the first claim marks this relay idle, so that no
+            // notification is sent to nobody.
+            if self.notifications {
+                self.listener.ensure(&self.sql.channel, &self.signals).await;
+            }
+            let rows = sqlx::query(self.sql.claim.sql())
+                .bind(i64::from(max_keys))
+                .bind(lease.as_secs_f64())
+                .bind(&self.relay_id)
+                .bind(i64::from(per_key))
+                .bind(if self.notifications { 60.0 } else { 0.0 })
+                .fetch_all(&self.pool)
+                .await
+                .map_err(fail(what))?;
+            let mut keys: Vec<LeasedKey> = Vec::new();
+            for row in rows {
+                let key: String = row.try_get("ordering_key").map_err(fail(what))?;
+                if keys.last().is_none_or(|last| last.key != key) {
+                    keys.push(LeasedKey {
+                        key: key.clone(),
+                        token: unsigned(row.try_get("lease_token").map_err(fail(what))?),
+                        attempts: u32::try_from(
+                            row.try_get::<i32, _>("attempts").map_err(fail(what))?,
+                        )
+                        .unwrap_or(0),
+                        messages: Vec::new(),
+                    });
+                }
+                let Some(seq) = row.try_get::<Option<i64>, _>("seq").map_err(fail(what))? else {
+                    continue;
+                };
+                let headers: String = row.try_get("headers").map_err(fail(what))?;
+                let stored = Stored {
+                    seq: unsigned(seq),
+                    age: seconds(row.try_get("age_s").map_err(fail(what))?).unwrap_or_default(),
+                    message: Message::from_stored(
+                        row.try_get("id").map_err(fail(what))?,
+                        row.try_get("topic").map_err(fail(what))?,
+                        key,
+                        &headers,
+                        row.try_get("payload").map_err(fail(what))?,
+                    ),
+                };
+                if let Some(last) = keys.last_mut() {
+                    // Never read past a gap: a later message of the key whose earlier
+                    // one is not visible yet waits for the next round.
+                    let next = last.messages.last().map_or(0, |m| m.seq + 1);
+                    if next == 0 || stored.seq == next {
+                        last.messages.push(stored);
+                    }
+                }
+            }
+            Ok(keys)
+        })
+    }
+
+    fn settle<'a>(
+        &'a self,
+        settlements: &'a [Settlement],
+        max_attempts: u32,
+        backoff: Backoff,
+    ) -> BoxFuture<'a, Result<Vec<Settled>>> {
+        Box::pin(async move {
+            let what = "cannot record delivered outbox messages";
+            let keys: Vec<&str> = settlements.iter().map(|s| s.key.as_str()).collect();
+            let tokens: Vec<i64> = settlements.iter().map(|s| signed(s.token)).collect();
+            let delivered: Vec<i64> = settlements
+                .iter()
+                .map(|s| signed(s.delivered_through))
+                .collect();
+            let failed: Vec<bool> = settlements.iter().map(|s| s.failure.is_some()).collect();
+            let permanent: Vec<bool> = settlements
+                .iter()
+                .map(|s| s.failure.as_ref().is_some_and(|f| f.permanent))
+                .collect();
+            let reasons: Vec<Option<&str>> = settlements
+                .iter()
+                .map(|s| s.failure.as_ref().map(|f| f.reason.as_str()))
+                .collect();
+            let rows = sqlx::query(self.sql.settle.sql())
+                .bind(&keys)
+                .bind(&tokens)
+                .bind(&delivered)
+                .bind(&failed)
+                .bind(&permanent)
+                .bind(&reasons)
+                .bind(i32::try_from(max_attempts.max(1)).unwrap_or(i32::MAX))
+                .bind(
+                    i64::try_from(backoff.base.as_millis())
+                        .unwrap_or(i64::MAX)
+                        .max(1),
+                )
+                .bind(
+                    i64::try_from(backoff.max.as_millis())
+                        .unwrap_or(i64::MAX)
+                        .max(1),
+                )
+                .fetch_all(&self.pool)
+                .await
+                .map_err(fail(what))?;
+            let mut landed = std::collections::HashMap::new();
+            for row in rows {
+                let key: String = row.try_get("ordering_key").map_err(fail(what))?;
+                let parked: bool = row.try_get("parked").map_err(fail(what))?;
+                landed.insert(key, parked);
+            }
+            Ok(settlements
+                .iter()
+                .map(|s| match landed.get(&s.key) {
+                    Some(true) => Settled::Parked,
+                    Some(false) => Settled::Done,
+                    None => Settled::Fenced,
+                })
+                .collect())
+        })
+    }
+
+    fn redrive<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let redriven: i64 = sqlx::query(self.sql.redrive.sql())
+                .bind(key)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(fail("cannot redrive the key"))?
+                .try_get("redriven")
+                .map_err(fail("cannot redrive the key"))?;
+            if redriven > 0 {
+                self.signals.notify("");
+            }
+            Ok(redriven > 0)
+        })
+    }
+
+    fn status(&self, parked_limit: u32) -> BoxFuture<'_, Result<Status>> {
+        Box::pin(async move {
+            let what = "cannot read the outbox status";
+            let row = sqlx::query(self.sql.status.sql())
+                .fetch_one(&self.pool)
+                .await
+                .map_err(fail(what))?;
+            let parked = sqlx::query(self.sql.parked.sql())
+                .bind(i64::from(parked_limit))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(fail(what))?
+                .iter()
+                .map(|row| {
+                    Ok(ParkedKey {
+                        key: row.try_get("ordering_key").map_err(fail(what))?,
+                        attempts: u32::try_from(
+                            row.try_get::<i32, _>("attempts").map_err(fail(what))?,
+                        )
+                        .unwrap_or(0),
+                        reason: row.try_get("last_error").map_err(fail(what))?,
+                        pending: unsigned(row.try_get("pending").map_err(fail(what))?),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Status {
+                pending: unsigned(row.try_get("pending").map_err(fail(what))?),
+                pending_keys: unsigned(row.try_get("keys").map_err(fail(what))?),
+                oldest_pending: seconds(row.try_get("oldest_s").map_err(fail(what))?),
+                parked,
+            })
+        })
+    }
+
+    fn committed(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let mut wake = self.wake.lock().await;
+            let watch = wake.get_or_insert_with(|| self.signals.watch("").0);
+            watch.wait(timeout, false).await;
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.url.clone()
+    }
+}

@@ -1,0 +1,443 @@
+//! The outbox on SQLite and on PostgreSQL relayed to a real NATS JetStream server:
+//! nothing lost, order kept per key, rolled-back messages never sent, several relays at
+//! once, a poison message parks only its key, a broker outage is waited out, and a
+//! duplicate window too short for the relay's redelivery is refused.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use async_nats::jetstream;
+use tokio_util::sync::CancellationToken;
+use turnstile::outbox::nats::JetStreamPublisher;
+use turnstile::outbox::postgres::PostgresOutbox;
+use turnstile::outbox::relay::{Relay, RelayOptions};
+use turnstile::outbox::sqlite::SqliteOutbox;
+use turnstile::outbox::{Backoff, Message, OutboxStore};
+use turnstile_test_support::NatsServer;
+
+/// An outbox under test: its store, more stores on the same data (other processes'),
+/// and the application's side.
+trait TestOutbox: Send + Sync + 'static {
+    type Store: OutboxStore + Clone;
+    fn store(&self) -> Self::Store;
+    async fn another(&self) -> Self::Store;
+    /// Enqueues `message` in its own transaction, committed or rolled back.
+    async fn enqueue_one(&self, message: &Message, commit: bool);
+}
+
+struct Sqlite {
+    _dir: tempfile::TempDir,
+    path: std::path::PathBuf,
+    outbox: SqliteOutbox,
+}
+
+impl Sqlite {
+    async fn new() -> Sqlite {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("app.db");
+        let outbox = SqliteOutbox::open(&path).await.unwrap();
+        Sqlite {
+            _dir: dir,
+            path,
+            outbox,
+        }
+    }
+}
+
+impl TestOutbox for Sqlite {
+    type Store = SqliteOutbox;
+
+    fn store(&self) -> SqliteOutbox {
+        self.outbox.clone()
+    }
+
+    async fn another(&self) -> SqliteOutbox {
+        SqliteOutbox::open(&self.path).await.unwrap()
+    }
+
+    async fn enqueue_one(&self, message: &Message, commit: bool) {
+        let mut transaction = self
+            .outbox
+            .pool()
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .unwrap();
+        self.outbox
+            .enqueue(&mut transaction, message)
+            .await
+            .unwrap();
+        if commit {
+            self.outbox.commit(transaction).await.unwrap();
+        } else {
+            transaction.rollback().await.unwrap();
+        }
+    }
+}
+
+struct Postgres {
+    url: String,
+    pool: sqlx::PgPool,
+    outbox: PostgresOutbox,
+}
+
+impl Postgres {
+    async fn new() -> Postgres {
+        let url = turnstile_test_support::shared_postgres().fresh_database("outbox");
+        let outbox = PostgresOutbox::connect(&url).await.unwrap();
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        Postgres { url, pool, outbox }
+    }
+}
+
+impl TestOutbox for Postgres {
+    type Store = PostgresOutbox;
+
+    fn store(&self) -> PostgresOutbox {
+        self.outbox.clone()
+    }
+
+    async fn another(&self) -> PostgresOutbox {
+        PostgresOutbox::connect(&self.url).await.unwrap()
+    }
+
+    async fn enqueue_one(&self, message: &Message, commit: bool) {
+        let mut transaction = self.pool.begin().await.unwrap();
+        self.outbox
+            .enqueue(&mut transaction, message)
+            .await
+            .unwrap();
+        if commit {
+            self.outbox.commit(transaction).await.unwrap();
+        } else {
+            transaction.rollback().await.unwrap();
+        }
+    }
+}
+
+async fn stream(publisher: &JetStreamPublisher, name: &str, subjects: &str, window: Duration) {
+    publisher
+        .jetstream()
+        .create_stream(jetstream::stream::Config {
+            name: name.to_owned(),
+            subjects: vec![subjects.to_owned()],
+            duplicate_window: window,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+/// Every message of the stream, in stream order, as (key, seq, id).
+async fn read_all(publisher: &JetStreamPublisher, name: &str) -> Vec<(String, u64, String)> {
+    let mut stream = publisher.jetstream().get_stream(name).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut messages = Vec::new();
+    for sequence in 1..=last {
+        let message = stream.get_raw_message(sequence).await.unwrap();
+        let header = |name: &str| message.headers.get(name).unwrap().as_str().to_owned();
+        messages.push((
+            header("Turnstile-Key"),
+            header("Turnstile-Seq").parse().unwrap(),
+            header("Nats-Msg-Id"),
+        ));
+    }
+    messages
+}
+
+/// Enqueues `count` messages over `keys` keys, one transaction each; every seventh
+/// transaction is rolled back. Returns the ids that committed.
+async fn enqueue(
+    outbox: &impl TestOutbox,
+    topic: &str,
+    keys: usize,
+    count: usize,
+) -> HashSet<String> {
+    let mut committed = HashSet::new();
+    for n in 0..count {
+        let message = Message::json(
+            topic,
+            format!("{topic}/account-{}", n % keys),
+            &serde_json::json!({"n": n}),
+        )
+        .unwrap();
+        let commit = n % 7 != 6;
+        outbox.enqueue_one(&message, commit).await;
+        if commit {
+            committed.insert(message.id().to_owned());
+        }
+    }
+    committed
+}
+
+/// Checks what reached the stream: exactly the committed ids, once each, and each
+/// key's messages in sequence order without gaps.
+fn check_delivery(delivered: &[(String, u64, String)], committed: &HashSet<String>) {
+    let ids: HashSet<String> = delivered.iter().map(|(_, _, id)| id.clone()).collect();
+    assert_eq!(
+        ids.len(),
+        delivered.len(),
+        "a message reached the stream twice"
+    );
+    assert_eq!(&ids, committed, "lost or extra messages");
+    let mut last: BTreeMap<&str, u64> = BTreeMap::new();
+    for (key, seq, _) in delivered {
+        let previous = last.insert(key, *seq).unwrap_or(0);
+        assert_eq!(*seq, previous + 1, "key {key}: seq {seq} after {previous}");
+    }
+}
+
+async fn wait_until_empty(outbox: &impl OutboxStore) {
+    for _ in 0..600 {
+        if outbox.status(10).await.unwrap().pending == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "the outbox did not drain: {:?}",
+        outbox.status(10).await.unwrap()
+    );
+}
+
+/// The NATS server the tests share (the outage test has its own).
+fn shared_nats() -> &'static NatsServer {
+    static SERVER: std::sync::OnceLock<NatsServer> = std::sync::OnceLock::new();
+    SERVER.get_or_init(NatsServer::spawn)
+}
+
+async fn connect(nats: &NatsServer) -> JetStreamPublisher {
+    JetStreamPublisher::connect(&nats.url(), Duration::from_secs(5))
+        .await
+        .unwrap()
+}
+
+/// A stream of its own for one test: `(stream name, subject prefix)`.
+fn names(label: &str) -> (String, String) {
+    let unique = turnstile_test_support::unique_name(label).replace('-', "_");
+    (unique.to_uppercase(), unique)
+}
+
+async fn three_relays_deliver_every_committed_message_once_in_key_order(outbox: impl TestOutbox) {
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("three");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let shutdown = CancellationToken::new();
+    let mut relays = Vec::new();
+    // Three relays, each with its own connections, as three processes would have;
+    // small rounds so that they contend for keys.
+    for _ in 0..3 {
+        let relay = Relay::new(outbox.another().await, publisher.clone())
+            .with_options(RelayOptions::new().max_keys(3).per_key(4));
+        let shutdown = shutdown.clone();
+        relays.push(tokio::spawn(async move { relay.run(shutdown).await }));
+    }
+    let committed = enqueue(&outbox, &format!("{subject}.created"), 12, 400).await;
+    wait_until_empty(&outbox.store()).await;
+    shutdown.cancel();
+    for relay in relays {
+        relay.await.unwrap().unwrap();
+    }
+    check_delivery(&read_all(&publisher, &stream_name).await, &committed);
+}
+
+async fn a_poison_message_parks_its_key_while_the_others_flow(outbox: impl TestOutbox) {
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("poison");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let topic = format!("{subject}.created");
+    // Larger than the server's max_payload (1 MiB): refused for good.
+    let poison = Message::new(topic.as_str(), "poisoned", vec![b'x'; 2 * 1024 * 1024]).unwrap();
+    let behind = Message::new(topic.as_str(), "poisoned", b"behind".to_vec()).unwrap();
+    outbox.enqueue_one(&poison, true).await;
+    outbox.enqueue_one(&behind, true).await;
+    let committed = enqueue(&outbox, &topic, 4, 40).await;
+    let store = outbox.store();
+    let relay = Relay::new(store.clone(), publisher.clone()).with_options(
+        RelayOptions::new().max_attempts(2).backoff(Backoff {
+            base: Duration::from_millis(10),
+            max: Duration::from_millis(50),
+        }),
+    );
+    let mut parked = 0;
+    for _ in 0..300 {
+        parked += relay.run_once().await.unwrap().parked;
+        let status = store.status(10).await.unwrap();
+        if parked > 0 && status.pending == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let status = store.status(10).await.unwrap();
+    assert_eq!(parked, 1);
+    assert_eq!(status.pending, 0, "other keys did not flow: {status:?}");
+    assert_eq!(status.parked.len(), 1);
+    assert_eq!(status.parked[0].key, "poisoned");
+    assert_eq!(
+        status.parked[0].pending, 2,
+        "the key's messages must wait behind it"
+    );
+    assert!(status.parked[0].reason.is_some());
+    check_delivery(&read_all(&publisher, &stream_name).await, &committed);
+    // Redrive puts it back in line (it fails again here: the broker still refuses it).
+    assert!(store.redrive("poisoned").await.unwrap());
+    assert!(!store.redrive("poisoned").await.unwrap());
+    assert!(store.status(10).await.unwrap().parked.is_empty());
+}
+
+async fn a_broker_outage_is_waited_out_and_nothing_is_lost(outbox: impl TestOutbox) {
+    let nats = NatsServer::spawn();
+    let publisher = connect(&nats).await;
+    stream(&publisher, "LEDGER", "ledger.>", Duration::from_secs(120)).await;
+    let store = outbox.store();
+    let shutdown = CancellationToken::new();
+    let relay = Relay::new(store.clone(), publisher.clone()).with_options(
+        RelayOptions::new().backoff(Backoff {
+            base: Duration::from_millis(50),
+            max: Duration::from_millis(500),
+        }),
+    );
+    let running = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    let mut committed = enqueue(&outbox, "ledger.entry", 5, 50).await;
+    wait_until_empty(&store).await;
+    nats.stop();
+    committed.extend(enqueue(&outbox, "ledger.entry", 5, 50).await);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(store.status(10).await.unwrap().pending > 0);
+    nats.start_again();
+    wait_until_empty(&store).await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    assert!(store.status(10).await.unwrap().parked.is_empty());
+    check_delivery(&read_all(&publisher, "LEDGER").await, &committed);
+}
+
+async fn a_duplicate_window_shorter_than_redelivery_is_refused(outbox: impl TestOutbox) {
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("short");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(5),
+    )
+    .await;
+    let store = outbox.store();
+    enqueue(&outbox, &format!("{subject}.x"), 1, 1).await;
+    let relay = Relay::new(store.clone(), publisher.clone());
+    let error = relay.run_once().await.unwrap_err();
+    assert_eq!(error.kind(), turnstile::ErrorKind::Configuration, "{error}");
+    assert!(error.to_string().contains("duplicate_window"), "{error}");
+    // A subject no stream takes is refused the same way.
+    let (_, nowhere) = names("nowhere");
+    enqueue(&outbox, &format!("{nowhere}.x"), 1, 1).await;
+    let short = Relay::new(store.clone(), publisher.clone()).with_options(
+        RelayOptions::new()
+            .lease(Duration::from_secs(1))
+            .backoff(Backoff {
+                base: Duration::from_millis(10),
+                max: Duration::from_millis(100),
+            }),
+    );
+    let mut refusal = None;
+    for _ in 0..5 {
+        if let Err(error) = short.run_once().await {
+            refusal = Some(error);
+            break;
+        }
+    }
+    let refusal = refusal.expect("a subject without a stream was relayed");
+    assert_eq!(
+        refusal.kind(),
+        turnstile::ErrorKind::Configuration,
+        "{refusal}"
+    );
+}
+
+/// The checks, once per store.
+macro_rules! outbox_checks {
+    ($module:ident, $outbox:expr) => {
+        mod $module {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn three_relays_deliver_every_committed_message_once_in_key_order() {
+                super::three_relays_deliver_every_committed_message_once_in_key_order($outbox)
+                    .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_poison_message_parks_its_key_while_the_others_flow() {
+                super::a_poison_message_parks_its_key_while_the_others_flow($outbox).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_broker_outage_is_waited_out_and_nothing_is_lost() {
+                super::a_broker_outage_is_waited_out_and_nothing_is_lost($outbox).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_duplicate_window_shorter_than_redelivery_is_refused() {
+                super::a_duplicate_window_shorter_than_redelivery_is_refused($outbox).await;
+            }
+        }
+    };
+}
+
+outbox_checks!(sqlite, Sqlite::new().await);
+outbox_checks!(postgres, Postgres::new().await);
+
+/// On PostgreSQL an idle relay is woken by `NOTIFY` (sent only because it marked
+/// itself idle), not by its poll: with a 30 s poll, a message from another process is
+/// still published at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_postgres_relay_is_woken_by_notify() {
+    let outbox = Postgres::new().await;
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("notify");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let relay_store = outbox.another().await;
+    let relay = Relay::new(relay_store.clone(), publisher.clone()).with_options(
+        RelayOptions::new().idle_poll(Duration::from_secs(30), Duration::from_secs(30)),
+    );
+    let shutdown = CancellationToken::new();
+    let running = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    // Let it find nothing, mark itself idle and start its 30 s wait.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = std::time::Instant::now();
+    // Another process's commit: `outbox`'s own pool, not the relay's store.
+    let committed = enqueue(&outbox, &format!("{subject}.x"), 1, 1).await;
+    wait_until_empty(&outbox.store()).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the idle relay was not woken: {:?}",
+        started.elapsed()
+    );
+    assert!(relay_store.notifications_received() >= 1);
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    check_delivery(&read_all(&publisher, &stream_name).await, &committed);
+}
