@@ -7,6 +7,7 @@ mod bench_http;
 mod bench_sql;
 mod exec;
 mod idempotency;
+mod outbox;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -56,6 +57,9 @@ enum Command {
     /// Idempotency records: show, list stale claims, forget, sweep.
     #[command(subcommand)]
     Idempotency(idempotency::IdempotencyCommand),
+    /// The transactional outbox: run a relay, show status, redrive a parked key.
+    #[command(subcommand)]
+    Outbox(outbox::OutboxCommand),
     /// Create the store's tables (locks, fences, idempotency records) if they are
     /// missing (SQL stores); harmless to repeat.
     Migrate(StoreOnlyArgs),
@@ -194,7 +198,7 @@ const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 /// Parses `--ttl`: positive, at most 365 days.
-fn parse_ttl(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_ttl(text: &str) -> Result<Duration, String> {
     at_most(parse_positive(text)?, MAX_TTL, "too long; at most 365 days")
 }
 
@@ -324,7 +328,7 @@ pub(crate) fn exit_code_for(error: &Error) -> u8 {
     }
 }
 
-fn fail(error: &Error) -> ExitCode {
+pub(crate) fn fail(error: &Error) -> ExitCode {
     eprintln!("turnstile: {error}");
     ExitCode::from(exit_code_for(error))
 }
@@ -507,6 +511,7 @@ fn main() -> ExitCode {
             }
             Command::Migrate(args) => migrate(args).await,
             Command::Idempotency(command) => idempotency::run(command).await,
+            Command::Outbox(command) => outbox::run(command).await,
         }
     })
 }

@@ -167,6 +167,81 @@ pub async fn connect_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
 
 type IdempotencyStoreArc = Arc<dyn crate::idempotency::IdempotencyStore>;
 
+/// Opens the outbox a URL names: `sqlite://PATH` or `postgres://…` (the other engines
+/// have no outbox store yet).
+pub async fn connect_outbox(url: &str) -> Result<Arc<dyn crate::outbox::OutboxStore>> {
+    let url = url.trim();
+    let scheme = url
+        .split_once(':')
+        .map(|(scheme, _)| scheme.to_ascii_lowercase())
+        .unwrap_or_default();
+    match scheme.as_str() {
+        #[cfg(feature = "sqlite")]
+        "sqlite" => Ok(Arc::new(
+            crate::outbox::sqlite::SqliteOutbox::open_url(url).await?,
+        )),
+        #[cfg(feature = "postgres")]
+        "postgres" | "postgresql" => Ok(Arc::new(
+            crate::outbox::postgres::PostgresOutbox::connect(url).await?,
+        )),
+        // What a build without an engine's feature answers for it.
+        #[allow(unreachable_patterns)]
+        "sqlite" | "postgres" | "postgresql" | "mysql" | "mariadb" | "redis" | "rediss" => {
+            Err(Error::new(
+                ErrorKind::UnsupportedStore,
+                format!(
+                    "{}: this build has no outbox store for {scheme}:// (there are outbox stores for \
+                     SQLite and PostgreSQL, with the `sqlite` and `postgres` features)",
+                    redact(url)
+                ),
+            ))
+        }
+        _ => Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "{} is not an outbox store URL; expected sqlite://PATH or postgres://USER@HOST[:PORT]/DB",
+                redact(url)
+            ),
+        )),
+    }
+}
+
+/// Connects the publisher a broker URL names: `nats://HOST:PORT` (JetStream).
+pub async fn connect_publisher(url: &str) -> Result<Arc<dyn crate::outbox::relay::Publisher>> {
+    let url = url.trim();
+    let scheme = url
+        .split_once("://")
+        .map(|(scheme, _)| scheme.to_ascii_lowercase())
+        .unwrap_or_default();
+    match scheme.as_str() {
+        #[cfg(feature = "nats")]
+        "nats" => Ok(Arc::new(
+            crate::outbox::nats::JetStreamPublisher::connect(
+                url,
+                std::time::Duration::from_secs(5),
+            )
+            .await?,
+        )),
+        // What a build without the `nats` feature answers.
+        #[allow(unreachable_patterns)]
+        "nats" => Err(Error::new(
+            ErrorKind::UnsupportedStore,
+            format!(
+                "{} needs NATS support: build turnstile with the `nats` feature",
+                redact(url)
+            ),
+        )),
+        _ => Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "{} is not a broker URL; expected nats://HOST:PORT (RabbitMQ, Redis Streams and \
+                 Kafka publishers are not built yet)",
+                redact(url)
+            ),
+        )),
+    }
+}
+
 #[cfg(feature = "sqlite")]
 async fn open_sqlite_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
     let store = crate::idempotency::sqlite::SqliteIdempotencyStore::open_url(url).await?;
