@@ -167,3 +167,168 @@ impl Publisher for JetStreamPublisher {
         self.url.clone()
     }
 }
+
+/// A message as a consumer receives it.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    /// The outbox message id (`Nats-Msg-Id`): what the consumer's
+    /// [`Inbox`](crate::idempotency::inbox::Inbox) records.
+    pub id: String,
+    /// The ordering key (`Turnstile-Key`), for messages from a Turnstile outbox.
+    pub key: Option<String>,
+    /// The place in its key's sequence (`Turnstile-Seq`).
+    pub seq: Option<u64>,
+    /// The subject it was published to.
+    pub topic: String,
+    /// Every header, in the order received.
+    pub headers: Vec<(String, String)>,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// How many times the stream has delivered it to this consumer (1 the first time).
+    pub deliveries: u64,
+}
+
+/// What one [`JetStreamConsumer::process`] call did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Processed {
+    /// Messages handled and acknowledged.
+    pub acked: usize,
+    /// Messages sent back for redelivery (the handler failed).
+    pub retried: usize,
+}
+
+/// A durable JetStream pull consumer that acknowledges a message only after its handler
+/// succeeded — which, for effectively-once handling, commits the handler's transaction
+/// with the message recorded in an [`Inbox`](crate::idempotency::inbox::Inbox) first.
+/// A handler that fails (or a process that dies before the ack) gets the message again.
+#[derive(Debug)]
+pub struct JetStreamConsumer {
+    consumer: async_nats::jetstream::consumer::PullConsumer,
+    name: String,
+}
+
+impl JetStreamConsumer {
+    /// The durable consumer `name` on `stream` (created if missing, explicit acks,
+    /// redelivered `ack_wait` after a delivery that is neither acknowledged nor refused).
+    pub async fn durable(
+        jetstream: &async_nats::jetstream::Context,
+        stream: &str,
+        name: &str,
+        ack_wait: Duration,
+    ) -> Result<Self> {
+        let unavailable = |error: String| {
+            Error::new(
+                ErrorKind::StoreUnavailable,
+                format!("cannot open consumer {name:?} on stream {stream:?}: {error}"),
+            )
+        };
+        let stream_handle = jetstream
+            .get_stream(stream)
+            .await
+            .map_err(|error| unavailable(error.to_string()))?;
+        let consumer = stream_handle
+            .get_or_create_consumer(
+                name,
+                async_nats::jetstream::consumer::pull::Config {
+                    durable_name: Some(name.to_owned()),
+                    ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+                    ack_wait,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|error| unavailable(error.to_string()))?;
+        Ok(JetStreamConsumer {
+            consumer,
+            name: name.to_owned(),
+        })
+    }
+
+    /// Fetches up to `batch` messages (waiting up to `wait` for them) and runs `handle`
+    /// on each, in stream order. A message is acknowledged once `handle` returns `Ok`,
+    /// and sent back for redelivery after `retry_after` when it returns `Err`.
+    pub async fn process<F>(
+        &self,
+        batch: usize,
+        wait: Duration,
+        retry_after: Duration,
+        mut handle: F,
+    ) -> Result<Processed>
+    where
+        F: AsyncFnMut(&Incoming) -> Result<()>,
+    {
+        use futures_util::StreamExt;
+        let unavailable = |error: String| {
+            Error::new(
+                ErrorKind::StoreUnavailable,
+                format!("consumer {:?}: {error}", self.name),
+            )
+        };
+        let mut messages = self
+            .consumer
+            .fetch()
+            .max_messages(batch.max(1))
+            .expires(wait)
+            .messages()
+            .await
+            .map_err(|error| unavailable(error.to_string()))?;
+        let mut processed = Processed::default();
+        while let Some(message) = messages.next().await {
+            let message = message.map_err(|error| unavailable(error.to_string()))?;
+            let incoming = incoming(&message);
+            match handle(&incoming).await {
+                Ok(()) => {
+                    message
+                        .double_ack()
+                        .await
+                        .map_err(|error| unavailable(error.to_string()))?;
+                    processed.acked += 1;
+                }
+                Err(error) => {
+                    tracing::warn!(id = %incoming.id, %error, "handler failed; the message will be redelivered");
+                    message
+                        .ack_with(async_nats::jetstream::AckKind::Nak(Some(retry_after)))
+                        .await
+                        .map_err(|error| unavailable(error.to_string()))?;
+                    processed.retried += 1;
+                }
+            }
+        }
+        Ok(processed)
+    }
+}
+
+fn incoming(message: &async_nats::jetstream::Message) -> Incoming {
+    let mut headers = Vec::new();
+    if let Some(map) = &message.headers {
+        for (name, values) in map.iter() {
+            for value in values {
+                headers.push((name.to_string(), value.as_str().to_owned()));
+            }
+        }
+    }
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.clone())
+    };
+    let info = message.info().ok();
+    // A message from elsewhere has no Nats-Msg-Id: its place in the stream is its id.
+    let fallback = || {
+        info.as_ref().map_or_else(String::new, |info| {
+            format!("{}:{}", info.stream, info.stream_sequence)
+        })
+    };
+    Incoming {
+        id: header("Nats-Msg-Id").unwrap_or_else(fallback),
+        key: header("Turnstile-Key"),
+        seq: header("Turnstile-Seq").and_then(|seq| seq.parse().ok()),
+        topic: message.subject.to_string(),
+        payload: message.payload.to_vec(),
+        deliveries: info
+            .as_ref()
+            .map_or(1, |info| u64::try_from(info.delivered).unwrap_or(1)),
+        headers,
+    }
+}

@@ -14,7 +14,10 @@
 //!   never waits for one; it never reads past a gap.
 //! - **Clock**: leases and backoff are judged by the database server's clock.
 //! - **Durability**: committed with the application's transaction; the store's own
-//!   statements run with `synchronous_commit = on`.
+//!   statements run with `synchronous_commit = on`. Commit the application's
+//!   transactions with `synchronous_commit = on` too (PostgreSQL's default): with it
+//!   off, a database crash can lose a transaction whose message a relay already
+//!   published — an event for a change that never happened.
 //! - **Waking**: a relay that finds nothing marks itself idle in the same statement;
 //!   an enqueue sends `NOTIFY` only while some relay is marked idle, so a busy system
 //!   sends none (each `NOTIFY` makes its commit take a database-wide lock). Relays in
