@@ -3,6 +3,8 @@
 
 mod bench;
 mod bench_http;
+#[cfg(all(feature = "postgres", feature = "nats"))]
+mod bench_outbox;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod bench_sql;
 mod exec;
@@ -117,6 +119,9 @@ enum BenchCommand {
     /// Send many requests with one new key at once to a running idempotency-server and
     /// report what they got.
     IdempotencyDuplicates(bench_http::DuplicatesArgs),
+    /// The outbox on PostgreSQL relayed to NATS JetStream, or the bare relay (`--raw`).
+    #[cfg(all(feature = "postgres", feature = "nats"))]
+    Outbox(bench_outbox::OutboxBenchArgs),
 }
 
 /// Where the locks live.
@@ -509,6 +514,8 @@ fn main() -> ExitCode {
             Command::Bench(BenchCommand::IdempotencyDuplicates(args)) => {
                 bench_http::duplicates(args).await
             }
+            #[cfg(all(feature = "postgres", feature = "nats"))]
+            Command::Bench(BenchCommand::Outbox(args)) => bench_outbox::run(args).await,
             Command::Migrate(args) => migrate(args).await,
             Command::Idempotency(command) => idempotency::run(command).await,
             Command::Outbox(command) => outbox::run(command).await,
