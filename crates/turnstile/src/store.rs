@@ -206,7 +206,8 @@ pub async fn connect_outbox(url: &str) -> Result<Arc<dyn crate::outbox::OutboxSt
     }
 }
 
-/// Connects the publisher a broker URL names: `nats://HOST:PORT` (JetStream).
+/// Connects the publisher a broker URL names: `nats://HOST:PORT` (JetStream) or
+/// `redis://…` (Redis Streams).
 pub async fn connect_publisher(url: &str) -> Result<Arc<dyn crate::outbox::relay::Publisher>> {
     let url = url.trim();
     let scheme = url
@@ -222,6 +223,19 @@ pub async fn connect_publisher(url: &str) -> Result<Arc<dyn crate::outbox::relay
             )
             .await?,
         )),
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" => Ok(Arc::new(
+            crate::outbox::redis_streams::RedisStreamsPublisher::connect(url).await?,
+        )),
+        // What a build without the `redis` feature answers.
+        #[allow(unreachable_patterns)]
+        "redis" | "rediss" => Err(Error::new(
+            ErrorKind::UnsupportedStore,
+            format!(
+                "{} needs Redis support: build turnstile with the `redis` feature",
+                redact(url)
+            ),
+        )),
         // What a build without the `nats` feature answers.
         #[allow(unreachable_patterns)]
         "nats" => Err(Error::new(
@@ -234,8 +248,8 @@ pub async fn connect_publisher(url: &str) -> Result<Arc<dyn crate::outbox::relay
         _ => Err(Error::new(
             ErrorKind::InvalidUrl,
             format!(
-                "{} is not a broker URL; expected nats://HOST:PORT (RabbitMQ, Redis Streams and \
-                 Kafka publishers are not built yet)",
+                "{} is not a broker URL; expected nats://HOST:PORT or redis://HOST[:PORT] \
+                 (RabbitMQ and Kafka publishers are not built yet)",
                 redact(url)
             ),
         )),

@@ -47,6 +47,8 @@ use crate::lock::BoxFuture;
 pub mod nats;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis_streams;
 pub mod relay;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
@@ -191,7 +193,10 @@ impl Message {
         &self.payload
     }
 
-    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "redis")),
+        allow(dead_code)
+    )]
     fn headers_json(&self) -> String {
         let map: serde_json::Map<String, serde_json::Value> = self
             .headers
@@ -310,6 +315,36 @@ pub struct Status {
     pub oldest_pending: Option<Duration>,
     /// Parked keys (up to the limit asked for), oldest failure first.
     pub parked: Vec<ParkedKey>,
+}
+
+/// A message as a consumer receives it.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    /// The outbox message id: what the consumer's
+    /// [`Inbox`](crate::idempotency::inbox::Inbox) records.
+    pub id: String,
+    /// The ordering key, for messages from a Turnstile outbox.
+    pub key: Option<String>,
+    /// The place in its key's sequence.
+    pub seq: Option<u64>,
+    /// The topic (subject, stream) it was published to.
+    pub topic: String,
+    /// Every header, in the order received.
+    pub headers: Vec<(String, String)>,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// How many times the broker has delivered it to this consumer (1 the first time;
+    /// at least 2 for a redelivery where the broker does not count).
+    pub deliveries: u64,
+}
+
+/// What one a consumer's `process` call did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Processed {
+    /// Messages handled and acknowledged.
+    pub acked: usize,
+    /// Messages sent back for redelivery (the handler failed).
+    pub retried: usize,
 }
 
 /// Backoff of a failing key: `min(max, base × 2^attempts)`, times a random factor from

@@ -15,9 +15,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::context::PublishErrorKind;
 
-use super::Failure;
-use super::Message;
 use super::relay::Publisher;
+use super::{Failure, Incoming, Message, Processed};
 use crate::error::{Error, ErrorKind, Result};
 use crate::lock::BoxFuture;
 
@@ -166,35 +165,6 @@ impl Publisher for JetStreamPublisher {
     fn describe(&self) -> String {
         self.url.clone()
     }
-}
-
-/// A message as a consumer receives it.
-#[derive(Debug, Clone)]
-pub struct Incoming {
-    /// The outbox message id (`Nats-Msg-Id`): what the consumer's
-    /// [`Inbox`](crate::idempotency::inbox::Inbox) records.
-    pub id: String,
-    /// The ordering key (`Turnstile-Key`), for messages from a Turnstile outbox.
-    pub key: Option<String>,
-    /// The place in its key's sequence (`Turnstile-Seq`).
-    pub seq: Option<u64>,
-    /// The subject it was published to.
-    pub topic: String,
-    /// Every header, in the order received.
-    pub headers: Vec<(String, String)>,
-    /// The payload.
-    pub payload: Vec<u8>,
-    /// How many times the stream has delivered it to this consumer (1 the first time).
-    pub deliveries: u64,
-}
-
-/// What one [`JetStreamConsumer::process`] call did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Processed {
-    /// Messages handled and acknowledged.
-    pub acked: usize,
-    /// Messages sent back for redelivery (the handler failed).
-    pub retried: usize,
 }
 
 /// A durable JetStream pull consumer that acknowledges a message only after its handler

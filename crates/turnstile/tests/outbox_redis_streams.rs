@@ -1,0 +1,166 @@
+//! The outbox on SQLite relayed to Redis Streams, consumed by a consumer group through
+//! the inbox: Redis keeps every copy a relay publishes, and the inbox is what makes
+//! handling effectively once.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use turnstile::idempotency::inbox::Inbox;
+use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
+use turnstile::outbox::redis_streams::{RedisStreamsConsumer, RedisStreamsPublisher};
+use turnstile::outbox::relay::{Publisher, Relay, RelayOptions};
+use turnstile::outbox::sqlite::SqliteOutbox;
+use turnstile::outbox::{Message, OutboxStore};
+use turnstile_test_support::shared_redis;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_in_the_stream_are_handled_once_in_key_order() {
+    let redis = shared_redis();
+    let stream = turnstile_test_support::unique_name("payments");
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = SqliteOutbox::open(dir.path().join("app.db")).await.unwrap();
+    let publisher = RedisStreamsPublisher::connect(&redis.url()).await.unwrap();
+    let mut expected: BTreeMap<String, i64> = BTreeMap::new();
+    let mut ids = HashSet::new();
+    let mut by_key: BTreeMap<String, Vec<(Message, u64)>> = BTreeMap::new();
+    for n in 0..120_i64 {
+        let account = format!("acct-{}", n % 8);
+        *expected.entry(account.clone()).or_default() += n;
+        let message = Message::json(
+            stream.as_str(),
+            account.as_str(),
+            &serde_json::json!({"account": account, "cents": n}),
+        )
+        .unwrap();
+        let mut transaction = outbox.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+        let seq = outbox.enqueue(&mut transaction, &message).await.unwrap();
+        outbox.commit(transaction).await.unwrap();
+        ids.insert(message.id().to_owned());
+        by_key.entry(account).or_default().push((message, seq));
+    }
+    // A relay that published the first three messages of every key and died before
+    // recording it: the copies are in the stream, and the next relay publishes those
+    // messages again.
+    for messages in by_key.values() {
+        for (message, seq) in &messages[..3] {
+            publisher.publish(message, *seq).await.unwrap();
+        }
+    }
+    let shutdown = CancellationToken::new();
+    let mut relays = Vec::new();
+    for _ in 0..2 {
+        let relay = Relay::new(
+            SqliteOutbox::open(dir.path().join("app.db")).await.unwrap(),
+            publisher.clone(),
+        )
+        .with_options(RelayOptions::new().max_keys(3));
+        let shutdown = shutdown.clone();
+        relays.push(tokio::spawn(async move { relay.run(shutdown).await }));
+    }
+    for _ in 0..200 {
+        if outbox.status(10).await.unwrap().pending == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(outbox.status(10).await.unwrap().pending, 0);
+    shutdown.cancel();
+    for relay in relays {
+        relay.await.unwrap().unwrap();
+    }
+
+    let keys = SqliteIdempotencyStore::open(dir.path().join("consumer.db"))
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE totals (account TEXT PRIMARY KEY, cents INTEGER NOT NULL, last_seq INTEGER NOT NULL)")
+        .execute(keys.pool())
+        .await
+        .unwrap();
+    let inbox = Inbox::new(keys.clone(), "projection").unwrap();
+    let consumer = RedisStreamsConsumer::connect(&redis.url(), &stream, "projection", "c1")
+        .await
+        .unwrap();
+    let (mut handled, mut skipped, mut out_of_order, mut crashed) = (0, 0, 0, 0);
+    for _ in 0..50 {
+        let done = consumer
+            .process(
+                50,
+                Duration::from_millis(50),
+                Duration::from_millis(100),
+                async |incoming| {
+                    let body: serde_json::Value = serde_json::from_slice(&incoming.payload).unwrap();
+                    let account = body["account"].as_str().unwrap().to_owned();
+                    let cents = body["cents"].as_i64().unwrap();
+                    let seq = i64::try_from(incoming.seq.unwrap()).unwrap();
+                    let mut transaction = keys.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+                    let delivery = inbox
+                        .process(&mut transaction, &incoming.id, async |connection| {
+                            let last: Option<i64> = sqlx::query_scalar(
+                                "SELECT last_seq FROM totals WHERE account = ?1",
+                            )
+                            .bind(&account)
+                            .fetch_optional(&mut *connection)
+                            .await
+                            .unwrap();
+                            if last.unwrap_or(0) + 1 != seq {
+                                out_of_order += 1;
+                            }
+                            sqlx::query(
+                                "INSERT INTO totals (account, cents, last_seq) VALUES (?1, ?2, ?3)
+                                 ON CONFLICT (account) DO UPDATE SET cents = cents + ?2, last_seq = ?3",
+                            )
+                            .bind(&account)
+                            .bind(cents)
+                            .bind(seq)
+                            .execute(&mut *connection)
+                            .await
+                            .unwrap();
+                            Ok::<_, turnstile::Error>(())
+                        })
+                        .await?;
+                    transaction.commit().await.unwrap();
+                    if delivery.is_duplicate() {
+                        skipped += 1;
+                    } else {
+                        handled += 1;
+                    }
+                    // A consumer that dies between its commit and its XACK: the entry
+                    // stays pending and is claimed again.
+                    if incoming.deliveries == 1 && cents % 7 == 0 {
+                        crashed += 1;
+                        return Err(turnstile::Error::new(
+                            turnstile::ErrorKind::Store,
+                            "crashed before the ack",
+                        ));
+                    }
+                    Ok(())
+                },
+            )
+            .await
+            .unwrap();
+        if done.acked == 0 && done.retried == 0 && handled == 120 && skipped == 24 + crashed {
+            break;
+        }
+    }
+    assert_eq!(handled, 120, "each message handled once");
+    // Copies of messages that "crashed" before their ack are skipped when claimed again;
+    // the copies the dead relay left are acknowledged as duplicates by whichever
+    // delivery comes second.
+    assert!(crashed > 0);
+    assert_eq!(
+        skipped,
+        24 + crashed,
+        "each copy and each redelivery skipped"
+    );
+    assert_eq!(
+        out_of_order, 0,
+        "a key's messages were handled out of order"
+    );
+    let totals: Vec<(String, i64)> =
+        sqlx::query_as("SELECT account, cents FROM totals ORDER BY account")
+            .fetch_all(keys.pool())
+            .await
+            .unwrap();
+    assert_eq!(totals, expected.into_iter().collect::<Vec<_>>());
+}
