@@ -167,8 +167,8 @@ pub async fn connect_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
 
 type IdempotencyStoreArc = Arc<dyn crate::idempotency::IdempotencyStore>;
 
-/// Opens the outbox a URL names: `sqlite://PATH` or `postgres://…` (the other engines
-/// have no outbox store yet).
+/// Opens the outbox a URL names: `sqlite://PATH`, `postgres://…` or `mysql://…` (Redis
+/// has no outbox store: the business data the outbox commits with lives in SQL).
 pub async fn connect_outbox(url: &str) -> Result<Arc<dyn crate::outbox::OutboxStore>> {
     let url = url.trim();
     let scheme = url
@@ -184,6 +184,10 @@ pub async fn connect_outbox(url: &str) -> Result<Arc<dyn crate::outbox::OutboxSt
         "postgres" | "postgresql" => Ok(Arc::new(
             crate::outbox::postgres::PostgresOutbox::connect(url).await?,
         )),
+        #[cfg(feature = "mysql")]
+        "mysql" | "mariadb" => Ok(Arc::new(
+            crate::outbox::mysql::MysqlOutbox::connect(url).await?,
+        )),
         // What a build without an engine's feature answers for it.
         #[allow(unreachable_patterns)]
         "sqlite" | "postgres" | "postgresql" | "mysql" | "mariadb" | "redis" | "rediss" => {
@@ -191,7 +195,8 @@ pub async fn connect_outbox(url: &str) -> Result<Arc<dyn crate::outbox::OutboxSt
                 ErrorKind::UnsupportedStore,
                 format!(
                     "{}: this build has no outbox store for {scheme}:// (there are outbox stores for \
-                     SQLite and PostgreSQL, with the `sqlite` and `postgres` features)",
+                     SQLite, PostgreSQL and MySQL, with the `sqlite`, `postgres` and `mysql` \
+                     features)",
                     redact(url)
                 ),
             ))
@@ -199,7 +204,8 @@ pub async fn connect_outbox(url: &str) -> Result<Arc<dyn crate::outbox::OutboxSt
         _ => Err(Error::new(
             ErrorKind::InvalidUrl,
             format!(
-                "{} is not an outbox store URL; expected sqlite://PATH or postgres://USER@HOST[:PORT]/DB",
+                "{} is not an outbox store URL; expected sqlite://PATH, postgres://USER@HOST[:PORT]/DB \
+                 or mysql://USER@HOST[:PORT]/DB",
                 redact(url)
             ),
         )),

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use tokio_util::sync::CancellationToken;
+use turnstile::outbox::mysql::MysqlOutbox;
 use turnstile::outbox::nats::JetStreamPublisher;
 use turnstile::outbox::postgres::PostgresOutbox;
 use turnstile::outbox::relay::{Relay, RelayOptions};
@@ -142,6 +143,46 @@ async fn read_all(publisher: &JetStreamPublisher, name: &str) -> Vec<(String, u6
         ));
     }
     messages
+}
+
+struct Mysql {
+    url: String,
+    pool: sqlx::MySqlPool,
+    outbox: MysqlOutbox,
+}
+
+impl Mysql {
+    async fn new() -> Mysql {
+        let url = turnstile_test_support::shared_mariadb().fresh_database("outbox");
+        let outbox = MysqlOutbox::connect(&url).await.unwrap();
+        let pool = sqlx::MySqlPool::connect(&url).await.unwrap();
+        Mysql { url, pool, outbox }
+    }
+}
+
+impl TestOutbox for Mysql {
+    type Store = MysqlOutbox;
+
+    fn store(&self) -> MysqlOutbox {
+        self.outbox.clone()
+    }
+
+    async fn another(&self) -> MysqlOutbox {
+        MysqlOutbox::connect(&self.url).await.unwrap()
+    }
+
+    async fn enqueue_one(&self, message: &Message, commit: bool) {
+        let mut transaction = self.pool.begin().await.unwrap();
+        self.outbox
+            .enqueue(&mut transaction, message)
+            .await
+            .unwrap();
+        if commit {
+            self.outbox.commit(transaction).await.unwrap();
+        } else {
+            transaction.rollback().await.unwrap();
+        }
+    }
 }
 
 /// Enqueues `count` messages over `keys` keys, one transaction each; every seventh
@@ -419,6 +460,7 @@ macro_rules! outbox_checks {
 
 outbox_checks!(sqlite, Sqlite::new().await);
 outbox_checks!(postgres, Postgres::new().await);
+outbox_checks!(mysql, Mysql::new().await);
 
 /// On PostgreSQL an idle relay is woken by `NOTIFY` (sent only because it marked
 /// itself idle), not by its poll: with a 30 s poll, a message from another process is

@@ -28,16 +28,25 @@ pub(crate) fn connect_options(url: &str) -> Result<MySqlConnectOptions> {
 }
 
 /// A pool connected now, so that a wrong URL or password is reported at once with its
-/// cause.
+/// cause; every connection first runs `session` (settings such as a shorter lock wait).
 pub(crate) async fn open_pool(
     options: &MySqlConnectOptions,
     max: u32,
     timeout: Duration,
     redacted: &str,
+    session: &'static [&'static str],
 ) -> Result<MySqlPool> {
     match MySqlPoolOptions::new()
         .max_connections(max.max(1))
         .acquire_timeout(timeout)
+        .after_connect(move |connection, _| {
+            Box::pin(async move {
+                for statement in session {
+                    sqlx::query(*statement).execute(&mut *connection).await?;
+                }
+                Ok(())
+            })
+        })
         .connect_with(options.clone())
         .await
     {

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlRow};
 
 use super::{
     ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, IdempotencyStore, Record,
@@ -235,25 +235,16 @@ impl MysqlIdempotencyStore {
         let redacted = crate::store::redact(&driver_url);
         let options = connect_options(&driver_url)?;
         let timeout = Duration::from_secs(3);
-        // Check the server now (a wrong URL or password is reported with its cause),
-        // then keep a pool whose statements never wait long for a row an application's
-        // transaction holds (1 s, MySQL's least): such a claim is in progress.
-        open_pool(&options, 1, timeout, &redacted)
-            .await?
-            .close()
-            .await;
-        let pool = MySqlPoolOptions::new()
-            .max_connections(8)
-            .acquire_timeout(timeout)
-            .after_connect(|connection, _| {
-                Box::pin(async move {
-                    sqlx::query("SET SESSION innodb_lock_wait_timeout = 1")
-                        .execute(connection)
-                        .await
-                        .map(|_| ())
-                })
-            })
-            .connect_lazy_with(options);
+        // Its statements never wait long for a row an application's transaction holds
+        // (1 s, MySQL's least): such a claim is in progress.
+        let pool = open_pool(
+            &options,
+            8,
+            timeout,
+            &redacted,
+            &["SET SESSION innodb_lock_wait_timeout = 1"],
+        )
+        .await?;
         let store = MysqlIdempotencyStore {
             pool,
             sql: Arc::new(Sql::new(&prefix)),

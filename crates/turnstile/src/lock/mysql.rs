@@ -227,6 +227,7 @@ impl MysqlLockStore {
             config.max_connections,
             config.connect_timeout,
             &redacted,
+            &[],
         )
         .await?;
         let sessions = MySqlPoolOptions::new()

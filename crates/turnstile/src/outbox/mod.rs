@@ -43,6 +43,8 @@ use serde::Serialize;
 use crate::error::{Error, ErrorKind, Result};
 use crate::lock::BoxFuture;
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "postgres")]
@@ -194,7 +196,12 @@ impl Message {
     }
 
     #[cfg_attr(
-        not(any(feature = "sqlite", feature = "postgres", feature = "redis")),
+        not(any(
+            feature = "sqlite",
+            feature = "postgres",
+            feature = "mysql",
+            feature = "redis"
+        )),
         allow(dead_code)
     )]
     fn headers_json(&self) -> String {
@@ -206,7 +213,10 @@ impl Message {
         serde_json::Value::Object(map).to_string()
     }
 
-    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
     fn from_stored(
         id: String,
         topic: String,

@@ -14,7 +14,10 @@ use std::time::Duration;
 
 use super::{Failure, Message};
 
-#[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
 pub(crate) fn enqueued(message: &Message, seq: u64) {
     metrics::counter!("turnstile_outbox_enqueued_total").increment(1);
     tracing::debug!(

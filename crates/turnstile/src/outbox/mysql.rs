@@ -1,0 +1,530 @@
+//! The outbox in MySQL / MariaDB (InnoDB; `FOR UPDATE SKIP LOCKED` needs MySQL 8.0 or
+//! MariaDB 10.6).
+//!
+//! Tables `{prefix}_outbox_keys` and `{prefix}_outbox` (prefix `turnstile` by default; URL
+//! options `turnstile_prefix` and `turnstile_migrate`). Times are microseconds of the
+//! server's clock.
+//!
+//! # Guarantees
+//! - **Order**: the enqueue takes the key's row lock to assign the next sequence number,
+//!   so sequence numbers per key follow commit order; a relay skips keys an application
+//!   transaction holds (`SKIP LOCKED`).
+//! - **Clock**: leases and backoff are judged by the database server's clock.
+//! - **Durability**: an InnoDB commit (`innodb_flush_log_at_trx_commit = 1`, the
+//!   default, for any crash).
+//! - **Waking**: MySQL has no notifications: a [`commit`](MysqlOutbox::commit) wakes
+//!   relays in this process; relays in other processes poll, backing off while idle.
+//! - **Enqueue last**: the key's row stays locked until the application's transaction
+//!   ends.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::Row;
+use sqlx::mysql::{MySqlConnection, MySqlPool};
+use tokio::sync::Notify;
+
+use super::{
+    Backoff, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status, Stored,
+};
+use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
+use crate::error::{Error, Result};
+use crate::lock::BoxFuture;
+use crate::sql::{Statement, map_error, statement, validate_identifier};
+use crate::store::{split_url_options, unknown_option};
+
+struct Sql {
+    create: [Statement; 2],
+    bump: Statement,
+    insert: Statement,
+    pick: Statement,
+    settle: Statement,
+    parked_of: Statement,
+    delete: Statement,
+    redrive: Statement,
+    status: Statement,
+    parked: Statement,
+    keys: String,
+    outbox: String,
+}
+
+impl Sql {
+    fn new(prefix: &str) -> Sql {
+        let keys = format!("`{prefix}_outbox_keys`");
+        let outbox = format!("`{prefix}_outbox`");
+        let now = CLOCK_US;
+        Sql {
+            create: [
+                statement(format!(
+                    "CREATE TABLE IF NOT EXISTS {keys} (
+                        ordering_key VARBINARY(255) PRIMARY KEY,
+                        last_seq BIGINT NOT NULL,
+                        acked_seq BIGINT NOT NULL DEFAULT 0,
+                        available_us BIGINT NOT NULL DEFAULT 0,
+                        lease_token BIGINT NOT NULL DEFAULT 0,
+                        attempts INT NOT NULL DEFAULT 0,
+                        last_error TEXT NULL,
+                        parked TINYINT NOT NULL DEFAULT 0,
+                        parked_us BIGINT NULL,
+                        KEY due (parked, available_us)) ENGINE = InnoDB"
+                )),
+                statement(format!(
+                    "CREATE TABLE IF NOT EXISTS {outbox} (
+                        ordering_key VARBINARY(255) NOT NULL,
+                        seq BIGINT NOT NULL,
+                        id VARCHAR(36) CHARACTER SET ascii NOT NULL,
+                        topic VARBINARY(255) NOT NULL,
+                        headers TEXT NOT NULL,
+                        payload LONGBLOB NOT NULL,
+                        created_us BIGINT NOT NULL,
+                        PRIMARY KEY (ordering_key, seq)) ENGINE = InnoDB"
+                )),
+            ],
+            // The new sequence number comes back as the statement's insert id.
+            bump: statement(format!(
+                "INSERT INTO {keys} (ordering_key, last_seq) VALUES (?, LAST_INSERT_ID(1))
+                 ON DUPLICATE KEY UPDATE last_seq = LAST_INSERT_ID(last_seq + 1)"
+            )),
+            insert: statement(format!(
+                "INSERT INTO {outbox} (ordering_key, seq, id, topic, headers, payload, created_us)
+                 VALUES (?, ?, ?, ?, ?, ?, {now})"
+            )),
+            pick: statement(format!(
+                "SELECT ordering_key, acked_seq, lease_token, attempts FROM {keys}
+                 WHERE parked = 0 AND available_us <= {now} AND acked_seq < last_seq
+                 ORDER BY available_us LIMIT ? FOR UPDATE SKIP LOCKED"
+            )),
+            // MySQL assigns left to right on the updated row: `attempts` and `acked_seq`,
+            // which the others read, come last. `tries` is the failures of the head
+            // message before this one (0 when this settlement moved the head).
+            // Binds: failed, delivered, max attempts (park); reason; failed, max µs,
+            // base µs, delivered (backoff); failed, delivered (attempts); delivered; key,
+            // token.
+            settle: statement(format!(
+                "UPDATE {keys} SET
+                    parked = IF(? AND IF(? > acked_seq, 0, attempts) + 1 >= ?, 1, 0),
+                    parked_us = {now},
+                    last_error = ?,
+                    available_us = IF(?, {now} + CAST(LEAST(?, ? << LEAST(IF(? > acked_seq, 0, attempts), 20))
+                                         * (0.5 + RAND() / 2) AS SIGNED), {now}),
+                    attempts = IF(?, IF(? > acked_seq, 0, attempts) + 1, 0),
+                    acked_seq = GREATEST(acked_seq, ?)
+                 WHERE ordering_key = ? AND lease_token = ?"
+            )),
+            parked_of: statement(format!("SELECT parked FROM {keys} WHERE ordering_key = ?")),
+            delete: statement(format!("DELETE FROM {outbox} WHERE ordering_key = ? AND seq <= ?")),
+            redrive: statement(format!(
+                "UPDATE {keys} SET parked = 0, attempts = 0, last_error = NULL, available_us = 0
+                 WHERE ordering_key = ? AND parked = 1"
+            )),
+            status: statement(format!(
+                "SELECT CAST(COALESCE(SUM(last_seq - acked_seq), 0) AS SIGNED) AS pending,
+                        COUNT(*) AS pending_keys,
+                        (SELECT {now} - MIN(m.created_us) FROM {keys} k
+                         JOIN {outbox} m ON m.ordering_key = k.ordering_key AND m.seq = k.acked_seq + 1
+                         WHERE k.acked_seq < k.last_seq AND k.parked = 0) AS oldest_us
+                 FROM {keys} WHERE acked_seq < last_seq AND parked = 0"
+            )),
+            parked: statement(format!(
+                "SELECT ordering_key, attempts, last_error, last_seq - acked_seq AS pending
+                 FROM {keys} WHERE parked = 1 ORDER BY parked_us LIMIT ?"
+            )),
+            keys,
+            outbox,
+        }
+    }
+}
+
+/// The outbox in MySQL / MariaDB tables.
+#[derive(Clone)]
+pub struct MysqlOutbox {
+    pool: MySqlPool,
+    sql: Arc<Sql>,
+    committed: Arc<Notify>,
+    url: String,
+}
+
+impl std::fmt::Debug for MysqlOutbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MysqlOutbox")
+            .field("url", &self.url)
+            .finish()
+    }
+}
+
+fn fail(what: &'static str) -> impl Fn(sqlx::Error) -> Error {
+    move |error| map_error(error, what)
+}
+
+fn unsigned(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+fn signed(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn text(bytes: Vec<u8>) -> String {
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+impl MysqlOutbox {
+    /// Connects with the URL's `turnstile_*` options (`prefix`, `migrate`), creating the
+    /// tables on first use unless `turnstile_migrate=off`.
+    pub async fn connect(url: &str) -> Result<Self> {
+        let (driver_url, options) = split_url_options(url);
+        let (mut prefix, mut migrate) = ("turnstile".to_owned(), true);
+        for (key, value) in &options {
+            match (key.as_str(), value.as_str()) {
+                ("prefix", _) => prefix = value.clone(),
+                ("migrate", "on" | "true" | "1" | "yes") => migrate = true,
+                ("migrate", "off" | "false" | "0" | "no") => migrate = false,
+                _ => {
+                    return Err(unknown_option(
+                        key,
+                        value,
+                        "turnstile_prefix, turnstile_migrate=on|off",
+                    ));
+                }
+            }
+        }
+        validate_identifier("table prefix", &prefix)?;
+        let redacted = crate::store::redact(&driver_url);
+        let options = connect_options(&driver_url)?;
+        // READ COMMITTED: a settlement's DELETE then locks the rows it deletes and no
+        // gaps, so it cannot deadlock with an application's enqueue inserting the next
+        // message of a key.
+        let pool = open_pool(
+            &options,
+            8,
+            Duration::from_secs(3),
+            &redacted,
+            &["SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"],
+        )
+        .await?;
+        let outbox = MysqlOutbox {
+            pool,
+            sql: Arc::new(Sql::new(&prefix)),
+            committed: Arc::default(),
+            url: redacted,
+        };
+        if migrate {
+            outbox.migrate().await?;
+        }
+        Ok(outbox)
+    }
+
+    /// Creates the tables if missing; harmless to repeat and to run at once.
+    pub async fn migrate(&self) -> Result<()> {
+        for create in &self.sql.create {
+            sqlx::query(create.sql())
+                .execute(&self.pool)
+                .await
+                .map_err(fail("cannot create the outbox tables"))?;
+        }
+        Ok(())
+    }
+
+    /// Writes `message` in the application's transaction on `connection`, after its
+    /// key's last message. Enqueue last in the transaction: the key's row stays locked
+    /// until it ends.
+    pub async fn enqueue(
+        &self,
+        connection: &mut MySqlConnection,
+        message: &Message,
+    ) -> Result<u64> {
+        let what = "cannot enqueue the message";
+        let seq = sqlx::query(self.sql.bump.sql())
+            .bind(message.key())
+            .execute(&mut *connection)
+            .await
+            .map_err(fail(what))?
+            .last_insert_id();
+        sqlx::query(self.sql.insert.sql())
+            .bind(message.key())
+            .bind(signed(seq))
+            .bind(message.id())
+            .bind(message.topic())
+            .bind(message.headers_json())
+            .bind(message.payload())
+            .execute(&mut *connection)
+            .await
+            .map_err(fail(what))?;
+        super::telemetry::enqueued(message, seq);
+        Ok(seq)
+    }
+
+    /// Commits `transaction` and wakes this process's relays at once.
+    pub async fn commit(&self, transaction: sqlx::Transaction<'_, sqlx::MySql>) -> Result<()> {
+        transaction
+            .commit()
+            .await
+            .map_err(fail("cannot commit the transaction"))?;
+        self.committed.notify_one();
+        Ok(())
+    }
+}
+
+impl MysqlOutbox {
+    async fn settle_once(
+        &self,
+        settlements: &[Settlement],
+        max_attempts: u32,
+        backoff: Backoff,
+    ) -> Result<Vec<Settled>> {
+        let what = "cannot record delivered outbox messages";
+        let base_us = i64::try_from(backoff.base.as_micros())
+            .unwrap_or(i64::MAX)
+            .max(1);
+        let max_us = i64::try_from(backoff.max.as_micros())
+            .unwrap_or(i64::MAX)
+            .max(1);
+        let mut transaction = self.pool.begin().await.map_err(fail(what))?;
+        // Keys in one order in every relay's settlement, so two never wait on each other.
+        let mut order: Vec<usize> = (0..settlements.len()).collect();
+        order.sort_by(|a, b| settlements[*a].key.cmp(&settlements[*b].key));
+        let mut answers = vec![Settled::Fenced; settlements.len()];
+        for index in order {
+            let settlement = &settlements[index];
+            let failed = settlement.failure.is_some();
+            let permanent = settlement.failure.as_ref().is_some_and(|f| f.permanent);
+            let delivered = signed(settlement.delivered_through);
+            let changed = sqlx::query(self.sql.settle.sql())
+                .bind(permanent)
+                .bind(delivered)
+                .bind(i64::from(max_attempts.max(1)))
+                .bind(settlement.failure.as_ref().map(|f| f.reason.as_str()))
+                .bind(failed)
+                .bind(max_us)
+                .bind(base_us)
+                .bind(delivered)
+                .bind(failed)
+                .bind(delivered)
+                .bind(delivered)
+                .bind(settlement.key.as_bytes())
+                .bind(signed(settlement.token))
+                .execute(&mut *transaction)
+                .await
+                .map_err(fail(what))?
+                .rows_affected();
+            if changed == 0 {
+                continue;
+            }
+            sqlx::query(self.sql.delete.sql())
+                .bind(settlement.key.as_bytes())
+                .bind(delivered)
+                .execute(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+            let parked: i8 = sqlx::query_scalar(self.sql.parked_of.sql())
+                .bind(settlement.key.as_bytes())
+                .fetch_one(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+            answers[index] = if parked == 1 {
+                Settled::Parked
+            } else {
+                Settled::Done
+            };
+        }
+        transaction.commit().await.map_err(fail(what))?;
+        Ok(answers)
+    }
+}
+
+/// InnoDB's "deadlock found" (1213): the transaction was rolled back and may be retried.
+fn is_deadlock(error: &Error) -> bool {
+    use std::error::Error as _;
+    error
+        .source()
+        .and_then(|source| source.downcast_ref::<sqlx::Error>())
+        .and_then(|error| error.as_database_error())
+        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+        .is_some_and(|db| db.number() == 1213)
+}
+
+impl OutboxStore for MysqlOutbox {
+    fn claim(
+        &self,
+        max_keys: u32,
+        per_key: u32,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<Vec<LeasedKey>>> {
+        Box::pin(async move {
+            let what = "cannot claim outbox messages";
+            let mut transaction = self.pool.begin().await.map_err(fail(what))?;
+            let picked = sqlx::query(self.sql.pick.sql())
+                .bind(i64::from(max_keys))
+                .fetch_all(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+            if picked.is_empty() {
+                transaction.commit().await.map_err(fail(what))?;
+                return Ok(Vec::new());
+            }
+            let mut keys = Vec::with_capacity(picked.len());
+            for row in &picked {
+                keys.push((
+                    text(row.try_get("ordering_key").map_err(fail(what))?),
+                    row.try_get::<i64, _>("acked_seq").map_err(fail(what))?,
+                    unsigned(row.try_get("lease_token").map_err(fail(what))?) + 1,
+                    u32::try_from(row.try_get::<i32, _>("attempts").map_err(fail(what))?)
+                        .unwrap_or(0),
+                ));
+            }
+            let marks = vec!["?"; keys.len()].join(", ");
+            let lease_sql = format!(
+                "UPDATE {} SET available_us = {CLOCK_US} + ?, lease_token = lease_token + 1
+                 WHERE ordering_key IN ({marks})",
+                self.sql.keys
+            );
+            let mut lease_query = sqlx::query(sqlx::AssertSqlSafe(lease_sql))
+                .bind(i64::try_from(lease.as_micros()).unwrap_or(i64::MAX));
+            for (key, ..) in &keys {
+                lease_query = lease_query.bind(key.as_bytes());
+            }
+            lease_query
+                .execute(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+            transaction.commit().await.map_err(fail(what))?;
+            // The leased keys' next messages (their rows are ours until the lease ends).
+            let ranges =
+                vec!["(ordering_key = ? AND seq > ? AND seq <= ?)"; keys.len()].join(" OR ");
+            let read_sql = format!(
+                "SELECT ordering_key, seq, id, topic, headers, payload, {CLOCK_US} - created_us AS age_us
+                 FROM {} WHERE {ranges} ORDER BY ordering_key, seq",
+                self.sql.outbox
+            );
+            let mut read = sqlx::query(sqlx::AssertSqlSafe(read_sql));
+            for (key, acked, ..) in &keys {
+                read = read
+                    .bind(key.as_bytes())
+                    .bind(*acked)
+                    .bind(acked.saturating_add(i64::from(per_key)));
+            }
+            let rows = read.fetch_all(&self.pool).await.map_err(fail(what))?;
+            let mut leased: Vec<LeasedKey> = keys
+                .into_iter()
+                .map(|(key, _, token, attempts)| LeasedKey {
+                    key,
+                    token,
+                    attempts,
+                    messages: Vec::new(),
+                })
+                .collect();
+            for row in rows {
+                let key = text(row.try_get("ordering_key").map_err(fail(what))?);
+                let Some(entry) = leased.iter_mut().find(|entry| entry.key == key) else {
+                    continue;
+                };
+                let seq = unsigned(row.try_get("seq").map_err(fail(what))?);
+                // Never past a gap.
+                if entry
+                    .messages
+                    .last()
+                    .is_some_and(|last| last.seq + 1 != seq)
+                {
+                    continue;
+                }
+                let headers: String = row.try_get("headers").map_err(fail(what))?;
+                entry.messages.push(Stored {
+                    seq,
+                    age: Duration::from_micros(unsigned(
+                        row.try_get("age_us").map_err(fail(what))?,
+                    )),
+                    message: Message::from_stored(
+                        row.try_get("id").map_err(fail(what))?,
+                        text(row.try_get("topic").map_err(fail(what))?),
+                        key,
+                        &headers,
+                        row.try_get("payload").map_err(fail(what))?,
+                    ),
+                });
+            }
+            Ok(leased)
+        })
+    }
+
+    fn settle<'a>(
+        &'a self,
+        settlements: &'a [Settlement],
+        max_attempts: u32,
+        backoff: Backoff,
+    ) -> BoxFuture<'a, Result<Vec<Settled>>> {
+        Box::pin(async move {
+            // InnoDB may pick this transaction as a deadlock victim (its index updates
+            // meet other relays' claims); it is rolled back whole, and settling again is
+            // harmless (tokens and GREATEST make it idempotent).
+            let mut attempt = 0;
+            loop {
+                match self.settle_once(settlements, max_attempts, backoff).await {
+                    Err(error) if attempt < 5 && is_deadlock(&error) => {
+                        attempt += 1;
+                        tokio::time::sleep(Duration::from_millis(2 * attempt)).await;
+                    }
+                    other => return other,
+                }
+            }
+        })
+    }
+    fn redrive<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let changed = sqlx::query(self.sql.redrive.sql())
+                .bind(key.as_bytes())
+                .execute(&self.pool)
+                .await
+                .map_err(fail("cannot redrive the key"))?
+                .rows_affected();
+            if changed > 0 {
+                self.committed.notify_one();
+            }
+            Ok(changed > 0)
+        })
+    }
+
+    fn status(&self, parked_limit: u32) -> BoxFuture<'_, Result<Status>> {
+        Box::pin(async move {
+            let what = "cannot read the outbox status";
+            let row = sqlx::query(self.sql.status.sql())
+                .fetch_one(&self.pool)
+                .await
+                .map_err(fail(what))?;
+            let parked = sqlx::query(self.sql.parked.sql())
+                .bind(i64::from(parked_limit))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(fail(what))?
+                .iter()
+                .map(|row| {
+                    Ok(ParkedKey {
+                        key: text(row.try_get("ordering_key").map_err(fail(what))?),
+                        attempts: u32::try_from(
+                            row.try_get::<i32, _>("attempts").map_err(fail(what))?,
+                        )
+                        .unwrap_or(0),
+                        reason: row.try_get("last_error").map_err(fail(what))?,
+                        pending: unsigned(row.try_get("pending").map_err(fail(what))?),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let oldest: Option<i64> = row.try_get("oldest_us").map_err(fail(what))?;
+            Ok(Status {
+                pending: unsigned(row.try_get("pending").map_err(fail(what))?),
+                pending_keys: unsigned(row.try_get("pending_keys").map_err(fail(what))?),
+                oldest_pending: oldest.map(|us| Duration::from_micros(unsigned(us))),
+                parked,
+            })
+        })
+    }
+
+    fn committed(&self, timeout: Duration) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let _ = tokio::time::timeout(timeout, self.committed.notified()).await;
+        })
+    }
+
+    fn describe(&self) -> String {
+        self.url.clone()
+    }
+}
