@@ -18,6 +18,13 @@
 //! keeps the key with a lease, and the ledger is an SQLite file (`--ledger`).
 //! `--delay` makes a payment wait before it is written (a slow provider), so tests can
 //! kill an instance mid-request. Several instances may serve one store.
+//!
+//! Every payment also writes a `payments.created` event (ordering key: the account)
+//! through the transactional outbox, in the same transaction as the payment row (on
+//! Redis, in the ledger's transaction). With `--broker nats://…` or `--broker redis://…`
+//! the service runs a relay that publishes them (or run `turnstile outbox relay` next to
+//! it); the `payments-projection` binary consumes them into per-account totals through
+//! an inbox.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -38,6 +45,9 @@ use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
 use turnstile::idempotency::{
     Fingerprint, Idempotency, IdempotencyOptions, Scope, TransactionalIdempotency,
 };
+use turnstile::outbox::postgres::PostgresOutbox;
+use turnstile::outbox::sqlite::SqliteOutbox;
+use turnstile::outbox::{Message, OutboxStore};
 
 /// The payments service.
 #[derive(Parser, Debug)]
@@ -55,16 +65,34 @@ struct Args {
     /// How long a payment waits before it is written.
     #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
     delay: Duration,
+    /// Relay the `payments.created` events to this broker (nats://HOST:PORT or
+    /// redis://HOST:PORT); without it, run `turnstile outbox relay` next to the service.
+    #[arg(long, value_name = "URL")]
+    broker: Option<String>,
 }
 
 /// Where keys and payments live.
 enum Backend {
-    /// Keys and payments in one SQLite file, in one transaction.
-    Sqlite(SqliteIdempotencyStore),
-    /// Keys and payments in one PostgreSQL database, in one transaction.
-    Postgres(PostgresIdempotencyStore, PgPool),
-    /// Keys in Redis (the HTTP layer, lease mode), payments in SQLite.
-    Redis(SqlitePool),
+    /// Keys, payments and events in one SQLite file, in one transaction.
+    Sqlite(SqliteIdempotencyStore, SqliteOutbox),
+    /// Keys, payments and events in one PostgreSQL database, in one transaction.
+    Postgres(PostgresIdempotencyStore, PgPool, PostgresOutbox),
+    /// Keys in Redis (the HTTP layer, lease mode), payments and events in SQLite.
+    Redis(SqlitePool, SqliteOutbox),
+}
+
+impl Backend {
+    fn outbox(&self) -> Arc<dyn OutboxStore> {
+        match self {
+            Backend::Sqlite(_, outbox) | Backend::Redis(_, outbox) => Arc::new(outbox.clone()),
+            Backend::Postgres(_, _, outbox) => Arc::new(outbox.clone()),
+        }
+    }
+}
+
+/// The event every payment writes.
+fn created_event(payment: &Payment) -> Result<Message, turnstile::Error> {
+    Message::json("payments.created", payment.account.as_str(), payment)
 }
 
 struct App {
@@ -280,7 +308,7 @@ async fn create_payment(
         reference: request.reference.clone(),
     };
     let payment: Payment = match &app.backend {
-        Backend::Sqlite(store) => {
+        Backend::Sqlite(store, outbox) => {
             let mut transaction = store.pool().begin_with("BEGIN IMMEDIATE").await?;
             let payment = store
                 .run_once_in_transaction(
@@ -296,14 +324,17 @@ async fn create_payment(
                         tokio::time::sleep(app.delay).await;
                         let payment = make(&account);
                         insert_sqlite(connection, &payment).await?;
+                        outbox
+                            .enqueue(connection, &created_event(&payment)?)
+                            .await?;
                         Ok(payment)
                     },
                 )
                 .await?;
-            transaction.commit().await?;
+            outbox.commit(transaction).await?;
             payment
         }
-        Backend::Postgres(store, pool) => {
+        Backend::Postgres(store, pool, outbox) => {
             let mut transaction = pool.begin().await?;
             let payment = store
                 .run_once_in_transaction(&mut transaction, &scope, &key, &fingerprint, &app.options, async |connection: &mut sqlx::PgConnection, _token| {
@@ -320,13 +351,14 @@ async fn create_payment(
                         .bind(&payment.reference)
                         .execute(&mut *connection)
                         .await?;
+                    outbox.enqueue(connection, &created_event(&payment)?).await?;
                     Ok(payment)
                 })
                 .await?;
-            transaction.commit().await?;
+            outbox.commit(transaction).await?;
             payment
         }
-        Backend::Redis(ledger) => {
+        Backend::Redis(ledger, outbox) => {
             // The layer in front has claimed the key; this runs once per key.
             let mut transaction = ledger.begin_with("BEGIN IMMEDIATE").await?;
             if !owns_sqlite(&mut transaction, &account, &tenant).await? {
@@ -335,7 +367,10 @@ async fn create_payment(
             tokio::time::sleep(app.delay).await;
             let payment = make(&account);
             insert_sqlite(&mut transaction, &payment).await?;
-            transaction.commit().await?;
+            outbox
+                .enqueue(&mut transaction, &created_event(&payment)?)
+                .await?;
+            outbox.commit(transaction).await?;
             payment
         }
     };
@@ -349,9 +384,9 @@ async fn list_payments(
 ) -> Result<Response, Refusal> {
     let tenant = tenant_of(&headers).ok_or(Refusal::Unauthorized)?;
     let rows: Vec<(String, String, i64, String, String)> = match &app.backend {
-        Backend::Sqlite(store) => ledger_rows_sqlite(store.pool(), &account, &tenant).await?,
-        Backend::Redis(ledger) => ledger_rows_sqlite(ledger, &account, &tenant).await?,
-        Backend::Postgres(_, pool) => {
+        Backend::Sqlite(store, _) => ledger_rows_sqlite(store.pool(), &account, &tenant).await?,
+        Backend::Redis(ledger, _) => ledger_rows_sqlite(ledger, &account, &tenant).await?,
+        Backend::Postgres(_, pool, _) => {
             let owner: Option<String> =
                 sqlx::query_scalar("SELECT tenant FROM accounts WHERE account = $1")
                     .bind(&account)
@@ -435,7 +470,8 @@ async fn open(args: &Args) -> Result<(Backend, Option<Idempotency>), String> {
                 .execute(keys.pool())
                 .await
                 .map_err(|e| error(&e))?;
-            Ok((Backend::Sqlite(keys), None))
+            let outbox = SqliteOutbox::open_url(store).await.map_err(|e| error(&e))?;
+            Ok((Backend::Sqlite(keys, outbox), None))
         }
         "postgres" | "postgresql" => {
             let keys = PostgresIdempotencyStore::connect(store)
@@ -448,7 +484,10 @@ async fn open(args: &Args) -> Result<(Backend, Option<Idempotency>), String> {
                 .execute(&pool)
                 .await
                 .map_err(|e| error(&e))?;
-            Ok((Backend::Postgres(keys, pool), None))
+            let outbox = PostgresOutbox::connect(store)
+                .await
+                .map_err(|e| error(&e))?;
+            Ok((Backend::Postgres(keys, pool, outbox), None))
         }
         "redis" | "rediss" => {
             let keys = Idempotency::connect(store).await.map_err(|e| error(&e))?;
@@ -466,7 +505,10 @@ async fn open(args: &Args) -> Result<(Backend, Option<Idempotency>), String> {
                 .execute(&ledger)
                 .await
                 .map_err(|e| error(&e))?;
-            Ok((Backend::Redis(ledger), Some(keys)))
+            let outbox = SqliteOutbox::open(&args.ledger)
+                .await
+                .map_err(|e| error(&e))?;
+            Ok((Backend::Redis(ledger, outbox), Some(keys)))
         }
         _ => Err(format!(
             "{store:?}: use a sqlite://, postgres:// or redis:// URL"
@@ -490,6 +532,45 @@ fn router(app: Arc<App>, lease_keys: Option<Idempotency>) -> Router {
         .with_state(app)
 }
 
+/// Runs a relay in this process (it stops with the process; the round in flight is
+/// published again by the next relay, and consumers' inboxes drop the copies).
+async fn start_relay(outbox: Arc<dyn OutboxStore>, broker: &str) -> turnstile::Result<()> {
+    if broker.starts_with("nats://") {
+        ensure_nats_stream(broker).await?;
+    }
+    let publisher = turnstile::store::connect_publisher(broker).await?;
+    let relay = turnstile::outbox::relay::Relay::from_arcs(outbox, publisher);
+    tokio::spawn(async move {
+        if let Err(error) = relay.run(tokio_util::sync::CancellationToken::new()).await {
+            eprintln!("payments: the relay stopped: {error}");
+        }
+    });
+    Ok(())
+}
+
+/// The stream the events go to on NATS: `PAYMENTS`, subjects `payments.>`.
+async fn ensure_nats_stream(broker: &str) -> turnstile::Result<()> {
+    let publisher =
+        turnstile::outbox::nats::JetStreamPublisher::connect(broker, Duration::from_secs(5))
+            .await?;
+    publisher
+        .jetstream()
+        .get_or_create_stream(async_nats::jetstream::stream::Config {
+            name: "PAYMENTS".to_owned(),
+            subjects: vec!["payments.>".to_owned()],
+            duplicate_window: Duration::from_secs(300),
+            ..Default::default()
+        })
+        .await
+        .map(|_| ())
+        .map_err(|error| {
+            turnstile::Error::new(
+                turnstile::ErrorKind::StoreUnavailable,
+                format!("cannot create the PAYMENTS stream: {error}"),
+            )
+        })
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
@@ -500,6 +581,15 @@ async fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(69);
         }
     };
+    if let Some(broker) = &args.broker {
+        match start_relay(backend.outbox(), broker).await {
+            Ok(()) => eprintln!("payments: relaying events to {broker}"),
+            Err(error) => {
+                eprintln!("payments: cannot relay events to {broker}: {error}");
+                return std::process::ExitCode::from(69);
+            }
+        }
+    }
     let app = Arc::new(App {
         backend,
         delay: args.delay,

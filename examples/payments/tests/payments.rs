@@ -300,3 +300,123 @@ fn tenants_are_isolated() {
     assert_eq!(status, 422, "a reused key with another amount");
     assert_eq!(payments(service.port, "bob", "acct-bob").len(), 1);
 }
+
+/// A running `payments-projection` process, killed when dropped.
+struct Projection {
+    child: Child,
+}
+
+impl Projection {
+    fn start(broker: &str, store: &str) -> Projection {
+        let child = Command::new(env!("CARGO_BIN_EXE_payments-projection"))
+            .args(["--broker", broker, "--store", store])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        Projection { child }
+    }
+}
+
+impl Drop for Projection {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The projection's totals per account, read from its SQLite file.
+fn totals(path: &std::path::Path) -> std::collections::BTreeMap<String, (i64, i64)> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let Ok(pool) = sqlx::SqlitePool::connect(&format!("sqlite://{}", path.display())).await
+        else {
+            return Default::default();
+        };
+        let rows: Vec<(String, i64, i64)> =
+            sqlx::query_as("SELECT account, cents, payments FROM totals")
+                .fetch_all(&pool)
+                .await
+                .unwrap_or_default();
+        pool.close().await;
+        rows.into_iter()
+            .map(|(account, cents, payments)| (account, (cents, payments)))
+            .collect()
+    })
+}
+
+/// Payments through dropped responses and retries, the service relaying its events,
+/// the projection killed and restarted halfway: every account's total and payment count
+/// in the projection equal the ledger's.
+fn events_reach_the_projection_once(broker: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("payments.sqlite3").display());
+    let projection_file = dir.path().join("projection.sqlite3");
+    let projection_store = format!("sqlite://{}", projection_file.display());
+    let service = Service::start(&store, &["--broker", broker]);
+    let mut projection = Some(Projection::start(broker, &projection_store));
+    let accounts: Vec<String> = (0..3).map(|_| unique_name("acct")).collect();
+    let mut expected = std::collections::BTreeMap::new();
+    for i in 0..30_i64 {
+        let account = &accounts[usize::try_from(i).unwrap() % accounts.len()];
+        let key = format!("{account}-{i}");
+        let _ = send(
+            service.port,
+            "POST",
+            &format!("/accounts/{account}/payments"),
+            "acme",
+            Some(&key),
+            &format!(
+                "{{\"amount_cents\":{},\"currency\":\"USD\",\"reference\":\"{key}\"}}",
+                100 + i
+            ),
+            false,
+        );
+        loop {
+            let (status, body) = pay(service.port, "acme", account, &key, 100 + i);
+            match status {
+                201 => break,
+                409 => std::thread::sleep(Duration::from_millis(20)),
+                other => panic!("unexpected {other}: {body}"),
+            }
+        }
+        let entry = expected.entry(account.clone()).or_insert((0, 0));
+        entry.0 += 100 + i;
+        entry.1 += 1;
+        if i == 15 {
+            // The consumer dies and comes back: what it had not acknowledged comes
+            // again, and its inbox drops what it had already counted.
+            drop(projection.take());
+            projection = Some(Projection::start(broker, &projection_store));
+        }
+    }
+    let started = Instant::now();
+    loop {
+        let found = totals(&projection_file);
+        if found == expected {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the projection {found:?} never matched the ledger {expected:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(projection);
+}
+
+#[test]
+fn events_reach_the_projection_once_through_redis_streams() {
+    // A Redis of its own: the stream and group names are the example's fixed ones.
+    let redis = turnstile_test_support::RedisServer::spawn();
+    events_reach_the_projection_once(&redis.url());
+}
+
+#[test]
+fn events_reach_the_projection_once_through_nats() {
+    let nats = turnstile_test_support::NatsServer::spawn();
+    events_reach_the_projection_once(&nats.url());
+}
