@@ -20,12 +20,14 @@ mod mariadb;
 mod nats;
 mod postgres;
 mod proxy;
+mod rabbitmq;
 mod redis;
 
 pub use mariadb::{MariaDbServer, shared_mariadb};
 pub use nats::NatsServer;
 pub use postgres::{PostgresServer, shared_postgres};
 pub use proxy::TcpProxy;
+pub use rabbitmq::{RabbitMqServer, shared_rabbitmq};
 pub use redis::{RedisServer, shared_redis};
 
 /// A free TCP port on 127.0.0.1 (free when this returns; the server retries on a clash).

@@ -212,8 +212,8 @@ pub async fn connect_outbox(url: &str) -> Result<Arc<dyn crate::outbox::OutboxSt
     }
 }
 
-/// Connects the publisher a broker URL names: `nats://HOST:PORT` (JetStream) or
-/// `redis://…` (Redis Streams).
+/// Connects the publisher a broker URL names: `nats://HOST:PORT` (JetStream),
+/// `redis://…` (Redis Streams) or `amqp://…` (RabbitMQ, exchange `turnstile`).
 pub async fn connect_publisher(url: &str) -> Result<Arc<dyn crate::outbox::relay::Publisher>> {
     let url = url.trim();
     let scheme = url
@@ -232,6 +232,19 @@ pub async fn connect_publisher(url: &str) -> Result<Arc<dyn crate::outbox::relay
         #[cfg(feature = "redis")]
         "redis" | "rediss" => Ok(Arc::new(
             crate::outbox::redis_streams::RedisStreamsPublisher::connect(url).await?,
+        )),
+        #[cfg(feature = "rabbitmq")]
+        "amqp" | "amqps" => Ok(Arc::new(
+            crate::outbox::rabbitmq::RabbitMqPublisher::connect(url, "turnstile").await?,
+        )),
+        // What a build without the `rabbitmq` feature answers.
+        #[allow(unreachable_patterns)]
+        "amqp" | "amqps" => Err(Error::new(
+            ErrorKind::UnsupportedStore,
+            format!(
+                "{} needs RabbitMQ support: build turnstile with the `rabbitmq` feature",
+                redact(url)
+            ),
         )),
         // What a build without the `redis` feature answers.
         #[allow(unreachable_patterns)]
@@ -254,8 +267,8 @@ pub async fn connect_publisher(url: &str) -> Result<Arc<dyn crate::outbox::relay
         _ => Err(Error::new(
             ErrorKind::InvalidUrl,
             format!(
-                "{} is not a broker URL; expected nats://HOST:PORT or redis://HOST[:PORT] \
-                 (RabbitMQ and Kafka publishers are not built yet)",
+                "{} is not a broker URL; expected nats://HOST:PORT, redis://HOST[:PORT] or \
+                 amqp://USER:PASSWORD@HOST:PORT/VHOST (a Kafka publisher is not built yet)",
                 redact(url)
             ),
         )),

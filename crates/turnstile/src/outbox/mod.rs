@@ -49,6 +49,8 @@ pub mod mysql;
 pub mod nats;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 #[cfg(feature = "redis")]
 pub mod redis_streams;
 pub mod relay;
