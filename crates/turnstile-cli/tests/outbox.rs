@@ -142,20 +142,22 @@ async fn a_relay_killed_mid_batch_loses_nothing_and_keeps_order() {
         Some(1),
         "redrive of a key that is not parked"
     );
-    let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))
-        .args([
-            "outbox",
-            "relay",
-            "--store",
-            &store_url,
-            "--broker",
-            "amqp://127.0.0.1:1",
-        ])
-        .output()
-        .unwrap();
+    let relay_to = |broker: &str| {
+        Command::new(env!("CARGO_BIN_EXE_turnstile"))
+            .args(["outbox", "relay", "--store", &store_url, "--broker", broker])
+            .output()
+            .unwrap()
+            .status
+            .code()
+    };
     assert_eq!(
-        output.status.code(),
+        relay_to("ftp://127.0.0.1:1"),
         Some(64),
         "an unknown broker scheme is bad input"
+    );
+    assert_eq!(
+        relay_to("amqp://127.0.0.1:1"),
+        Some(69),
+        "a broker that is not there is unavailable"
     );
 }
