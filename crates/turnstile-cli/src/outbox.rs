@@ -30,8 +30,9 @@ pub(crate) enum OutboxCommand {
 pub(crate) struct RelayArgs {
     #[command(flatten)]
     store: StoreArgs,
-    /// Broker URL: nats://HOST:PORT (JetStream), redis://HOST[:PORT] (Redis Streams) or
-    /// amqp://USER:PASSWORD@HOST:PORT/VHOST (RabbitMQ, exchange `turnstile`).
+    /// Broker URL: nats://HOST:PORT (JetStream), redis://HOST[:PORT] (Redis Streams),
+    /// amqp://USER:PASSWORD@HOST:PORT/VHOST (RabbitMQ, exchange `turnstile`) or
+    /// kafka://HOST:PORT[,HOST:PORT…].
     #[arg(long, value_name = "URL")]
     broker: String,
     /// How long a relay's lease on the keys of one round lasts.

@@ -213,7 +213,8 @@ pub async fn connect_outbox(url: &str) -> Result<Arc<dyn crate::outbox::OutboxSt
 }
 
 /// Connects the publisher a broker URL names: `nats://HOST:PORT` (JetStream),
-/// `redis://…` (Redis Streams) or `amqp://…` (RabbitMQ, exchange `turnstile`).
+/// `redis://…` (Redis Streams), `amqp://…` (RabbitMQ, exchange `turnstile`) or
+/// `kafka://host:port[,…]` (Kafka).
 pub async fn connect_publisher(url: &str) -> Result<Arc<dyn crate::outbox::relay::Publisher>> {
     let url = url.trim();
     let scheme = url
@@ -236,6 +237,16 @@ pub async fn connect_publisher(url: &str) -> Result<Arc<dyn crate::outbox::relay
         #[cfg(feature = "rabbitmq")]
         "amqp" | "amqps" => Ok(Arc::new(
             crate::outbox::rabbitmq::RabbitMqPublisher::connect(url, "turnstile").await?,
+        )),
+        #[cfg(feature = "kafka")]
+        "kafka" => Ok(Arc::new(crate::outbox::kafka::KafkaPublisher::connect(
+            url,
+        )?)),
+        // What a build without the `kafka` feature answers.
+        #[allow(unreachable_patterns)]
+        "kafka" => Err(Error::new(
+            ErrorKind::UnsupportedStore,
+            format!("{url} needs Kafka support: build turnstile with the `kafka` feature"),
         )),
         // What a build without the `rabbitmq` feature answers.
         #[allow(unreachable_patterns)]
@@ -267,8 +278,8 @@ pub async fn connect_publisher(url: &str) -> Result<Arc<dyn crate::outbox::relay
         _ => Err(Error::new(
             ErrorKind::InvalidUrl,
             format!(
-                "{} is not a broker URL; expected nats://HOST:PORT, redis://HOST[:PORT] or \
-                 amqp://USER:PASSWORD@HOST:PORT/VHOST (a Kafka publisher is not built yet)",
+                "{} is not a broker URL; expected nats://HOST:PORT, redis://HOST[:PORT], \
+                 amqp://USER:PASSWORD@HOST:PORT/VHOST or kafka://HOST:PORT[,HOST:PORT…]",
                 redact(url)
             ),
         )),

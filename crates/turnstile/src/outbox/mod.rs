@@ -43,6 +43,8 @@ use serde::Serialize;
 use crate::error::{Error, ErrorKind, Result};
 use crate::lock::BoxFuture;
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(feature = "nats")]

@@ -1,0 +1,211 @@
+//! The outbox on SQLite relayed to Kafka — librdkafka's mock cluster, since there is no
+//! Kafka server on these machines — and a consumer group reading it through the inbox:
+//! copies from a dead relay and redeliveries after a failed handler are skipped, every
+//! key is handled in order, and a broker outage loses nothing.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use rdkafka::mocking::MockCluster;
+use tokio_util::sync::CancellationToken;
+use turnstile::idempotency::inbox::Inbox;
+use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
+use turnstile::outbox::kafka::{KafkaConsumer, KafkaPublisher};
+use turnstile::outbox::relay::{Publisher, Relay, RelayOptions};
+use turnstile::outbox::sqlite::SqliteOutbox;
+use turnstile::outbox::{Backoff, Message, OutboxStore};
+
+async fn enqueue(outbox: &SqliteOutbox, message: &Message) -> u64 {
+    let mut transaction = outbox.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let seq = outbox.enqueue(&mut transaction, message).await.unwrap();
+    outbox.commit(transaction).await.unwrap();
+    seq
+}
+
+async fn drain(outbox: &SqliteOutbox) {
+    for _ in 0..1200 {
+        if outbox.status(10).await.unwrap().pending == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "the outbox did not drain: {:?}",
+        outbox.status(10).await.unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_and_redeliveries_are_handled_once_in_key_order() {
+    let cluster = MockCluster::new(1).unwrap();
+    cluster.create_topic("payments", 4, 1).unwrap();
+    let url = format!("kafka://{}", cluster.bootstrap_servers());
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = SqliteOutbox::open(dir.path().join("app.db")).await.unwrap();
+    let publisher = KafkaPublisher::connect(&url).unwrap();
+    let mut expected: BTreeMap<String, i64> = BTreeMap::new();
+    let mut by_key: BTreeMap<String, Vec<(Message, u64)>> = BTreeMap::new();
+    for n in 0..96_i64 {
+        let account = format!("acct-{}", n % 8);
+        *expected.entry(account.clone()).or_default() += n;
+        let message = Message::json(
+            "payments",
+            account.as_str(),
+            &serde_json::json!({"account": account, "cents": n}),
+        )
+        .unwrap();
+        let seq = enqueue(&outbox, &message).await;
+        by_key.entry(account).or_default().push((message, seq));
+    }
+    // A relay that published the first two messages of every key, then died.
+    for messages in by_key.values() {
+        for (message, seq) in &messages[..2] {
+            publisher.publish(message, *seq).await.unwrap();
+        }
+    }
+    let relay = Relay::new(outbox.clone(), publisher).with_options(RelayOptions::new().max_keys(3));
+    while relay.run_once().await.unwrap().keys > 0 {}
+    drain(&outbox).await;
+
+    let keys = SqliteIdempotencyStore::open(dir.path().join("consumer.db"))
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE totals (account TEXT PRIMARY KEY, cents INTEGER NOT NULL, last_seq INTEGER NOT NULL)")
+        .execute(keys.pool())
+        .await
+        .unwrap();
+    let inbox = Inbox::new(keys.clone(), "projection").unwrap();
+    let consumer = KafkaConsumer::connect(&url, "payments", "projection").unwrap();
+    let (mut handled, mut skipped, mut out_of_order) = (0, 0, 0);
+    let mut crashed: HashSet<String> = HashSet::new();
+    for _ in 0..400 {
+        consumer
+            .process(50, Duration::from_millis(500), async |incoming| {
+                let body: serde_json::Value = serde_json::from_slice(&incoming.payload).unwrap();
+                let account = body["account"].as_str().unwrap().to_owned();
+                let cents = body["cents"].as_i64().unwrap();
+                let seq = i64::try_from(incoming.seq.unwrap()).unwrap();
+                let mut transaction = keys.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+                let delivery = inbox
+                    .process(&mut transaction, &incoming.id, async |connection| {
+                        let last: Option<i64> =
+                            sqlx::query_scalar("SELECT last_seq FROM totals WHERE account = ?1")
+                                .bind(&account)
+                                .fetch_optional(&mut *connection)
+                                .await
+                                .unwrap();
+                        if last.unwrap_or(0) + 1 != seq {
+                            out_of_order += 1;
+                        }
+                        sqlx::query(
+                            "INSERT INTO totals (account, cents, last_seq) VALUES (?1, ?2, ?3)
+                             ON CONFLICT (account) DO UPDATE SET cents = cents + ?2, last_seq = ?3",
+                        )
+                        .bind(&account)
+                        .bind(cents)
+                        .bind(seq)
+                        .execute(&mut *connection)
+                        .await
+                        .unwrap();
+                        Ok::<_, turnstile::Error>(())
+                    })
+                    .await?;
+                transaction.commit().await.unwrap();
+                if delivery.is_duplicate() {
+                    skipped += 1;
+                } else {
+                    handled += 1;
+                }
+                // Dies between its commit and its offset commit, once per such message.
+                if cents % 7 == 0 && crashed.insert(incoming.id.clone()) {
+                    return Err(turnstile::Error::new(
+                        turnstile::ErrorKind::Store,
+                        "crashed before the commit",
+                    ));
+                }
+                Ok(())
+            })
+            .await
+            .unwrap();
+        if handled == 96 && skipped >= 16 + crashed.len() {
+            break;
+        }
+    }
+    assert_eq!(handled, 96, "each message handled once");
+    assert!(!crashed.is_empty());
+    assert_eq!(
+        skipped,
+        16 + crashed.len(),
+        "each copy and each redelivery skipped"
+    );
+    assert_eq!(
+        out_of_order, 0,
+        "a key's messages were handled out of order"
+    );
+    let totals: Vec<(String, i64)> =
+        sqlx::query_as("SELECT account, cents FROM totals ORDER BY account")
+            .fetch_all(keys.pool())
+            .await
+            .unwrap();
+    assert_eq!(totals, expected.into_iter().collect::<Vec<_>>());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_is_waited_out_and_nothing_is_lost() {
+    let cluster = MockCluster::new(1).unwrap();
+    cluster.create_topic("ledger", 2, 1).unwrap();
+    let url = format!("kafka://{}", cluster.bootstrap_servers());
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = SqliteOutbox::open(dir.path().join("app.db")).await.unwrap();
+    let relay = Relay::new(outbox.clone(), KafkaPublisher::connect(&url).unwrap()).with_options(
+        RelayOptions::new().backoff(Backoff {
+            base: Duration::from_millis(50),
+            max: Duration::from_millis(500),
+        }),
+    );
+    let shutdown = CancellationToken::new();
+    let running = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    let mut ids = HashSet::new();
+    for n in 0..30 {
+        let message = Message::new("ledger", format!("k{}", n % 3), b"z".to_vec()).unwrap();
+        ids.insert(message.id().to_owned());
+        enqueue(&outbox, &message).await;
+    }
+    drain(&outbox).await;
+    cluster.broker_down(1).unwrap();
+    for n in 0..30 {
+        let message = Message::new("ledger", format!("k{}", n % 3), b"z".to_vec()).unwrap();
+        ids.insert(message.id().to_owned());
+        enqueue(&outbox, &message).await;
+    }
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(outbox.status(10).await.unwrap().pending > 0);
+    cluster.broker_up(1).unwrap();
+    drain(&outbox).await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    assert!(outbox.status(10).await.unwrap().parked.is_empty());
+    // Every message is in the topic.
+    let consumer = KafkaConsumer::connect(&url, "ledger", "check").unwrap();
+    let mut seen = HashSet::new();
+    for _ in 0..100 {
+        consumer
+            .process(100, Duration::from_millis(500), async |incoming| {
+                seen.insert(incoming.id.clone());
+                Ok(())
+            })
+            .await
+            .unwrap();
+        if seen.is_superset(&ids) {
+            break;
+        }
+    }
+    assert!(
+        seen.is_superset(&ids),
+        "lost {} messages",
+        ids.difference(&seen).count()
+    );
+}
