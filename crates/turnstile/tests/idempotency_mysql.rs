@@ -173,3 +173,22 @@ async fn the_transaction_mode_commits_key_work_and_outcome_together() {
         .unwrap();
     assert_eq!(count, 0);
 }
+
+/// The inbox's per-key cursors on MariaDB.
+#[tokio::test]
+async fn cursors_follow_each_keys_sequence() {
+    let url = shared_mariadb().fresh_database("cursors");
+    let store = MysqlIdempotencyStore::connect(&url).await.unwrap();
+    let pool = sqlx::MySqlPool::connect(&url).await.unwrap();
+    let consumer = Scope::new("projection").unwrap();
+    idempotency_conformance::cursors_follow_each_keys_sequence(async |key: &str, seq| {
+        let mut transaction = pool.begin().await.unwrap();
+        let step = store
+            .advance_cursor(&mut transaction, &consumer, key, seq)
+            .await
+            .unwrap();
+        transaction.commit().await.unwrap();
+        step
+    })
+    .await;
+}

@@ -213,3 +213,23 @@ async fn the_inbox_handles_concurrent_redeliveries_once() {
     assert_eq!(handled.load(Ordering::SeqCst), 1);
     assert_eq!(duplicates, 9);
 }
+
+/// The inbox's per-key cursors on PostgreSQL.
+#[tokio::test]
+async fn cursors_follow_each_keys_sequence() {
+    use turnstile::idempotency::{Scope, TransactionalIdempotency};
+    let url = shared_postgres().fresh_database("cursors");
+    let store = PostgresIdempotencyStore::connect(&url).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let consumer = Scope::new("projection").unwrap();
+    idempotency_conformance::cursors_follow_each_keys_sequence(async |key: &str, seq| {
+        let mut transaction = pool.begin().await.unwrap();
+        let step = store
+            .advance_cursor(&mut transaction, &consumer, key, seq)
+            .await
+            .unwrap();
+        transaction.commit().await.unwrap();
+        step
+    })
+    .await;
+}

@@ -246,3 +246,24 @@ fn outcomes_and_store_latency_reach_the_metrics_recorder() {
     assert_eq!(store_calls.get("claim"), Some(&2), "{store_calls:?}");
     assert_eq!(store_calls.get("complete"), Some(&1), "{store_calls:?}");
 }
+
+/// The inbox's per-key cursors on SQLite.
+#[tokio::test]
+async fn cursors_follow_each_keys_sequence() {
+    use turnstile::idempotency::{Scope, TransactionalIdempotency};
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteIdempotencyStore::open(dir.path().join("c.db"))
+        .await
+        .unwrap();
+    let consumer = Scope::new("projection").unwrap();
+    idempotency_conformance::cursors_follow_each_keys_sequence(async |key: &str, seq| {
+        let mut transaction = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+        let step = store
+            .advance_cursor(&mut transaction, &consumer, key, seq)
+            .await
+            .unwrap();
+        transaction.commit().await.unwrap();
+        step
+    })
+    .await;
+}

@@ -34,7 +34,7 @@
 //! ```
 
 use super::{
-    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, Scope,
+    ClaimAnswer, CursorStep, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, Scope,
     TransactionalIdempotency, fenced, in_progress, telemetry,
 };
 use crate::error::{Error, ErrorKind, Result};
@@ -47,6 +47,13 @@ pub enum Delivery<T> {
     Processed(T),
     /// Seen before by this consumer: the handler did not run.
     Duplicate,
+    /// ([`Inbox::process_in_order`]) An earlier message of its key has not been handled
+    /// yet: the handler did not run. Roll back and let the broker deliver it again
+    /// later (fail the broker handler).
+    Early {
+        /// The sequence number its key waits for.
+        expected: u64,
+    },
 }
 
 impl<T> Delivery<T> {
@@ -82,6 +89,38 @@ impl<S: TransactionalIdempotency> Inbox<S> {
         options.validate()?;
         self.options = options;
         Ok(self)
+    }
+
+    /// Like [`process`](Self::process), and in order per key: `seq` must be the next
+    /// number of `key`'s sequence (Turnstile's outbox numbers each key's messages 1, 2,
+    /// 3…, in the `Turnstile-Seq` / `turnstile-seq` header and in
+    /// [`Incoming::seq`](crate::outbox::Incoming::seq)). A message whose predecessor has
+    /// not been handled is [`Delivery::Early`]: nothing runs, and the caller has the
+    /// broker deliver it again later. A key this consumer has never seen starts at 1.
+    pub async fn process_in_order<T, E, F>(
+        &self,
+        connection: &mut S::Connection,
+        message_id: &str,
+        key: &str,
+        seq: u64,
+        handle: F,
+    ) -> std::result::Result<Delivery<T>, E>
+    where
+        E: From<Error>,
+        F: AsyncFnOnce(&mut S::Connection) -> std::result::Result<T, E>,
+    {
+        match self
+            .store
+            .advance_cursor(connection, &self.consumer, key, seq)
+            .await?
+        {
+            CursorStep::Next => self.process(connection, message_id, handle).await,
+            CursorStep::Seen => Ok(Delivery::Duplicate),
+            CursorStep::Early { expected } => {
+                tracing::debug!(consumer = %self.consumer, key, seq, expected, "message ahead of its key's order; left for later");
+                Ok(Delivery::Early { expected })
+            }
+        }
     }
 
     /// Runs `handle` for `message_id` unless this consumer processed it before, inside

@@ -738,6 +738,26 @@ pub trait TransactionalIdempotency: Sync {
         options: &'a IdempotencyOptions,
     ) -> BoxFuture<'a, Result<Finish>>;
 
+    /// Moves the per-key cursor of `consumer` to `seq` inside the transaction on
+    /// `connection`, if `seq` is the key's next one (1 for a key never seen): the
+    /// building block of [`Inbox::process_in_order`](inbox::Inbox::process_in_order).
+    /// Stores without cursors answer [`ErrorKind::UnsupportedStore`].
+    fn advance_cursor<'a>(
+        &'a self,
+        connection: &'a mut Self::Connection,
+        consumer: &'a Scope,
+        key: &'a str,
+        seq: u64,
+    ) -> BoxFuture<'a, Result<CursorStep>> {
+        let _ = (connection, consumer, key, seq);
+        Box::pin(async {
+            Err(Error::new(
+                ErrorKind::UnsupportedStore,
+                "this store keeps no per-key cursors",
+            ))
+        })
+    }
+
     /// Runs `work` once for (scope, key) inside the caller's transaction and stores its
     /// outcome in the same transaction; a repeat replays it. Commit the transaction after
     /// an `Ok`, roll it back after an `Err` (that gives the key back too).
@@ -834,6 +854,35 @@ fn fenced(scope: &Scope, key: &IdempotencyKey) -> Error {
              lease ran out, or an operator forgot the key), so this outcome was not stored"
         ),
     )
+}
+
+/// Where a message stands against its key's cursor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CursorStep {
+    /// It was the key's next message: the cursor now points at it.
+    Next,
+    /// The key's cursor is already at or past it: handled before.
+    Seen,
+    /// An earlier message of the key has not been handled yet; `expected` is the next.
+    Early {
+        /// The sequence number the key waits for.
+        expected: u64,
+    },
+}
+
+/// Where `seq` stands against a cursor at `last` (after it failed to move).
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn cursor_step(last: i64, seq: i64) -> CursorStep {
+    if seq <= last {
+        CursorStep::Seen
+    } else {
+        CursorStep::Early {
+            expected: u64::try_from(last).unwrap_or(0) + 1,
+        }
+    }
 }
 
 /// What [`Idempotency::begin`] found.

@@ -30,8 +30,9 @@ use sqlx::Row;
 use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlRow};
 
 use super::{
-    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, IdempotencyStore, Record,
-    RecordState, Scope, StaleClaim, TransactionalIdempotency, check_outcome,
+    ClaimAnswer, CursorStep, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions,
+    IdempotencyStore, Record, RecordState, Scope, StaleClaim, TransactionalIdempotency,
+    check_outcome,
 };
 use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
 use crate::error::{Error, ErrorKind, Result};
@@ -45,6 +46,10 @@ const POLL_MAX: Duration = Duration::from_millis(100);
 
 struct Sql {
     create: Statement,
+    create_cursors: Statement,
+    cursor_insert: Statement,
+    cursor_move: Statement,
+    cursor_read: Statement,
     claim: Statement,
     read: Statement,
     read_locked: Statement,
@@ -85,6 +90,23 @@ impl Sql {
                     expires_at BIGINT NOT NULL,
                     outcome LONGBLOB,
                     PRIMARY KEY (scope, `key`)) ENGINE = InnoDB"
+            )),
+            create_cursors: statement(format!(
+                "CREATE TABLE IF NOT EXISTS `{prefix}_inbox_cursors` (
+                    consumer VARBINARY(255) NOT NULL,
+                    ordering_key VARBINARY(255) NOT NULL,
+                    last_seq BIGINT NOT NULL,
+                    PRIMARY KEY (consumer, ordering_key)) ENGINE = InnoDB"
+            )),
+            cursor_insert: statement(format!(
+                "INSERT IGNORE INTO `{prefix}_inbox_cursors` (consumer, ordering_key, last_seq) VALUES (?, ?, 0)"
+            )),
+            cursor_move: statement(format!(
+                "UPDATE `{prefix}_inbox_cursors` SET last_seq = ?
+                 WHERE consumer = ? AND ordering_key = ? AND last_seq = ? - 1"
+            )),
+            cursor_read: statement(format!(
+                "SELECT last_seq FROM `{prefix}_inbox_cursors` WHERE consumer = ? AND ordering_key = ? FOR UPDATE"
             )),
             // Binds: scope, key, claim id, fingerprint, lease µs, retention µs; then in
             // the update: fingerprint, claim id ×3, retention µs, claim id ×2,
@@ -260,11 +282,13 @@ impl MysqlIdempotencyStore {
     /// Creates the table if missing; harmless to repeat and to run from several processes
     /// at once.
     pub async fn migrate(&self) -> Result<()> {
-        sqlx::query(self.sql.create.sql())
-            .execute(&self.pool)
-            .await
-            .map(|_| ())
-            .map_err(|error| map_error(error, "cannot create the idempotency table"))
+        for create in [&self.sql.create, &self.sql.create_cursors] {
+            sqlx::query(create.sql())
+                .execute(&self.pool)
+                .await
+                .map_err(|error| map_error(error, "cannot create the idempotency tables"))?;
+        }
+        Ok(())
     }
 
     /// The connection pool, for the application's own work.
@@ -429,6 +453,44 @@ fn record(row: &MySqlRow) -> Result<Record> {
 
 impl TransactionalIdempotency for MysqlIdempotencyStore {
     type Connection = MySqlConnection;
+
+    fn advance_cursor<'a>(
+        &'a self,
+        connection: &'a mut MySqlConnection,
+        consumer: &'a Scope,
+        key: &'a str,
+        seq: u64,
+    ) -> BoxFuture<'a, Result<CursorStep>> {
+        Box::pin(async move {
+            let fail = |error| map_error(error, "cannot move the inbox cursor");
+            let seq = i64::try_from(seq).unwrap_or(i64::MAX);
+            sqlx::query(self.sql.cursor_insert.sql())
+                .bind(consumer.as_str())
+                .bind(key)
+                .execute(&mut *connection)
+                .await
+                .map_err(fail)?;
+            let moved = sqlx::query(self.sql.cursor_move.sql())
+                .bind(seq)
+                .bind(consumer.as_str())
+                .bind(key)
+                .bind(seq)
+                .execute(&mut *connection)
+                .await
+                .map_err(fail)?
+                .rows_affected();
+            if moved == 1 {
+                return Ok(CursorStep::Next);
+            }
+            let last: i64 = sqlx::query_scalar(self.sql.cursor_read.sql())
+                .bind(consumer.as_str())
+                .bind(key)
+                .fetch_one(&mut *connection)
+                .await
+                .map_err(fail)?;
+            Ok(super::cursor_step(last, seq))
+        })
+    }
 
     /// Claims inside the caller's InnoDB transaction: a duplicate claiming at the same
     /// time waits on the record's row until this transaction ends, bounded by its

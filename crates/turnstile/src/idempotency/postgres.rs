@@ -23,8 +23,9 @@ use sqlx::Row;
 use sqlx::postgres::{PgConnection, PgPool, PgRow};
 
 use super::{
-    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, IdempotencyStore, Record,
-    RecordState, Scope, StaleClaim, TransactionalIdempotency, check_outcome,
+    ClaimAnswer, CursorStep, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions,
+    IdempotencyStore, Record, RecordState, Scope, StaleClaim, TransactionalIdempotency,
+    check_outcome,
 };
 use crate::engine::postgres::{CLOCK_US, Listener, connect_options, open_bounded_pool};
 use crate::error::{Error, ErrorKind, Result};
@@ -37,7 +38,10 @@ const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
 
 struct Sql {
-    create: [String; 2],
+    create: [String; 3],
+    cursor_insert: Statement,
+    cursor_move: Statement,
+    cursor_read: Statement,
     claim: Statement,
     heartbeat: Statement,
     complete: Statement,
@@ -82,7 +86,26 @@ impl Sql {
                         waiting_until TIMESTAMPTZ NOT NULL DEFAULT '-infinity',
                         PRIMARY KEY (scope, key))"
                 ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {schema}.\"{prefix}_inbox_cursors\" (
+                        consumer TEXT NOT NULL,
+                        ordering_key TEXT NOT NULL,
+                        last_seq BIGINT NOT NULL,
+                        PRIMARY KEY (consumer, ordering_key))"
+                ),
             ],
+            cursor_insert: statement(format!(
+                "INSERT INTO {schema}.\"{prefix}_inbox_cursors\" (consumer, ordering_key, last_seq)
+                 VALUES ($1, $2, 0) ON CONFLICT DO NOTHING"
+            )),
+            cursor_move: statement(format!(
+                "UPDATE {schema}.\"{prefix}_inbox_cursors\" SET last_seq = $3
+                 WHERE consumer = $1 AND ordering_key = $2 AND last_seq = $3 - 1"
+            )),
+            cursor_read: statement(format!(
+                "SELECT last_seq FROM {schema}.\"{prefix}_inbox_cursors\"
+                 WHERE consumer = $1 AND ordering_key = $2 FOR UPDATE"
+            )),
             // $1 scope, $2 key, $3 fingerprint, $4 lease (s), $5 retention (s). The
             // final read is the statement's snapshot: when the claim did not apply
             // because a concurrent claimer got in first, it may not show that claimer's
@@ -403,6 +426,43 @@ fn record(row: &PgRow) -> Result<Record> {
 
 impl TransactionalIdempotency for PostgresIdempotencyStore {
     type Connection = PgConnection;
+
+    fn advance_cursor<'a>(
+        &'a self,
+        connection: &'a mut PgConnection,
+        consumer: &'a Scope,
+        key: &'a str,
+        seq: u64,
+    ) -> BoxFuture<'a, Result<CursorStep>> {
+        Box::pin(async move {
+            let fail = |error| map_error(error, "cannot move the inbox cursor");
+            let seq = i64::try_from(seq).unwrap_or(i64::MAX);
+            sqlx::query(self.sql.cursor_insert.sql())
+                .bind(consumer.as_str())
+                .bind(key)
+                .execute(&mut *connection)
+                .await
+                .map_err(fail)?;
+            let moved = sqlx::query(self.sql.cursor_move.sql())
+                .bind(consumer.as_str())
+                .bind(key)
+                .bind(seq)
+                .execute(&mut *connection)
+                .await
+                .map_err(fail)?
+                .rows_affected();
+            if moved == 1 {
+                return Ok(CursorStep::Next);
+            }
+            let last: i64 = sqlx::query_scalar(self.sql.cursor_read.sql())
+                .bind(consumer.as_str())
+                .bind(key)
+                .fetch_one(&mut *connection)
+                .await
+                .map_err(fail)?;
+            Ok(super::cursor_step(last, seq))
+        })
+    }
 
     /// Claims inside the caller's transaction (READ COMMITTED, PostgreSQL's default): a
     /// duplicate claiming at the same time waits on the record's row until this

@@ -19,8 +19,9 @@ use sqlx::Row;
 use sqlx::sqlite::{SqliteConnection, SqlitePool, SqliteRow};
 
 use super::{
-    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, IdempotencyStore, Record,
-    RecordState, Scope, StaleClaim, TransactionalIdempotency, check_outcome,
+    ClaimAnswer, CursorStep, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions,
+    IdempotencyStore, Record, RecordState, Scope, StaleClaim, TransactionalIdempotency,
+    check_outcome,
 };
 use crate::engine::sqlite::{millis_i64, open_pool, parse_url, wall_clock};
 use crate::error::{Error, ErrorKind, Result};
@@ -39,6 +40,13 @@ const CREATE: &str = "CREATE TABLE IF NOT EXISTS turnstile_idempotency (
     expires_ms INTEGER NOT NULL,
     outcome BLOB,
     PRIMARY KEY (scope, key)
+) WITHOUT ROWID";
+
+const CREATE_CURSORS: &str = "CREATE TABLE IF NOT EXISTS turnstile_inbox_cursors (
+    consumer TEXT NOT NULL,
+    ordering_key TEXT NOT NULL,
+    last_seq INTEGER NOT NULL,
+    PRIMARY KEY (consumer, ordering_key)
 ) WITHOUT ROWID";
 
 const SELECT: &str = "SELECT state, fingerprint, token, lease_until_ms, expires_ms, outcome
@@ -116,11 +124,13 @@ impl SqliteIdempotencyStore {
 
     /// Creates the table if missing. Harmless to run again or concurrently.
     pub async fn migrate(&self) -> Result<()> {
-        sqlx::query(CREATE)
-            .execute(&self.pool)
-            .await
-            .map(|_| ())
-            .map_err(|error| map_error(error, "cannot create the idempotency table"))
+        for create in [CREATE, CREATE_CURSORS] {
+            sqlx::query(create)
+                .execute(&self.pool)
+                .await
+                .map_err(|error| map_error(error, "cannot create the idempotency tables"))?;
+        }
+        Ok(())
     }
 
     /// The connection pool (same database file), for the application's own work.
@@ -227,6 +237,51 @@ impl TransactionalIdempotency for SqliteIdempotencyStore {
 
     fn begin_statement(&self) -> Option<&'static str> {
         Some("BEGIN IMMEDIATE")
+    }
+
+    fn advance_cursor<'a>(
+        &'a self,
+        connection: &'a mut SqliteConnection,
+        consumer: &'a Scope,
+        key: &'a str,
+        seq: u64,
+    ) -> BoxFuture<'a, Result<CursorStep>> {
+        Box::pin(async move {
+            let fail = |error| map_error(error, "cannot move the inbox cursor");
+            let seq = i64::try_from(seq).unwrap_or(i64::MAX);
+            sqlx::query(
+                "INSERT INTO turnstile_inbox_cursors (consumer, ordering_key, last_seq)
+                 VALUES (?1, ?2, 0) ON CONFLICT DO NOTHING",
+            )
+            .bind(consumer.as_str())
+            .bind(key)
+            .execute(&mut *connection)
+            .await
+            .map_err(fail)?;
+            let moved = sqlx::query(
+                "UPDATE turnstile_inbox_cursors SET last_seq = ?3
+                 WHERE consumer = ?1 AND ordering_key = ?2 AND last_seq = ?3 - 1",
+            )
+            .bind(consumer.as_str())
+            .bind(key)
+            .bind(seq)
+            .execute(&mut *connection)
+            .await
+            .map_err(fail)?
+            .rows_affected();
+            if moved == 1 {
+                return Ok(CursorStep::Next);
+            }
+            let last: i64 = sqlx::query_scalar(
+                "SELECT last_seq FROM turnstile_inbox_cursors WHERE consumer = ?1 AND ordering_key = ?2",
+            )
+            .bind(consumer.as_str())
+            .bind(key)
+            .fetch_one(&mut *connection)
+            .await
+            .map_err(fail)?;
+            Ok(super::cursor_step(last, seq))
+        })
     }
 
     /// Claims inside the caller's transaction, which must be a write transaction from the

@@ -520,3 +520,22 @@ macro_rules! idempotency_conformance_tests {
         }
     };
 }
+
+/// Per-key cursors (the inbox's in-order processing): `step(key, seq)` moves the cursor
+/// of one consumer in a transaction of its own and commits.
+#[allow(dead_code)]
+pub async fn cursors_follow_each_keys_sequence<F>(step: F)
+where
+    F: AsyncFn(&str, u64) -> turnstile::idempotency::CursorStep,
+{
+    use turnstile::idempotency::CursorStep;
+    assert_eq!(step("a", 2).await, CursorStep::Early { expected: 1 });
+    assert_eq!(step("a", 1).await, CursorStep::Next);
+    assert_eq!(step("a", 1).await, CursorStep::Seen);
+    assert_eq!(step("a", 3).await, CursorStep::Early { expected: 2 });
+    assert_eq!(step("a", 2).await, CursorStep::Next);
+    assert_eq!(step("a", 3).await, CursorStep::Next);
+    // Keys are independent.
+    assert_eq!(step("b", 1).await, CursorStep::Next);
+    assert_eq!(step("a", 2).await, CursorStep::Seen);
+}
