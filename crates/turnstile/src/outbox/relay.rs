@@ -12,6 +12,9 @@ use super::{Backoff, Failure, LeasedKey, Message, OutboxStore, Settled, Settleme
 use crate::error::{Error, ErrorKind, Result};
 use crate::lock::BoxFuture;
 
+/// How often a running relay sets the pending and lag gauges.
+const STATUS_EVERY: Duration = Duration::from_secs(5);
+
 /// Where a relay publishes: a broker client. Implementations must hand the message id
 /// to the broker's own duplicate detection where it has one, and answer only once the
 /// broker has the message (an ack, a publisher confirm).
@@ -265,7 +268,15 @@ impl Relay {
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
         let (poll_min, poll_max) = self.options.idle_poll;
         let mut idle = poll_min;
+        let mut reported: Option<Instant> = None;
         while !shutdown.is_cancelled() {
+            // The lag gauges, now and then (one read of the store).
+            if reported.is_none_or(|at| at.elapsed() >= STATUS_EVERY) {
+                reported = Some(Instant::now());
+                if let Ok(status) = self.store.status(1000).await {
+                    telemetry::status(&status);
+                }
+            }
             match self.run_once().await {
                 Ok(round) if round.keys > 0 => {
                     idle = poll_min;

@@ -9,6 +9,9 @@
 //! | `turnstile_outbox_failures_total` | counter | `kind` = `transient`, `permanent` |
 //! | `turnstile_outbox_parked_total` | counter | — |
 //! | `turnstile_outbox_fenced_total` | counter | — (settlements refused: the lease had moved on) |
+//! | `turnstile_outbox_pending` | gauge | — (undelivered messages of keys not parked; set by running relays every 5 s) |
+//! | `turnstile_outbox_oldest_pending_seconds` | gauge | — (the lag: age of the oldest undelivered message) |
+//! | `turnstile_outbox_parked_keys` | gauge | — |
 
 use std::time::Duration;
 
@@ -60,4 +63,15 @@ pub(crate) fn fenced(key: &str) {
         key,
         "outbox settlement refused: the key's lease had passed to another relay"
     );
+}
+
+pub(crate) fn status(status: &super::Status) {
+    metrics::gauge!("turnstile_outbox_pending").set(status.pending as f64);
+    metrics::gauge!("turnstile_outbox_oldest_pending_seconds").set(
+        status
+            .oldest_pending
+            .map_or(0.0, |age| age.as_secs_f64()),
+    );
+    metrics::gauge!("turnstile_outbox_parked_keys").set(status.parked.len() as f64);
+    tracing::trace!(pending = status.pending, parked = status.parked.len(), oldest = ?status.oldest_pending, "outbox status");
 }
