@@ -164,3 +164,76 @@ async fn copies_in_the_stream_are_handled_once_in_key_order() {
             .unwrap();
     assert_eq!(totals, expected.into_iter().collect::<Vec<_>>());
 }
+
+/// What the outbox reports reaches the application's `metrics` recorder: messages
+/// enqueued and published, publish latency and lag, and the status gauges.
+#[test]
+fn enqueues_publishes_and_lag_reach_the_metrics_recorder() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let dir = tempfile::tempdir().unwrap();
+    let url = shared_redis().url();
+    metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let outbox = SqliteOutbox::open(dir.path().join("m.db")).await.unwrap();
+            let stream = turnstile_test_support::unique_name("metrics");
+            for n in 0..3 {
+                let message = Message::json(stream.as_str(), "k", &n).unwrap();
+                let mut transaction = outbox.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+                outbox.enqueue(&mut transaction, &message).await.unwrap();
+                outbox.commit(transaction).await.unwrap();
+            }
+            let publisher = RedisStreamsPublisher::connect(&url).await.unwrap();
+            let relay = Relay::new(outbox.clone(), publisher);
+            // One pass of `run` reports the gauges, then relays everything.
+            let shutdown = CancellationToken::new();
+            let stop = shutdown.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                stop.cancel();
+            });
+            relay.run(shutdown).await.unwrap();
+            assert_eq!(outbox.status(10).await.unwrap().pending, 0);
+        });
+    });
+    let mut seen = std::collections::BTreeMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let figure = match value {
+            DebugValue::Counter(n) => n as f64,
+            DebugValue::Gauge(g) => g.into_inner(),
+            DebugValue::Histogram(samples) => samples.len() as f64,
+        };
+        seen.insert(key.key().name().to_owned(), figure);
+    }
+    assert_eq!(
+        seen.get("turnstile_outbox_enqueued_total"),
+        Some(&3.0),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.get("turnstile_outbox_published_total"),
+        Some(&3.0),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.get("turnstile_outbox_publish_seconds"),
+        Some(&3.0),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.get("turnstile_outbox_lag_seconds"),
+        Some(&3.0),
+        "{seen:?}"
+    );
+    // The gauges were set before the first round: 3 pending then.
+    assert_eq!(seen.get("turnstile_outbox_pending"), Some(&3.0), "{seen:?}");
+    assert!(
+        seen.contains_key("turnstile_outbox_oldest_pending_seconds"),
+        "{seen:?}"
+    );
+}

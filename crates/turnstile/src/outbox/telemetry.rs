@@ -67,11 +67,8 @@ pub(crate) fn fenced(key: &str) {
 
 pub(crate) fn status(status: &super::Status) {
     metrics::gauge!("turnstile_outbox_pending").set(status.pending as f64);
-    metrics::gauge!("turnstile_outbox_oldest_pending_seconds").set(
-        status
-            .oldest_pending
-            .map_or(0.0, |age| age.as_secs_f64()),
-    );
+    metrics::gauge!("turnstile_outbox_oldest_pending_seconds")
+        .set(status.oldest_pending.map_or(0.0, |age| age.as_secs_f64()));
     metrics::gauge!("turnstile_outbox_parked_keys").set(status.parked.len() as f64);
     tracing::trace!(pending = status.pending, parked = status.parked.len(), oldest = ?status.oldest_pending, "outbox status");
 }
