@@ -237,3 +237,95 @@ fn enqueues_publishes_and_lag_reach_the_metrics_recorder() {
         "{seen:?}"
     );
 }
+
+/// Redis stops for 10 s (with an append-only file, so what it had is kept): the relay
+/// waits it out and every message ends up in the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_is_waited_out_and_nothing_is_lost() {
+    let redis = turnstile_test_support::RedisServer::spawn_with_args(&[
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "always",
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = SqliteOutbox::open(dir.path().join("app.db")).await.unwrap();
+    let publisher = RedisStreamsPublisher::connect(&redis.url()).await.unwrap();
+    let relay = Relay::new(outbox.clone(), publisher).with_options(RelayOptions::new().backoff(
+        turnstile::outbox::Backoff {
+            base: Duration::from_millis(50),
+            max: Duration::from_millis(500),
+        },
+    ));
+    let shutdown = CancellationToken::new();
+    let running = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    let mut ids = HashSet::new();
+    let enqueue = async |ids: &mut HashSet<String>| {
+        for n in 0..30 {
+            let message = Message::new("ledger", format!("k{}", n % 3), b"z".to_vec()).unwrap();
+            ids.insert(message.id().to_owned());
+            let mut transaction = outbox.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+            outbox.enqueue(&mut transaction, &message).await.unwrap();
+            outbox.commit(transaction).await.unwrap();
+        }
+    };
+    let drained = async || {
+        for _ in 0..600 {
+            if outbox.status(10).await.unwrap().pending == 0 {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    };
+    enqueue(&mut ids).await;
+    assert!(drained().await);
+    redis.kill();
+    enqueue(&mut ids).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(outbox.status(10).await.unwrap().pending > 0);
+    // The same directory: the append-only file brings back what Redis had.
+    redis.restart();
+    assert!(drained().await, "{:?}", outbox.status(10).await.unwrap());
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    let mut connection = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let entries: redis::Value = redis::cmd("XRANGE")
+        .arg("ledger")
+        .arg("-")
+        .arg("+")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let mut seen = HashSet::new();
+    if let redis::Value::Array(items) = entries {
+        for item in items {
+            if let redis::Value::Array(pair) = item
+                && let Some(redis::Value::Array(fields)) = pair.get(1)
+            {
+                for field in fields.chunks(2) {
+                    if let [
+                        redis::Value::BulkString(name),
+                        redis::Value::BulkString(value),
+                    ] = field
+                        && name == b"id"
+                    {
+                        seen.insert(String::from_utf8(value.clone()).unwrap());
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        seen.is_superset(&ids),
+        "lost {} messages",
+        ids.difference(&seen).count()
+    );
+}
