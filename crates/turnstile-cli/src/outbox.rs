@@ -145,6 +145,7 @@ async fn status(args: StatusArgs) -> ExitCode {
                 "pending": status.pending,
                 "pending_keys": status.pending_keys,
                 "oldest_pending_s": status.oldest_pending.map(|age| age.as_secs_f64()),
+                "kept": status.kept,
                 "parked": parked,
             })
         );
@@ -155,10 +156,11 @@ async fn status(args: StatusArgs) -> ExitCode {
         |age| humantime::format_duration(Duration::from_millis(age.as_millis() as u64)).to_string(),
     );
     println!(
-        "{store}: {} pending in {} keys, oldest {oldest}; {} parked",
+        "{store}: {} pending in {} keys, oldest {oldest}; {} parked; {} delivered kept for audit",
         status.pending,
         status.pending_keys,
-        status.parked.len()
+        status.parked.len(),
+        status.kept
     );
     for key in &status.parked {
         println!(

@@ -22,6 +22,8 @@ trait TestOutbox: Send + Sync + 'static {
     type Store: OutboxStore + Clone;
     fn store(&self) -> Self::Store;
     async fn another(&self) -> Self::Store;
+    /// Another store on the same data that keeps delivered messages for `retention`.
+    async fn keeping(&self, retention: Duration) -> Self::Store;
     /// Enqueues `message` in its own transaction, committed or rolled back.
     async fn enqueue_one(&self, message: &Message, commit: bool);
 }
@@ -54,6 +56,10 @@ impl TestOutbox for Sqlite {
 
     async fn another(&self) -> SqliteOutbox {
         SqliteOutbox::open(&self.path).await.unwrap()
+    }
+
+    async fn keeping(&self, retention: Duration) -> SqliteOutbox {
+        self.another().await.keep_delivered(Some(retention))
     }
 
     async fn enqueue_one(&self, message: &Message, commit: bool) {
@@ -99,6 +105,17 @@ impl TestOutbox for Postgres {
 
     async fn another(&self) -> PostgresOutbox {
         PostgresOutbox::connect(&self.url).await.unwrap()
+    }
+
+    async fn keeping(&self, retention: Duration) -> PostgresOutbox {
+        // Through the URL option, as `turnstile outbox relay` would be told.
+        PostgresOutbox::connect(&format!(
+            "{}?turnstile_keep_delivered={}",
+            self.url,
+            retention.as_secs()
+        ))
+        .await
+        .unwrap()
     }
 
     async fn enqueue_one(&self, message: &Message, commit: bool) {
@@ -169,6 +186,10 @@ impl TestOutbox for Mysql {
 
     async fn another(&self) -> MysqlOutbox {
         MysqlOutbox::connect(&self.url).await.unwrap()
+    }
+
+    async fn keeping(&self, retention: Duration) -> MysqlOutbox {
+        self.another().await.keep_delivered(Some(retention))
     }
 
     async fn enqueue_one(&self, message: &Message, commit: bool) {
@@ -428,6 +449,33 @@ async fn a_duplicate_window_shorter_than_redelivery_is_refused(outbox: impl Test
     );
 }
 
+async fn delivered_messages_are_kept_for_audit_then_swept(outbox: impl TestOutbox) {
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("kept");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let store = outbox.keeping(Duration::from_secs(1)).await;
+    let committed = enqueue(&outbox, &format!("{subject}.x"), 2, 6).await;
+    let relay = Relay::new(store.clone(), publisher.clone());
+    while relay.run_once().await.unwrap().keys > 0 {}
+    let status = store.status(10).await.unwrap();
+    assert_eq!(status.pending, 0);
+    assert_eq!(status.kept, committed.len() as u64, "{status:?}");
+    // Nothing is past its retention yet.
+    assert_eq!(store.sweep(100).await.unwrap(), 0);
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    // Bounded batches.
+    assert_eq!(store.sweep(2).await.unwrap(), 2);
+    assert_eq!(store.sweep(100).await.unwrap(), committed.len() as u64 - 2);
+    assert_eq!(store.status(10).await.unwrap().kept, 0);
+    check_delivery(&read_all(&publisher, &stream_name).await, &committed);
+}
+
 /// The checks, once per store.
 macro_rules! outbox_checks {
     ($module:ident, $outbox:expr) => {
@@ -448,6 +496,11 @@ macro_rules! outbox_checks {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_broker_outage_is_waited_out_and_nothing_is_lost() {
                 super::a_broker_outage_is_waited_out_and_nothing_is_lost($outbox).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn delivered_messages_are_kept_for_audit_then_swept() {
+                super::delivered_messages_are_kept_for_audit_then_swept($outbox).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

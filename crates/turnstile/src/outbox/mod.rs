@@ -34,6 +34,10 @@
 //!   key flows. A settlement whose lease token is no longer the key's is refused, so a
 //!   relay that stalled past its lease cannot mark another relay's work.
 //! - Several relays run at once with no leader: a key is leased by one relay at a time.
+//! - Delivered messages are deleted as they are recorded, a key's batch at a time; a
+//!   store told to keep them (`turnstile_keep_delivered=SECONDS` in its URL, or its
+//!   `keep_delivered`) moves them to a `…_outbox_delivered` table instead, and relays
+//!   delete those past the retention in bounded batches.
 
 use std::fmt;
 use std::time::Duration;
@@ -66,6 +70,42 @@ pub const MAX_KEY_LEN: usize = 255;
 /// The largest payload accepted, in bytes (brokers refuse far less: NATS 1 MiB by
 /// default).
 pub const MAX_PAYLOAD_LEN: usize = 16 * 1024 * 1024;
+
+/// Splits `turnstile_keep_delivered=SECONDS` off a store URL: the URL without it, and
+/// the retention.
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn keep_delivered_option(url: &str) -> Result<(String, Option<Duration>)> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_owned(), None));
+    };
+    let mut keep = None;
+    let mut rest = Vec::new();
+    for pair in query.split('&').filter(|pair| !pair.is_empty()) {
+        match pair.split_once('=') {
+            Some(("turnstile_keep_delivered", value)) => {
+                let seconds: u64 = value.parse().map_err(|_| {
+                    Error::new(
+                        ErrorKind::InvalidUrl,
+                        format!(
+                            "turnstile_keep_delivered={value:?} must be a whole number of seconds"
+                        ),
+                    )
+                })?;
+                keep = Some(Duration::from_secs(seconds));
+            }
+            _ => rest.push(pair),
+        }
+    }
+    let url = if rest.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", rest.join("&"))
+    };
+    Ok((url, keep))
+}
 
 /// A message to publish: a topic (subject, routing key, stream, Kafka topic), an
 /// ordering key, headers and a payload, with a UUID v7 id that brokers use to drop
@@ -327,6 +367,8 @@ pub struct Status {
     pub pending_keys: u64,
     /// The age of the oldest undelivered message of a key that is not parked.
     pub oldest_pending: Option<Duration>,
+    /// Delivered messages kept for audit (stores told to keep them).
+    pub kept: u64,
     /// Parked keys (up to the limit asked for), oldest failure first.
     pub parked: Vec<ParkedKey>,
 }
@@ -408,6 +450,14 @@ pub trait OutboxStore: Send + Sync + fmt::Debug + 'static {
 
     /// Counts what is pending and lists up to `parked_limit` parked keys.
     fn status(&self, parked_limit: u32) -> BoxFuture<'_, Result<Status>>;
+
+    /// Deletes up to `limit` delivered messages whose audit retention has passed (stores
+    /// told to keep delivered messages; the others delete them when they are delivered)
+    /// and says how many. Running relays call it now and then.
+    fn sweep(&self, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        let _ = limit;
+        Box::pin(async { Ok(0) })
+    }
 
     /// Resolves when a message may have been committed in this process since the last
     /// call ([`commit`](sqlite::SqliteOutbox::commit) wakes it), or after `timeout`.

@@ -34,7 +34,10 @@ use crate::sql::{Statement, map_error, statement, validate_identifier};
 use crate::store::{split_url_options, unknown_option};
 
 struct Sql {
-    create: [Statement; 2],
+    create: [Statement; 3],
+    keep: Statement,
+    sweep: Statement,
+    kept: Statement,
     bump: Statement,
     insert: Statement,
     pick: Statement,
@@ -52,6 +55,7 @@ impl Sql {
     fn new(prefix: &str) -> Sql {
         let keys = format!("`{prefix}_outbox_keys`");
         let outbox = format!("`{prefix}_outbox`");
+        let delivered = format!("`{prefix}_outbox_delivered`");
         let now = CLOCK_US;
         Sql {
             create: [
@@ -79,7 +83,30 @@ impl Sql {
                         created_us BIGINT NOT NULL,
                         PRIMARY KEY (ordering_key, seq)) ENGINE = InnoDB"
                 )),
+                statement(format!(
+                    "CREATE TABLE IF NOT EXISTS {delivered} (
+                        ordering_key VARBINARY(255) NOT NULL,
+                        seq BIGINT NOT NULL,
+                        id VARCHAR(36) CHARACTER SET ascii NOT NULL,
+                        topic VARBINARY(255) NOT NULL,
+                        headers TEXT NOT NULL,
+                        payload LONGBLOB NOT NULL,
+                        created_us BIGINT NOT NULL,
+                        delivered_us BIGINT NOT NULL,
+                        PRIMARY KEY (ordering_key, seq),
+                        KEY delivered_at (delivered_us)) ENGINE = InnoDB"
+                )),
             ],
+            keep: statement(format!(
+                "INSERT IGNORE INTO {delivered}
+                    (ordering_key, seq, id, topic, headers, payload, created_us, delivered_us)
+                 SELECT ordering_key, seq, id, topic, headers, payload, created_us, {now}
+                 FROM {outbox} WHERE ordering_key = ? AND seq <= ?"
+            )),
+            sweep: statement(format!(
+                "DELETE FROM {delivered} WHERE delivered_us < {now} - ? ORDER BY delivered_us LIMIT ?"
+            )),
+            kept: statement(format!("SELECT COUNT(*) FROM {delivered}")),
             // The new sequence number comes back as the statement's insert id.
             bump: statement(format!(
                 "INSERT INTO {keys} (ordering_key, last_seq) VALUES (?, LAST_INSERT_ID(1))
@@ -139,6 +166,7 @@ impl Sql {
 #[derive(Clone)]
 pub struct MysqlOutbox {
     pool: MySqlPool,
+    keep_delivered: Option<Duration>,
     sql: Arc<Sql>,
     committed: Arc<Notify>,
     url: String,
@@ -169,10 +197,12 @@ fn text(bytes: Vec<u8>) -> String {
 }
 
 impl MysqlOutbox {
-    /// Connects with the URL's `turnstile_*` options (`prefix`, `migrate`), creating the
-    /// tables on first use unless `turnstile_migrate=off`.
+    /// Connects with the URL's `turnstile_*` options (`prefix`, `migrate`,
+    /// `keep_delivered=SECONDS`), creating the tables on first use unless
+    /// `turnstile_migrate=off`.
     pub async fn connect(url: &str) -> Result<Self> {
-        let (driver_url, options) = split_url_options(url);
+        let (url, keep_delivered) = super::keep_delivered_option(url)?;
+        let (driver_url, options) = split_url_options(&url);
         let (mut prefix, mut migrate) = ("turnstile".to_owned(), true);
         for (key, value) in &options {
             match (key.as_str(), value.as_str()) {
@@ -204,6 +234,7 @@ impl MysqlOutbox {
         .await?;
         let outbox = MysqlOutbox {
             pool,
+            keep_delivered,
             sql: Arc::new(Sql::new(&prefix)),
             committed: Arc::default(),
             url: redacted,
@@ -252,6 +283,13 @@ impl MysqlOutbox {
             .map_err(fail(what))?;
         super::telemetry::enqueued(message, seq);
         Ok(seq)
+    }
+
+    /// Keeps delivered messages for `retention` (in `{prefix}_outbox_delivered`) instead
+    /// of deleting them when they are delivered; `None` deletes them (the default).
+    pub fn keep_delivered(mut self, retention: Option<Duration>) -> Self {
+        self.keep_delivered = retention;
+        self
     }
 
     /// Commits `transaction` and wakes this process's relays at once.
@@ -309,6 +347,14 @@ impl MysqlOutbox {
                 .rows_affected();
             if changed == 0 {
                 continue;
+            }
+            if self.keep_delivered.is_some() {
+                sqlx::query(self.sql.keep.sql())
+                    .bind(settlement.key.as_bytes())
+                    .bind(delivered)
+                    .execute(&mut *transaction)
+                    .await
+                    .map_err(fail(what))?;
             }
             sqlx::query(self.sql.delete.sql())
                 .bind(settlement.key.as_bytes())
@@ -509,12 +555,32 @@ impl OutboxStore for MysqlOutbox {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let oldest: Option<i64> = row.try_get("oldest_us").map_err(fail(what))?;
+            let kept: i64 = sqlx::query_scalar(self.sql.kept.sql())
+                .fetch_one(&self.pool)
+                .await
+                .map_err(fail(what))?;
             Ok(Status {
+                kept: unsigned(kept),
                 pending: unsigned(row.try_get("pending").map_err(fail(what))?),
                 pending_keys: unsigned(row.try_get("pending_keys").map_err(fail(what))?),
                 oldest_pending: oldest.map(|us| Duration::from_micros(unsigned(us))),
                 parked,
             })
+        })
+    }
+
+    fn sweep(&self, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let Some(retention) = self.keep_delivered else {
+                return Ok(0);
+            };
+            Ok(sqlx::query(self.sql.sweep.sql())
+                .bind(i64::try_from(retention.as_micros()).unwrap_or(i64::MAX))
+                .bind(i64::from(limit))
+                .execute(&self.pool)
+                .await
+                .map_err(fail("cannot sweep delivered outbox messages"))?
+                .rows_affected())
         })
     }
 

@@ -46,6 +46,9 @@ struct Sql {
     enqueue: Statement,
     claim: Statement,
     settle: Statement,
+    settle_keeping: Statement,
+    sweep: Statement,
+    kept: Statement,
     redrive: Statement,
     status: Statement,
     parked: Statement,
@@ -59,9 +62,44 @@ impl Sql {
         let keys = format!("{schema}.\"{prefix}_outbox_keys\"");
         let outbox = format!("{schema}.\"{prefix}_outbox\"");
         let relays = format!("{schema}.\"{prefix}_outbox_relays\"");
+        let delivered = format!("{schema}.\"{prefix}_outbox_delivered\"");
         let channel = format!("{prefix}_outbox");
         let now = "clock_timestamp()";
         let secs = |n: u8| format!("make_interval(secs => ${n}::float8)");
+        // Arrays: $1 keys, $2 tokens, $3 delivered through, $4 failed, $5 permanent,
+        // $6 reasons; $7 max attempts, $8 backoff base ms, $9 backoff max ms. Every SET
+        // reads the row as it was; `tries` is the failures of the head message before
+        // this one (0 when this settlement moved the head). `gone` deletes the delivered
+        // messages (or moves them to the kept ones).
+        let settle = |gone: &str| {
+            let gone = gone
+                .replace("{outbox}", &outbox)
+                .replace("{delivered}", &delivered)
+                .replace("{now}", now);
+            format!(
+                "WITH d AS (
+                    SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::bool[], $5::bool[], $6::text[])
+                        AS d(ordering_key, token, delivered, failed, permanent, reason)),
+                 settled AS (
+                    UPDATE {keys} k SET
+                        attempts = CASE WHEN d.failed
+                            THEN (CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END) + 1
+                            ELSE 0 END,
+                        parked = d.permanent
+                            AND (CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END) + 1 >= $7,
+                        parked_at = {now},
+                        last_error = d.reason,
+                        available_at = CASE WHEN d.failed THEN {now} + make_interval(secs =>
+                            LEAST($9::int8, $8::int8 << LEAST(CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END, 20))
+                            * (0.5 + random() / 2) / 1000.0)
+                            ELSE {now} END,
+                        acked_seq = GREATEST(k.acked_seq, d.delivered)
+                    FROM d WHERE k.ordering_key = d.ordering_key AND k.lease_token = d.token
+                    RETURNING k.ordering_key, k.acked_seq, k.parked),
+                 {gone}
+                 SELECT ordering_key, parked, (SELECT count(*) FROM gone) AS deleted FROM settled"
+            )
+        };
         Sql {
             create: vec![
                 format!("CREATE SCHEMA IF NOT EXISTS {schema}"),
@@ -91,6 +129,21 @@ impl Sql {
                         payload BYTEA NOT NULL,
                         created_at TIMESTAMPTZ NOT NULL,
                         PRIMARY KEY (ordering_key, seq))"
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {delivered} (
+                        ordering_key TEXT COLLATE \"C\" NOT NULL,
+                        seq BIGINT NOT NULL,
+                        id TEXT NOT NULL,
+                        topic TEXT NOT NULL,
+                        headers TEXT NOT NULL,
+                        payload BYTEA NOT NULL,
+                        created_at TIMESTAMPTZ NOT NULL,
+                        delivered_at TIMESTAMPTZ NOT NULL,
+                        PRIMARY KEY (ordering_key, seq))"
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS \"{prefix}_outbox_delivered_at\" ON {delivered} (delivered_at)"
                 ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {relays} (
@@ -144,31 +197,32 @@ impl Sql {
             // $6 reasons; $7 max attempts, $8 backoff base ms, $9 backoff max ms. Every SET
             // reads the row as it was; `tries` is the failures of the head message
             // before this one (0 when this settlement moved the head).
-            settle: statement(format!(
-                "WITH d AS (
-                    SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::bool[], $5::bool[], $6::text[])
-                        AS d(ordering_key, token, delivered, failed, permanent, reason)),
-                 settled AS (
-                    UPDATE {keys} k SET
-                        attempts = CASE WHEN d.failed
-                            THEN (CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END) + 1
-                            ELSE 0 END,
-                        parked = d.permanent
-                            AND (CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END) + 1 >= $7,
-                        parked_at = {now},
-                        last_error = d.reason,
-                        available_at = CASE WHEN d.failed THEN {now} + make_interval(secs =>
-                            LEAST($9::int8, $8::int8 << LEAST(CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END, 20))
-                            * (0.5 + random() / 2) / 1000.0)
-                            ELSE {now} END,
-                        acked_seq = GREATEST(k.acked_seq, d.delivered)
-                    FROM d WHERE k.ordering_key = d.ordering_key AND k.lease_token = d.token
-                    RETURNING k.ordering_key, k.acked_seq, k.parked),
-                 gone AS (
+            settle: statement(settle(
+                "gone AS (
                     DELETE FROM {outbox} m USING settled s
-                    WHERE m.ordering_key = s.ordering_key AND m.seq <= s.acked_seq RETURNING 1)
-                 SELECT ordering_key, parked, (SELECT count(*) FROM gone) AS deleted FROM settled"
+                    WHERE m.ordering_key = s.ordering_key AND m.seq <= s.acked_seq RETURNING 1)",
             )),
+            settle_keeping: statement(settle(
+                "moved AS (
+                    DELETE FROM {outbox} m USING settled s
+                    WHERE m.ordering_key = s.ordering_key AND m.seq <= s.acked_seq RETURNING m.*),
+                 gone AS (
+                    INSERT INTO {delivered}
+                        (ordering_key, seq, id, topic, headers, payload, created_at, delivered_at)
+                    SELECT ordering_key, seq, id, topic, headers, payload, created_at, {now} FROM moved
+                    ON CONFLICT DO NOTHING RETURNING 1)",
+            )),
+            // $1 retention (s), $2 rows.
+            sweep: statement(format!(
+                "WITH gone AS (
+                    DELETE FROM {delivered} WHERE ctid = ANY (ARRAY(
+                        SELECT ctid FROM {delivered}
+                        WHERE delivered_at < {now} - make_interval(secs => $1::float8)
+                        ORDER BY delivered_at LIMIT $2))
+                    RETURNING 1)
+                 SELECT count(*) FROM gone"
+            )),
+            kept: statement(format!("SELECT count(*) FROM {delivered}")),
             redrive: statement(format!(
                 "WITH k AS (
                     UPDATE {keys} SET parked = false, attempts = 0, last_error = NULL,
@@ -200,6 +254,7 @@ impl Sql {
 #[derive(Clone)]
 pub struct PostgresOutbox {
     pool: PgPool,
+    keep_delivered: Option<Duration>,
     sql: Arc<Sql>,
     relay_id: String,
     signals: ReleaseSignals,
@@ -239,9 +294,11 @@ fn seconds(value: Option<f64>) -> Option<Duration> {
 
 impl PostgresOutbox {
     /// Connects with the URL's `turnstile_*` options (`schema`, `prefix`, `notify`,
-    /// `migrate`), creating the tables on first use unless `turnstile_migrate=off`.
+    /// `migrate`, `keep_delivered=SECONDS`), creating the tables on first use unless
+    /// `turnstile_migrate=off`.
     pub async fn connect(url: &str) -> Result<Self> {
-        let (driver_url, options) = split_url_options(url);
+        let (url, keep_delivered) = super::keep_delivered_option(url)?;
+        let (driver_url, options) = split_url_options(&url);
         let (mut schema, mut prefix, mut notify, mut migrate) =
             ("public".to_owned(), "turnstile".to_owned(), true, true);
         for (key, value) in &options {
@@ -272,6 +329,7 @@ impl PostgresOutbox {
         let pool = open_bounded_pool(options.clone(), 8, timeout, &redacted).await?;
         let outbox = PostgresOutbox {
             pool,
+            keep_delivered,
             sql: Arc::new(Sql::new(&schema, &prefix)),
             relay_id: uuid::Uuid::now_v7().to_string(),
             signals: ReleaseSignals::new(),
@@ -342,6 +400,13 @@ impl PostgresOutbox {
             .map_err(fail("cannot commit the transaction"))?;
         self.signals.notify("");
         Ok(())
+    }
+
+    /// Keeps delivered messages for `retention` (in `{prefix}_outbox_delivered`) instead
+    /// of deleting them when they are delivered; `None` deletes them (the default).
+    pub fn keep_delivered(mut self, retention: Option<Duration>) -> Self {
+        self.keep_delivered = retention;
+        self
     }
 
     /// Whether the relay's `LISTEN` connection is up (it polls while it is not).
@@ -443,7 +508,12 @@ impl OutboxStore for PostgresOutbox {
                 .iter()
                 .map(|s| s.failure.as_ref().map(|f| f.reason.as_str()))
                 .collect();
-            let rows = sqlx::query(self.sql.settle.sql())
+            let statement = if self.keep_delivered.is_some() {
+                &self.sql.settle_keeping
+            } else {
+                &self.sql.settle
+            };
+            let rows = sqlx::query(statement.sql())
                 .bind(&keys)
                 .bind(&tokens)
                 .bind(&delivered)
@@ -522,12 +592,32 @@ impl OutboxStore for PostgresOutbox {
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
+            let kept: i64 = sqlx::query_scalar(self.sql.kept.sql())
+                .fetch_one(&self.pool)
+                .await
+                .map_err(fail(what))?;
             Ok(Status {
+                kept: unsigned(kept),
                 pending: unsigned(row.try_get("pending").map_err(fail(what))?),
                 pending_keys: unsigned(row.try_get("keys").map_err(fail(what))?),
                 oldest_pending: seconds(row.try_get("oldest_s").map_err(fail(what))?),
                 parked,
             })
+        })
+    }
+
+    fn sweep(&self, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let Some(retention) = self.keep_delivered else {
+                return Ok(0);
+            };
+            let swept: i64 = sqlx::query_scalar(self.sql.sweep.sql())
+                .bind(retention.as_secs_f64())
+                .bind(i64::from(limit))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(fail("cannot sweep delivered outbox messages"))?;
+            Ok(unsigned(swept))
         })
     }
 

@@ -276,6 +276,10 @@ impl Relay {
                 if let Ok(status) = self.store.status(1000).await {
                     telemetry::status(&status);
                 }
+                // Kept messages past their retention, a bounded batch at a time.
+                if let Err(error) = self.store.sweep(1000).await {
+                    tracing::warn!(%error, "cannot sweep delivered outbox messages");
+                }
             }
             match self.run_once().await {
                 Ok(round) if round.keys > 0 => {

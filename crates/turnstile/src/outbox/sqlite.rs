@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::lock::BoxFuture;
 use crate::sql::map_error;
 
-const CREATE: [&str; 3] = [
+const CREATE: [&str; 5] = [
     "CREATE TABLE IF NOT EXISTS turnstile_outbox_keys (
         ordering_key TEXT PRIMARY KEY,
         last_seq INTEGER NOT NULL,
@@ -53,6 +53,19 @@ const CREATE: [&str; 3] = [
         payload BLOB NOT NULL,
         created_ms INTEGER NOT NULL,
         PRIMARY KEY (ordering_key, seq))",
+    // Delivered messages kept for audit (when the store is told to keep them).
+    "CREATE TABLE IF NOT EXISTS turnstile_outbox_delivered (
+        ordering_key TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        id TEXT NOT NULL,
+        topic TEXT NOT NULL,
+        headers TEXT NOT NULL,
+        payload BLOB NOT NULL,
+        created_ms INTEGER NOT NULL,
+        delivered_ms INTEGER NOT NULL,
+        UNIQUE (ordering_key, seq))",
+    "CREATE INDEX IF NOT EXISTS turnstile_outbox_delivered_at
+        ON turnstile_outbox_delivered (delivered_ms)",
 ];
 
 /// The outbox in a SQLite database file.
@@ -61,6 +74,7 @@ pub struct SqliteOutbox {
     pool: SqlitePool,
     path: PathBuf,
     committed: Arc<Notify>,
+    keep_delivered: Option<Duration>,
 }
 
 fn fail(what: &'static str) -> impl Fn(sqlx::Error) -> Error {
@@ -80,23 +94,36 @@ impl SqliteOutbox {
             pool,
             path,
             committed: Arc::default(),
+            keep_delivered: None,
         };
         outbox.migrate().await?;
         Ok(outbox)
     }
 
     /// Opens the outbox named by `sqlite://PATH` (with `?turnstile_migrate=off`, an
-    /// existing file without creating anything).
+    /// existing file without creating anything; with `?turnstile_keep_delivered=SECONDS`,
+    /// delivered messages are kept that long for audit).
     pub async fn open_url(url: &str) -> Result<Self> {
-        let url = parse_url(url)?;
-        if url.create {
-            return SqliteOutbox::open(url.path).await;
-        }
-        Ok(SqliteOutbox {
-            pool: open_pool(&url.path, false, "outbox").await?,
-            path: url.path,
-            committed: Arc::default(),
-        })
+        let (url, keep) = super::keep_delivered_option(url)?;
+        let url = parse_url(&url)?;
+        let outbox = if url.create {
+            SqliteOutbox::open(url.path).await?
+        } else {
+            SqliteOutbox {
+                pool: open_pool(&url.path, false, "outbox").await?,
+                path: url.path,
+                committed: Arc::default(),
+                keep_delivered: None,
+            }
+        };
+        Ok(outbox.keep_delivered(keep))
+    }
+
+    /// Keeps delivered messages for `retention` (in `turnstile_outbox_delivered`) instead
+    /// of deleting them when they are delivered; `None` deletes them (the default).
+    pub fn keep_delivered(mut self, retention: Option<Duration>) -> Self {
+        self.keep_delivered = retention;
+        self
     }
 
     /// Creates the tables if missing. Harmless to run again or concurrently.
@@ -292,6 +319,20 @@ impl OutboxStore for SqliteOutbox {
                     answers.push(Settled::Fenced);
                     continue;
                 };
+                if self.keep_delivered.is_some() {
+                    sqlx::query(
+                        "INSERT OR IGNORE INTO turnstile_outbox_delivered
+                            (ordering_key, seq, id, topic, headers, payload, created_ms, delivered_ms)
+                         SELECT ordering_key, seq, id, topic, headers, payload, created_ms, ?3
+                         FROM turnstile_outbox WHERE ordering_key = ?1 AND seq <= ?2",
+                    )
+                    .bind(&settlement.key)
+                    .bind(i64::try_from(settlement.delivered_through).unwrap_or(i64::MAX))
+                    .bind(now_ms)
+                    .execute(&mut *transaction)
+                    .await
+                    .map_err(fail(what))?;
+                }
                 sqlx::query("DELETE FROM turnstile_outbox WHERE ordering_key = ?1 AND seq <= ?2")
                     .bind(&settlement.key)
                     .bind(i64::try_from(settlement.delivered_through).unwrap_or(i64::MAX))
@@ -363,12 +404,37 @@ impl OutboxStore for SqliteOutbox {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+            let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM turnstile_outbox_delivered")
+                .fetch_one(&self.pool)
+                .await
+                .map_err(fail(what))?;
             Ok(Status {
+                kept: unsigned(kept),
                 pending: unsigned(row.try_get("pending").map_err(fail(what))?),
                 pending_keys: unsigned(row.try_get("keys").map_err(fail(what))?),
                 oldest_pending: oldest.map(|ms| Duration::from_millis(unsigned(now_ms - ms))),
                 parked,
             })
+        })
+    }
+
+    fn sweep(&self, limit: u32) -> BoxFuture<'_, Result<u64>> {
+        Box::pin(async move {
+            let Some(retention) = self.keep_delivered else {
+                return Ok(0);
+            };
+            let (now_ms, _) = wall_clock();
+            Ok(sqlx::query(
+                "DELETE FROM turnstile_outbox_delivered WHERE rowid IN (
+                    SELECT rowid FROM turnstile_outbox_delivered
+                    WHERE delivered_ms < ?1 ORDER BY delivered_ms LIMIT ?2)",
+            )
+            .bind(now_ms - millis_i64(retention))
+            .bind(i64::from(limit))
+            .execute(&self.pool)
+            .await
+            .map_err(fail("cannot sweep delivered outbox messages"))?
+            .rows_affected())
         })
     }
 
