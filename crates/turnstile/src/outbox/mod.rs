@@ -151,8 +151,10 @@ fn check_name(what: &str, text: &str) -> Result<()> {
 }
 
 impl Message {
-    /// A message with a new UUID v7 id, and the current span's W3C `traceparent` when
-    /// the application set one with [`Message::header`].
+    /// A message with a new UUID v7 id. With the `opentelemetry` feature it carries the
+    /// current `tracing` span's W3C `traceparent` (when the application runs a
+    /// `tracing-opentelemetry` layer), so a consumer's trace continues the producer's;
+    /// without it, add one with [`Message::header`].
     pub fn new(topic: impl Into<String>, key: impl Into<String>, payload: Vec<u8>) -> Result<Self> {
         let (topic, key) = (topic.into(), key.into());
         check_name("topic", &topic)?;
@@ -166,11 +168,16 @@ impl Message {
                 ),
             ));
         }
+        let mut headers = Vec::new();
+        #[cfg(feature = "opentelemetry")]
+        if let Some(traceparent) = current_traceparent() {
+            headers.push(("traceparent".to_owned(), traceparent));
+        }
         Ok(Message {
             id: uuid::Uuid::now_v7().to_string(),
             topic,
             key,
-            headers: Vec::new(),
+            headers,
             payload,
         })
     }
@@ -283,6 +290,24 @@ impl Message {
             payload,
         }
     }
+}
+
+/// The current span's trace context as a W3C `traceparent`, if it has a valid one.
+#[cfg(feature = "opentelemetry")]
+fn current_traceparent() -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let context = tracing::Span::current().context();
+    let span = context.span();
+    let span_context = span.span_context();
+    span_context.is_valid().then(|| {
+        format!(
+            "00-{}-{}-{:02x}",
+            span_context.trace_id(),
+            span_context.span_id(),
+            span_context.trace_flags().to_u8()
+        )
+    })
 }
 
 /// A message as the relay reads it: its place in its key's sequence, and how long it
