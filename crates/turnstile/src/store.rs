@@ -11,6 +11,7 @@ pub const SCHEMES: &[&str] = &[
     "sqlite://PATH",
     "redis://HOST[:PORT][/DB]",
     "rediss://HOST[:PORT][/DB]",
+    "redlock://HOST:PORT,HOST:PORT,HOST:PORT[,…][/DB]",
     "postgres://USER@HOST[:PORT]/DB",
     "mysql://USER@HOST[:PORT]/DB (or mariadb://)",
 ];
@@ -47,6 +48,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>> {
     match scheme.to_ascii_lowercase().as_str() {
         "sqlite" => open_sqlite(url).await,
         "redis" | "rediss" | "redis+unix" | "unix" => open_redis(url).await,
+        "redlock" => open_redlock(url).await,
         "postgres" | "postgresql" => open_postgres(url).await,
         "mysql" | "mariadb" => open_mysql(url).await,
         other => Err(Error::new(
@@ -131,6 +133,23 @@ async fn open_postgres(url: &str) -> Result<Arc<dyn LockBackend>> {
 async fn open_redis(url: &str) -> Result<Arc<dyn LockBackend>> {
     let store = crate::lock::redis::RedisLockStore::connect(url).await?;
     Ok(Arc::new(store))
+}
+
+#[cfg(feature = "redis")]
+async fn open_redlock(url: &str) -> Result<Arc<dyn LockBackend>> {
+    let store = crate::lock::redlock::RedLockStore::connect(url).await?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn open_redlock(url: &str) -> Result<Arc<dyn LockBackend>> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!(
+            "{} needs Redis support: build turnstile with the `redis` feature",
+            redact(url)
+        ),
+    ))
 }
 
 #[cfg(not(feature = "redis"))]

@@ -28,6 +28,8 @@ pub mod postgres;
 pub mod postgres_session;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "redis")]
+pub mod redlock;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 

@@ -168,6 +168,7 @@ impl Message {
                 ),
             ));
         }
+        #[cfg_attr(not(feature = "opentelemetry"), allow(unused_mut))]
         let mut headers = Vec::new();
         #[cfg(feature = "opentelemetry")]
         if let Some(traceparent) = current_traceparent() {
