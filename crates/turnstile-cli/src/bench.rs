@@ -356,6 +356,27 @@ async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
                 counter,
             })
         }
+        // RedLock: the lock over every node, the counter on the first one.
+        #[cfg(feature = "redis")]
+        ("redlock", false) => {
+            let store = turnstile::lock::redlock::RedLockStore::connect(url).await?;
+            let first = url
+                .trim_start_matches("redlock://")
+                .split([',', '/', '?'])
+                .next()
+                .unwrap_or_default();
+            let counter_store =
+                turnstile::lock::redis::RedisLockStore::connect(&format!("redis://{first}"))
+                    .await?;
+            let counter = Counter::Redis {
+                connection: counter_store.connection().clone(),
+                key: format!("{run}:counter"),
+            };
+            Ok(Peer::Library {
+                locker: Locker::new(store),
+                counter,
+            })
+        }
         #[cfg(feature = "sqlite")]
         ("sqlite", false) => {
             let store = turnstile::lock::sqlite::SqliteLockStore::open_url(url).await?;
