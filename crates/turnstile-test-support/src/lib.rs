@@ -16,6 +16,7 @@ use std::sync::mpsc;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+mod etcd;
 mod mariadb;
 mod nats;
 mod postgres;
@@ -23,6 +24,7 @@ mod proxy;
 mod rabbitmq;
 mod redis;
 
+pub use etcd::{EtcdServer, shared_etcd};
 pub use mariadb::{MariaDbServer, shared_mariadb};
 pub use nats::NatsServer;
 pub use postgres::{PostgresServer, shared_postgres};

@@ -12,6 +12,7 @@ pub const SCHEMES: &[&str] = &[
     "redis://HOST[:PORT][/DB]",
     "rediss://HOST[:PORT][/DB]",
     "redlock://HOST:PORT,HOST:PORT,HOST:PORT[,…][/DB]",
+    "etcd://HOST:PORT[,HOST:PORT…]",
     "postgres://USER@HOST[:PORT]/DB",
     "mysql://USER@HOST[:PORT]/DB (or mariadb://)",
 ];
@@ -49,6 +50,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>> {
         "sqlite" => open_sqlite(url).await,
         "redis" | "rediss" | "redis+unix" | "unix" => open_redis(url).await,
         "redlock" => open_redlock(url).await,
+        "etcd" => open_etcd(url).await,
         "postgres" | "postgresql" => open_postgres(url).await,
         "mysql" | "mariadb" => open_mysql(url).await,
         other => Err(Error::new(
@@ -133,6 +135,24 @@ async fn open_postgres(url: &str) -> Result<Arc<dyn LockBackend>> {
 async fn open_redis(url: &str) -> Result<Arc<dyn LockBackend>> {
     let store = crate::lock::redis::RedisLockStore::connect(url).await?;
     Ok(Arc::new(store))
+}
+
+#[cfg(feature = "etcd")]
+async fn open_etcd(url: &str) -> Result<Arc<dyn LockBackend>> {
+    Ok(Arc::new(
+        crate::lock::etcd::EtcdLockStore::connect(url).await?,
+    ))
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn open_etcd(url: &str) -> Result<Arc<dyn LockBackend>> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!(
+            "{} needs etcd support: build turnstile with the `etcd` feature",
+            redact(url)
+        ),
+    ))
 }
 
 #[cfg(feature = "redis")]

@@ -20,6 +20,8 @@ mod session;
 mod signals;
 pub mod telemetry;
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(feature = "postgres")]
