@@ -68,6 +68,8 @@ enum Held {
     },
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     RawSql(crate::bench_sql::RawSqlHeld),
+    #[cfg(feature = "etcd")]
+    RawEtcd(crate::bench_etcd::RawEtcdHeld),
 }
 
 enum AcquireError {
@@ -85,6 +87,12 @@ enum Peer {
     Library {
         locker: Locker,
         counter: Counter,
+    },
+    /// etcd's own lock RPC.
+    #[cfg(feature = "etcd")]
+    RawEtcd {
+        client: Box<etcd_client::Client>,
+        counter: Box<crate::bench_etcd::EtcdCounter>,
     },
     #[cfg(feature = "redis")]
     Raw {
@@ -108,6 +116,8 @@ enum Counter {
         pool: sqlx::SqlitePool,
         name: String,
     },
+    #[cfg(feature = "etcd")]
+    Etcd(Box<crate::bench_etcd::EtcdCounter>),
 }
 
 #[cfg(feature = "redis")]
@@ -164,6 +174,8 @@ impl Counter {
             .await
             .map(|_| ())
             .map_err(|e| e.to_string()),
+            #[cfg(feature = "etcd")]
+            Counter::Etcd(counter) => counter.set(value).await,
         }
     }
 
@@ -182,6 +194,8 @@ impl Counter {
             .await
             .map(Option::unwrap_or_default)
             .map_err(|e| e.to_string()),
+            #[cfg(feature = "etcd")]
+            Counter::Etcd(counter) => counter.get().await,
         }
     }
 }
@@ -194,6 +208,8 @@ impl Peer {
             Peer::Library { .. } => "turnstile",
             #[cfg(feature = "redis")]
             Peer::Raw { .. } => "raw",
+            #[cfg(feature = "etcd")]
+            Peer::RawEtcd { .. } => "raw",
         }
     }
 
@@ -204,6 +220,8 @@ impl Peer {
             Peer::Library { .. } => "release-notification+local-fifo-queue",
             #[cfg(feature = "redis")]
             Peer::Raw { .. } => "busy-retry",
+            #[cfg(feature = "etcd")]
+            Peer::RawEtcd { .. } => "etcd-lock-rpc",
         }
     }
 
@@ -225,6 +243,14 @@ impl Peer {
                         Err(AcquireError::Timeout)
                     }
                     Err(error) => Err(AcquireError::Failed(error.to_string())),
+                }
+            }
+            #[cfg(feature = "etcd")]
+            Peer::RawEtcd { client, .. } => {
+                match crate::bench_etcd::raw_acquire(client, name, ttl, wait).await {
+                    Ok(Some(held)) => Ok(Held::RawEtcd(held)),
+                    Ok(None) => Err(AcquireError::Timeout),
+                    Err(error) => Err(AcquireError::Failed(error)),
                 }
             }
             #[cfg(feature = "redis")]
@@ -261,6 +287,10 @@ impl Peer {
             (_, Held::Library(guard)) => {
                 guard.release().await.map(|_| ()).map_err(|e| e.to_string())
             }
+            #[cfg(feature = "etcd")]
+            (Peer::RawEtcd { client, .. }, Held::RawEtcd(held)) => {
+                crate::bench_etcd::raw_release(client, held).await
+            }
             #[cfg(feature = "redis")]
             (
                 Peer::Raw {
@@ -286,6 +316,8 @@ impl Peer {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Peer::RawSql { counter, .. } => counter.get().await,
             Peer::Library { counter, .. } => counter.get().await,
+            #[cfg(feature = "etcd")]
+            Peer::RawEtcd { counter, .. } => counter.get().await,
             #[cfg(feature = "redis")]
             Peer::Raw {
                 connection,
@@ -300,6 +332,8 @@ impl Peer {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Peer::RawSql { counter, .. } => counter.set(value).await,
             Peer::Library { counter, .. } => counter.set(value).await,
+            #[cfg(feature = "etcd")]
+            Peer::RawEtcd { counter, .. } => counter.set(value).await,
             #[cfg(feature = "redis")]
             Peer::Raw {
                 connection,
@@ -356,6 +390,27 @@ async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
                 counter,
             })
         }
+        #[cfg(feature = "etcd")]
+        ("etcd", raw) => {
+            let client = crate::bench_etcd::connect(url)
+                .await
+                .map_err(|e| Error::new(ErrorKind::StoreUnavailable, e))?;
+            let counter = crate::bench_etcd::EtcdCounter {
+                client: client.clone(),
+                key: format!("{run}:counter"),
+            };
+            if raw {
+                Ok(Peer::RawEtcd {
+                    client: Box::new(client),
+                    counter: Box::new(counter),
+                })
+            } else {
+                Ok(Peer::Library {
+                    locker: Locker::connect(url).await?,
+                    counter: Counter::Etcd(Box::new(counter)),
+                })
+            }
+        }
         // RedLock: the lock over every node, the counter on the first one.
         #[cfg(feature = "redis")]
         ("redlock", false) => {
@@ -407,7 +462,7 @@ async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
         }
         (_, true) => Err(Error::new(
             ErrorKind::UnsupportedStore,
-            format!("--raw needs a redis://, postgres:// or mysql:// store; got {url:?}"),
+            format!("--raw needs a redis://, postgres://, mysql:// or etcd:// store; got {url:?}"),
         )),
         _ => {
             // Let the library explain what is wrong with the URL.

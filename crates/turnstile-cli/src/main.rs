@@ -2,6 +2,8 @@
 //! locks, benchmark a store.
 
 mod bench;
+#[cfg(feature = "etcd")]
+mod bench_etcd;
 mod bench_http;
 #[cfg(all(feature = "postgres", feature = "nats"))]
 mod bench_outbox;
