@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use etcd_client::{
     Client, Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+    TxnOpResponse,
 };
 
 use super::{
@@ -225,23 +226,47 @@ impl LockBackend for EtcdLockStore {
                 .await
                 .map_err(failed("cannot take a lease"))?
                 .id();
-            // Our key, unless we hold one already (an acquire repeated by its owner).
+            // Our key, unless we hold one already (an acquire repeated by its owner), and
+            // the name's first key, in one round trip.
+            let first_key = TxnOp::get(
+                self.name_prefix(name),
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                        .with_limit(1),
+                ),
+            );
             let txn = Txn::new()
                 .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
-                .and_then([TxnOp::put(
-                    key.as_str(),
-                    owner.to_string(),
-                    Some(PutOptions::new().with_lease(lease)),
-                )]);
-            let created = client
+                .and_then([
+                    TxnOp::put(
+                        key.as_str(),
+                        owner.to_string(),
+                        Some(PutOptions::new().with_lease(lease)),
+                    ),
+                    first_key.clone(),
+                ])
+                .or_else([first_key]);
+            let answer = client
                 .txn(txn)
                 .await
-                .map_err(failed("cannot write the lock key"))?
-                .succeeded();
+                .map_err(failed("cannot write the lock key"))?;
+            let created = answer.succeeded();
             if !created {
                 let _ = client.lease_revoke(lease).await;
             }
-            let first = self.first(name).await?;
+            let first = answer
+                .op_responses()
+                .into_iter()
+                .find_map(|response| match response {
+                    TxnOpResponse::Get(got) => Some(got.kvs().first().cloned()),
+                    _ => None,
+                });
+            let first = match first {
+                Some(first) => first,
+                None => self.first(name).await?,
+            };
             match first {
                 Some(kv) if kv.key_str().unwrap_or_default() == key => {
                     self.deadlines().insert(key, sent + ttl);
@@ -330,12 +355,34 @@ impl LockBackend for EtcdLockStore {
             let key = self.key(name, owner);
             let overdue = self.overdue(&key);
             self.deadlines().remove(&key);
-            let first = self.first(name).await?;
-            let response = client
-                .get(key.as_str(), None)
+            // In one round trip: our key, the name's first key (before the delete), and
+            // the delete of ours.
+            let first_key = TxnOp::get(
+                self.name_prefix(name),
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                        .with_limit(1),
+                ),
+            );
+            let answer = client
+                .txn(Txn::new().and_then([
+                    TxnOp::get(key.as_str(), None),
+                    first_key,
+                    TxnOp::delete(key.as_str(), None),
+                ]))
                 .await
-                .map_err(failed("cannot read the lock key"))?;
-            let Some(kv) = response.kvs().first().cloned() else {
+                .map_err(failed("cannot release the lock"))?;
+            let mut got = answer
+                .op_responses()
+                .into_iter()
+                .filter_map(|response| match response {
+                    TxnOpResponse::Get(got) => Some(got.kvs().first().cloned()),
+                    _ => None,
+                });
+            let (mine, first) = (got.next().flatten(), got.next().flatten());
+            let Some(kv) = mine else {
                 return Ok(if first.is_some() {
                     ReleaseOutcome::HeldByOther
                 } else {
@@ -343,18 +390,6 @@ impl LockBackend for EtcdLockStore {
                 });
             };
             let ours = first.as_ref().is_some_and(|first| first.key() == kv.key());
-            let _ = client
-                .txn(
-                    Txn::new()
-                        .when([Compare::create_revision(
-                            key.as_str(),
-                            CompareOp::Equal,
-                            kv.create_revision(),
-                        )])
-                        .and_then([TxnOp::delete(key.as_str(), None)]),
-                )
-                .await
-                .map_err(failed("cannot release the lock"))?;
             let _ = client.lease_revoke(kv.lease()).await;
             Ok(match (ours, overdue) {
                 (true, false) => ReleaseOutcome::Released,
