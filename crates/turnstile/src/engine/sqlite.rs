@@ -87,17 +87,49 @@ pub(crate) async fn open_pool(path: &Path, create: bool, what: &str) -> Result<S
         .journal_mode(SqliteJournalMode::Wal)
         .synchronous(SqliteSynchronous::Normal)
         .busy_timeout(Duration::from_secs(5));
-    SqlitePoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_with(options)
-        .await
-        .map_err(|error| {
-            map_error(
-                error,
-                &format!("cannot open SQLite database {}", path.display()),
-            )
-        })
+    // Several processes creating the same new file at once race on switching it to
+    // WAL (that takes the database's exclusive lock, which the busy timeout does not
+    // cover): the losers see "database is locked" or "unable to open database file"
+    // for a moment, so opening is retried for a few seconds.
+    let started = std::time::Instant::now();
+    let mut pause = Duration::from_millis(10);
+    loop {
+        let attempt = async {
+            let pool = SqlitePoolOptions::new()
+                .max_connections(4)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_with(options.clone())
+                .await?;
+            sqlx::query("SELECT 1").execute(&pool).await?;
+            Ok::<_, sqlx::Error>(pool)
+        }
+        .await;
+        match attempt {
+            Ok(pool) => return Ok(pool),
+            Err(error)
+                if is_transient_open_error(&error)
+                    && started.elapsed() < Duration::from_secs(5) =>
+            {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(200));
+            }
+            Err(error) => {
+                return Err(map_error(
+                    error,
+                    &format!("cannot open SQLite database {}", path.display()),
+                ));
+            }
+        }
+    }
+}
+
+/// SQLite's "database is locked" (5) and "unable to open database file" (14), as another
+/// process creates the same file.
+fn is_transient_open_error(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| matches!(code.as_ref(), "5" | "14" | "517"))
 }
 
 /// Milliseconds and microseconds since the Unix epoch on the host's wall clock: the

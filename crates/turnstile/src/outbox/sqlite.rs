@@ -10,8 +10,9 @@
 //! - **Order**: SQLite serialises writers, so sequence numbers per key follow commit
 //!   order.
 //! - **Clock**: leases and backoff are judged by the host's wall clock.
-//! - **Durability**: WAL with `synchronous = FULL`: a committed message survives a crash
-//!   of the process and of the host.
+//! - **Durability**: WAL with `synchronous = NORMAL` (the engine's setting): a committed
+//!   message survives a crash of the process; a power loss may take the last commits
+//!   back, message and business change together.
 //! - **Waking**: [`SqliteOutbox::commit`] wakes relays in this process at once; relays in
 //!   other processes poll, backing off while idle.
 
