@@ -3,13 +3,14 @@
 //! copies from a dead relay and redeliveries after a failed handler are skipped, every
 //! key is handled in order, and a broker outage loses nothing.
 
+mod outbox_projection;
+
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
+use outbox_projection::Projection;
 use rdkafka::mocking::MockCluster;
 use tokio_util::sync::CancellationToken;
-use turnstile::idempotency::inbox::Inbox;
-use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
 use turnstile::outbox::kafka::{KafkaConsumer, KafkaPublisher};
 use turnstile::outbox::relay::{Publisher, Relay, RelayOptions};
 use turnstile::outbox::sqlite::SqliteOutbox;
@@ -67,55 +68,14 @@ async fn copies_and_redeliveries_are_handled_once_in_key_order() {
     while relay.run_once().await.unwrap().keys > 0 {}
     drain(&outbox).await;
 
-    let keys = SqliteIdempotencyStore::open(dir.path().join("consumer.db"))
-        .await
-        .unwrap();
-    sqlx::query("CREATE TABLE totals (account TEXT PRIMARY KEY, cents INTEGER NOT NULL, last_seq INTEGER NOT NULL)")
-        .execute(keys.pool())
-        .await
-        .unwrap();
-    let inbox = Inbox::new(keys.clone(), "projection").unwrap();
+    let mut projection = Projection::open(&dir.path().join("consumer.db")).await;
     let consumer = KafkaConsumer::connect(&url, "payments", "projection").unwrap();
-    let (mut handled, mut skipped, mut out_of_order) = (0, 0, 0);
+
     let mut crashed: HashSet<String> = HashSet::new();
     for _ in 0..400 {
         consumer
             .process(50, Duration::from_millis(500), async |incoming| {
-                let body: serde_json::Value = serde_json::from_slice(&incoming.payload).unwrap();
-                let account = body["account"].as_str().unwrap().to_owned();
-                let cents = body["cents"].as_i64().unwrap();
-                let seq = i64::try_from(incoming.seq.unwrap()).unwrap();
-                let mut transaction = keys.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
-                let delivery = inbox
-                    .process(&mut transaction, &incoming.id, async |connection| {
-                        let last: Option<i64> =
-                            sqlx::query_scalar("SELECT last_seq FROM totals WHERE account = ?1")
-                                .bind(&account)
-                                .fetch_optional(&mut *connection)
-                                .await
-                                .unwrap();
-                        if last.unwrap_or(0) + 1 != seq {
-                            out_of_order += 1;
-                        }
-                        sqlx::query(
-                            "INSERT INTO totals (account, cents, last_seq) VALUES (?1, ?2, ?3)
-                             ON CONFLICT (account) DO UPDATE SET cents = cents + ?2, last_seq = ?3",
-                        )
-                        .bind(&account)
-                        .bind(cents)
-                        .bind(seq)
-                        .execute(&mut *connection)
-                        .await
-                        .unwrap();
-                        Ok::<_, turnstile::Error>(())
-                    })
-                    .await?;
-                transaction.commit().await.unwrap();
-                if delivery.is_duplicate() {
-                    skipped += 1;
-                } else {
-                    handled += 1;
-                }
+                let cents = projection.apply(incoming).await?;
                 // Dies between its commit and its offset commit, once per such message.
                 if cents % 7 == 0 && crashed.insert(incoming.id.clone()) {
                     return Err(turnstile::Error::new(
@@ -127,26 +87,22 @@ async fn copies_and_redeliveries_are_handled_once_in_key_order() {
             })
             .await
             .unwrap();
-        if handled == 96 && skipped >= 16 + crashed.len() {
+        if projection.handled == 96 && projection.skipped >= 16 + crashed.len() {
             break;
         }
     }
-    assert_eq!(handled, 96, "each message handled once");
+    assert_eq!(projection.handled, 96, "each message handled once");
     assert!(!crashed.is_empty());
     assert_eq!(
-        skipped,
+        projection.skipped,
         16 + crashed.len(),
         "each copy and each redelivery skipped"
     );
     assert_eq!(
-        out_of_order, 0,
+        projection.out_of_order, 0,
         "a key's messages were handled out of order"
     );
-    let totals: Vec<(String, i64)> =
-        sqlx::query_as("SELECT account, cents FROM totals ORDER BY account")
-            .fetch_all(keys.pool())
-            .await
-            .unwrap();
+    let totals = projection.totals().await;
     assert_eq!(totals, expected.into_iter().collect::<Vec<_>>());
 }
 

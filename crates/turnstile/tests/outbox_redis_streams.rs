@@ -2,12 +2,13 @@
 //! the inbox: Redis keeps every copy a relay publishes, and the inbox is what makes
 //! handling effectively once.
 
+mod outbox_projection;
+
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
+use outbox_projection::Projection;
 use tokio_util::sync::CancellationToken;
-use turnstile::idempotency::inbox::Inbox;
-use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
 use turnstile::outbox::redis_streams::{RedisStreamsConsumer, RedisStreamsPublisher};
 use turnstile::outbox::relay::{Publisher, Relay, RelayOptions};
 use turnstile::outbox::sqlite::SqliteOutbox;
@@ -70,18 +71,11 @@ async fn copies_in_the_stream_are_handled_once_in_key_order() {
         relay.await.unwrap().unwrap();
     }
 
-    let keys = SqliteIdempotencyStore::open(dir.path().join("consumer.db"))
-        .await
-        .unwrap();
-    sqlx::query("CREATE TABLE totals (account TEXT PRIMARY KEY, cents INTEGER NOT NULL, last_seq INTEGER NOT NULL)")
-        .execute(keys.pool())
-        .await
-        .unwrap();
-    let inbox = Inbox::new(keys.clone(), "projection").unwrap();
+    let mut projection = Projection::open(&dir.path().join("consumer.db")).await;
     let consumer = RedisStreamsConsumer::connect(&redis.url(), &stream, "projection", "c1")
         .await
         .unwrap();
-    let (mut handled, mut skipped, mut out_of_order, mut crashed) = (0, 0, 0, 0);
+    let mut crashed = 0;
     for _ in 0..50 {
         let done = consumer
             .process(
@@ -89,42 +83,7 @@ async fn copies_in_the_stream_are_handled_once_in_key_order() {
                 Duration::from_millis(50),
                 Duration::from_millis(100),
                 async |incoming| {
-                    let body: serde_json::Value = serde_json::from_slice(&incoming.payload).unwrap();
-                    let account = body["account"].as_str().unwrap().to_owned();
-                    let cents = body["cents"].as_i64().unwrap();
-                    let seq = i64::try_from(incoming.seq.unwrap()).unwrap();
-                    let mut transaction = keys.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
-                    let delivery = inbox
-                        .process(&mut transaction, &incoming.id, async |connection| {
-                            let last: Option<i64> = sqlx::query_scalar(
-                                "SELECT last_seq FROM totals WHERE account = ?1",
-                            )
-                            .bind(&account)
-                            .fetch_optional(&mut *connection)
-                            .await
-                            .unwrap();
-                            if last.unwrap_or(0) + 1 != seq {
-                                out_of_order += 1;
-                            }
-                            sqlx::query(
-                                "INSERT INTO totals (account, cents, last_seq) VALUES (?1, ?2, ?3)
-                                 ON CONFLICT (account) DO UPDATE SET cents = cents + ?2, last_seq = ?3",
-                            )
-                            .bind(&account)
-                            .bind(cents)
-                            .bind(seq)
-                            .execute(&mut *connection)
-                            .await
-                            .unwrap();
-                            Ok::<_, turnstile::Error>(())
-                        })
-                        .await?;
-                    transaction.commit().await.unwrap();
-                    if delivery.is_duplicate() {
-                        skipped += 1;
-                    } else {
-                        handled += 1;
-                    }
+                    let cents = projection.apply(incoming).await?;
                     // A consumer that dies between its commit and its XACK: the entry
                     // stays pending and is claimed again.
                     if incoming.deliveries == 1 && cents % 7 == 0 {
@@ -139,29 +98,29 @@ async fn copies_in_the_stream_are_handled_once_in_key_order() {
             )
             .await
             .unwrap();
-        if done.acked == 0 && done.retried == 0 && handled == 120 && skipped == 24 + crashed {
+        if done.acked == 0
+            && done.retried == 0
+            && projection.handled == 120
+            && projection.skipped == 24 + crashed
+        {
             break;
         }
     }
-    assert_eq!(handled, 120, "each message handled once");
+    assert_eq!(projection.handled, 120, "each message handled once");
     // Copies of messages that "crashed" before their ack are skipped when claimed again;
     // the copies the dead relay left are acknowledged as duplicates by whichever
     // delivery comes second.
     assert!(crashed > 0);
     assert_eq!(
-        skipped,
+        projection.skipped,
         24 + crashed,
         "each copy and each redelivery skipped"
     );
     assert_eq!(
-        out_of_order, 0,
+        projection.out_of_order, 0,
         "a key's messages were handled out of order"
     );
-    let totals: Vec<(String, i64)> =
-        sqlx::query_as("SELECT account, cents FROM totals ORDER BY account")
-            .fetch_all(keys.pool())
-            .await
-            .unwrap();
+    let totals = projection.totals().await;
     assert_eq!(totals, expected.into_iter().collect::<Vec<_>>());
 }
 
