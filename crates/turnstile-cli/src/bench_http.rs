@@ -49,6 +49,11 @@ pub(crate) struct ServerArgs {
     /// Serve the routes without the idempotency layer: the baseline.
     #[arg(long, conflicts_with = "wait")]
     no_layer: bool,
+    /// Instead of the layer, the floor of any Redis-backed design: per request with a
+    /// key, one plain `SET … NX PX` before the handler and one `SET … PX` of the body
+    /// after it (no scripts, fingerprint, token, watchdog or replay).
+    #[arg(long, conflicts_with_all = ["wait", "no_layer"])]
+    raw_redis: bool,
 }
 
 /// Options of `turnstile bench idempotency-duplicates`.
@@ -197,6 +202,8 @@ async fn serve_inner(args: ServerArgs) -> Result<(), Error> {
         .route("/slow", post(slow));
     let routes = if args.no_layer {
         routes
+    } else if args.raw_redis {
+        raw_redis_floor(routes, args.store).await?
     } else {
         let store = match args.store {
             Some(store) => store,
@@ -234,6 +241,94 @@ async fn serve_inner(args: ServerArgs) -> Result<(), Error> {
         })
         .await
         .map_err(|error| Error::new(ErrorKind::Store, format!("the server failed: {error}")))
+}
+
+/// Wraps `routes` in the raw Redis floor (`--raw-redis`).
+#[cfg(feature = "redis")]
+async fn raw_redis_floor(routes: Router<App>, store: Option<String>) -> Result<Router<App>, Error> {
+    use axum::body::Body;
+    use axum::extract::Request;
+    use axum::middleware::Next;
+
+    async fn floor(
+        State(connection): State<redis::aio::ConnectionManager>,
+        request: Request,
+        next: Next,
+    ) -> Response {
+        let Some(key) = request
+            .headers()
+            .get("idempotency-key")
+            .and_then(|value| value.to_str().ok())
+            .map(|key| format!("bench:raw:{key}"))
+        else {
+            return next.run(request).await;
+        };
+        let failed = |error: redis::RedisError| {
+            json(
+                StatusCode::SERVICE_UNAVAILABLE,
+                serde_json::json!({"error": error.to_string()}),
+            )
+        };
+        let mut connection = connection.clone();
+        let claimed: Option<String> = match redis::cmd("SET")
+            .arg(&key)
+            .arg("in_progress")
+            .arg("NX")
+            .arg("PX")
+            .arg(30_000)
+            .query_async(&mut connection)
+            .await
+        {
+            Ok(claimed) => claimed,
+            Err(error) => return failed(error),
+        };
+        if claimed.is_none() {
+            return StatusCode::CONFLICT.into_response();
+        }
+        let (head, body) = next.run(request).await.into_parts();
+        let Ok(body) = axum::body::to_bytes(body, 1 << 20).await else {
+            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+        };
+        if let Err(error) = redis::cmd("SET")
+            .arg(&key)
+            .arg(&body[..])
+            .arg("PX")
+            .arg(86_400_000)
+            .query_async::<()>(&mut connection)
+            .await
+        {
+            return failed(error);
+        }
+        Response::from_parts(head, Body::from(body))
+    }
+
+    let url = match store {
+        Some(store) => store,
+        None => format!("redis://127.0.0.1:{}", port("REDIS_PORT", 6421)?),
+    };
+    let client = redis::Client::open(url.as_str()).map_err(|error| {
+        Error::new(ErrorKind::InvalidUrl, format!("{url}: {error}"))
+    })?;
+    let connection = client
+        .get_connection_manager()
+        .await
+        .map_err(|error| {
+            Error::new(
+                ErrorKind::StoreUnavailable,
+                format!("cannot reach Redis at {url}: {error}"),
+            )
+        })?;
+    eprintln!("turnstile: the raw Redis floor (two plain SETs per new key) on {url}");
+    Ok(routes.route_layer(axum::middleware::from_fn_with_state(connection, floor)))
+}
+
+/// What a build without Redis answers to `--raw-redis`.
+#[cfg(not(feature = "redis"))]
+async fn raw_redis_floor(_: Router<App>, _: Option<String>) -> Result<Router<App>, Error> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        "--raw-redis needs Redis support: build the turnstile command with the `redis` feature",
+    ))
 }
 
 /// One HTTP/1.1 exchange on its own connection: status, whether it was a replay, and

@@ -65,7 +65,7 @@ local function issue(owner, ttl, retention, only_if_free)
   if last >= token then
     token = last + 1
   end
-  local text = string.format('%.0f', token)
+  local text = string.format('%d', token)
   if only_if_free then
     if not redis.call('SET', KEYS[1], owner .. ':' .. text, 'NX', 'PX', ttl) then
       return nil
