@@ -306,18 +306,14 @@ async fn raw_redis_floor(routes: Router<App>, store: Option<String>) -> Result<R
         Some(store) => store,
         None => format!("redis://127.0.0.1:{}", port("REDIS_PORT", 6421)?),
     };
-    let client = redis::Client::open(url.as_str()).map_err(|error| {
-        Error::new(ErrorKind::InvalidUrl, format!("{url}: {error}"))
+    let client = redis::Client::open(url.as_str())
+        .map_err(|error| Error::new(ErrorKind::InvalidUrl, format!("{url}: {error}")))?;
+    let connection = client.get_connection_manager().await.map_err(|error| {
+        Error::new(
+            ErrorKind::StoreUnavailable,
+            format!("cannot reach Redis at {url}: {error}"),
+        )
     })?;
-    let connection = client
-        .get_connection_manager()
-        .await
-        .map_err(|error| {
-            Error::new(
-                ErrorKind::StoreUnavailable,
-                format!("cannot reach Redis at {url}: {error}"),
-            )
-        })?;
     eprintln!("turnstile: the raw Redis floor (two plain SETs per new key) on {url}");
     Ok(routes.route_layer(axum::middleware::from_fn_with_state(connection, floor)))
 }

@@ -1,32 +1,46 @@
 //! Locks in etcd (`etcd://host:port[,host:port…]`, feature `etcd`).
 //!
-//! Each acquisition is a key `{prefix}/{name}/{owner}` attached to a lease of its own
-//! (granted for the TTL, in whole seconds rounded up: etcd's leases count seconds); the
-//! key with the smallest create revision under the name holds the lock. An acquisition
-//! that does not come first deletes its key again and answers "held", so nobody waits
-//! in etcd's queue: waiting is the lock core's.
+//! Each acquisition is a key `{prefix}/{name}/{owner}`; the key with the smallest
+//! create revision under the name holds the lock. Keys live on this client's
+//! **session lease** — one lease per whole-second TTL in use (the TTL rounded up, plus
+//! one second), kept alive every half second while the store lives, as etcd's own
+//! concurrency package does — so an acquisition is one read and one conditional write,
+//! and a release one write, with no lease granted or revoked per acquisition. An
+//! acquisition that does not come first deletes its key again and answers "held", so
+//! nobody waits in etcd's queue: waiting is the lock core's.
 //!
 //! # Guarantees
 //! - **Atomicity and order**: etcd's Raft log; revisions grow cluster-wide.
 //! - **Fencing tokens**: the holder key's create revision — grows with every write to
 //!   the cluster, survives restarts and leader changes (it is in the replicated log).
-//! - **Expiry**: the lease, by the etcd leader's clock, in whole seconds; a renewal is a
-//!   lease keep-alive. A lease that expired fires the holder's lost signal at its next
-//!   renewal; renewals that fail fire it at the local validity deadline.
-//! - **Partition / leader change**: a holder cut off from a quorum cannot renew and
-//!   stops at its local deadline; a leader change keeps leases (their TTL restarts on
-//!   the new leader, so a lease may outlive its TTL, never the reverse).
+//! - **Expiry of a crashed or cut-off holder**: its session lease, by the etcd leader's
+//!   clock: the key goes at most the TTL rounded up to whole seconds, plus one second,
+//!   after the holder's last keep-alive. A holder that is alive but stops renewing a
+//!   lock (no watchdog, or past its deadline) has the key deleted by its own client at
+//!   its deadline (within half a second), since its session lease lives on.
+//! - **Lost signal**: a renewal confirms that the key is still there and first, and
+//!   that the session lease was kept alive to cover the new deadline; a lease that
+//!   expired (etcd answers a keep-alive with TTL 0) takes every key of the session with
+//!   it, and the next renewal of each finds its key gone. Renewals that fail fire the
+//!   signal at the local validity deadline.
+//! - **Partition / leader change**: a holder cut off from a quorum cannot keep its
+//!   session alive and stops at its local deadline, before its lease can end on etcd; a
+//!   leader change keeps leases (their TTL restarts on the new leader, so a lease may
+//!   outlive its TTL, never the reverse).
 //! - **Waiting**: a waiter watches the name's keys from the current revision and is
 //!   woken by a deletion (a release, an expired lease); it also re-checks with a backoff
 //!   from 50 ms to 500 ms in case a notification is lost.
+//! - **Breaking** a lock deletes the holder's key only; the holder's other locks on the
+//!   same session lease stay.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use etcd_client::{
-    Client, Compare, CompareOp, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
-    TxnOpResponse,
+    Client, Compare, CompareOp, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
+    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
 };
 
 use super::{
@@ -45,16 +59,161 @@ impl Drop for WatchTask {
     }
 }
 
+/// When each lock this client holds stops being trusted without a renewal (sent +
+/// TTL), by key. The session lease outlives every single lock's TTL, so past its
+/// deadline a key is this client's to delete.
+type Deadlines = Arc<Mutex<HashMap<String, Instant>>>;
+
+fn lock_deadlines(
+    deadlines: &Mutex<HashMap<String, Instant>>,
+) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
+    deadlines
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// How often a session lease is kept alive. Its TTL is one second longer than the
+/// locks' (rounded up), so a keep-alive at most this old still covers a new lock's
+/// whole TTL and acquisitions need none of their own.
+const SESSION_KEEP_ALIVE_EVERY: Duration = Duration::from_millis(500);
+
+/// How long one keep-alive exchange may take before it counts as failed.
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One lease shared by this client's keys of one whole-second TTL.
+struct Session {
+    id: i64,
+    secs: i64,
+    /// Until when etcd keeps the lease at the least: the last answered keep-alive's
+    /// send time plus the lease's TTL.
+    alive_until: Mutex<Instant>,
+    /// etcd answered a keep-alive with TTL 0: the lease and its keys are gone.
+    expired: AtomicBool,
+    channel: tokio::sync::Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
+    client: Client,
+}
+
+impl Session {
+    fn alive_until(&self) -> Instant {
+        *self
+            .alive_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Keeps the lease alive once: `Ok(false)` when etcd says it has expired.
+    async fn keep_alive(&self) -> Result<bool> {
+        let sent = Instant::now();
+        let mut channel = self.channel.lock().await;
+        let exchange = async {
+            if channel.is_none() {
+                *channel = Some(self.client.clone().lease_keep_alive(self.id).await?);
+            }
+            let Some((keeper, stream)) = channel.as_mut() else {
+                unreachable!("opened above");
+            };
+            keeper.keep_alive().await?;
+            stream.message().await
+        };
+        let answer = match tokio::time::timeout(KEEP_ALIVE_TIMEOUT, exchange).await {
+            Ok(Ok(Some(answer))) => answer,
+            Ok(Ok(None)) => {
+                *channel = None;
+                return Err(Error::new(
+                    ErrorKind::StoreUnavailable,
+                    "etcd closed the lease keep-alive stream",
+                ));
+            }
+            Ok(Err(error)) => {
+                *channel = None;
+                return Err(failed("cannot renew the session lease")(error));
+            }
+            Err(_) => {
+                *channel = None;
+                return Err(Error::new(
+                    ErrorKind::StoreUnavailable,
+                    format!("etcd did not answer a lease keep-alive within {KEEP_ALIVE_TIMEOUT:?}"),
+                ));
+            }
+        };
+        if answer.ttl() <= 0 {
+            self.expired.store(true, Ordering::SeqCst);
+            return Ok(false);
+        }
+        let mut alive_until = self
+            .alive_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let renewed = sent + Duration::from_secs(u64::try_from(self.secs).unwrap_or(1));
+        if renewed > *alive_until {
+            *alive_until = renewed;
+        }
+        Ok(true)
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // No lock of this store is held any more (a held lock keeps the store, and so
+        // its sessions, alive): give the lease back rather than let it run out.
+        let (mut client, id) = (self.client.clone(), self.id);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = client.lease_revoke(id).await;
+            });
+        }
+    }
+}
+
+/// Keeps a session lease alive, and deletes this client's keys whose deadline passed
+/// without a renewal; ends with the session.
+async fn keep_session(session: Weak<Session>, deadlines: Weak<Mutex<HashMap<String, Instant>>>) {
+    loop {
+        tokio::time::sleep(SESSION_KEEP_ALIVE_EVERY).await;
+        let Some(session) = session.upgrade() else {
+            return;
+        };
+        if session.expired.load(Ordering::SeqCst) {
+            return;
+        }
+        // A failure is retried at the next tick; renewals and acquisitions that need a
+        // fresher lease keep it alive themselves, and fail if they cannot.
+        let _ = session.keep_alive().await;
+        let Some(deadlines) = deadlines.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        let overdue: Vec<String> = lock_deadlines(&deadlines)
+            .iter()
+            .filter(|(_, deadline)| now >= **deadline)
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in overdue {
+            if session
+                .client
+                .clone()
+                .delete(key.as_str(), None)
+                .await
+                .is_ok()
+            {
+                let mut deadlines = lock_deadlines(&deadlines);
+                if deadlines.get(&key).is_some_and(|deadline| now >= *deadline) {
+                    deadlines.remove(&key);
+                }
+            }
+        }
+    }
+}
+
 /// Locks in etcd.
 #[derive(Clone)]
 pub struct EtcdLockStore {
     client: Client,
     prefix: String,
     url: String,
-    /// When each lock this client holds stops being trusted without a renewal (sent +
-    /// TTL): etcd's leases count whole seconds, so a key can outlive a shorter TTL by
-    /// up to a second, and the client must not take that time as still holding.
-    deadlines: Arc<Mutex<HashMap<String, Instant>>>,
+    deadlines: Deadlines,
+    /// The session leases, by their TTL in whole seconds.
+    sessions: Arc<tokio::sync::Mutex<HashMap<i64, Arc<Session>>>>,
 }
 
 impl std::fmt::Debug for EtcdLockStore {
@@ -139,7 +298,47 @@ impl EtcdLockStore {
             prefix,
             url: format!("etcd://{hosts}"),
             deadlines: Arc::default(),
+            sessions: Arc::default(),
         })
+    }
+
+    /// The session lease for locks of `ttl`, kept alive at least until `needed_until`
+    /// (granted, or kept alive now, when it is not).
+    async fn session(&self, ttl: Duration, needed_until: Instant) -> Result<Arc<Session>> {
+        let secs = whole_seconds(ttl).saturating_add(1);
+        let mut sessions = self.sessions.lock().await;
+        if let Some(session) = sessions.get(&secs)
+            && !session.expired.load(Ordering::SeqCst)
+        {
+            let session = Arc::clone(session);
+            drop(sessions);
+            if session.alive_until() >= needed_until || session.keep_alive().await? {
+                return Ok(session);
+            }
+            sessions = self.sessions.lock().await;
+        }
+        let sent = Instant::now();
+        let id = self
+            .client
+            .clone()
+            .lease_grant(secs, None)
+            .await
+            .map_err(failed("cannot take a session lease"))?
+            .id();
+        let session = Arc::new(Session {
+            id,
+            secs,
+            alive_until: Mutex::new(sent + Duration::from_secs(u64::try_from(secs).unwrap_or(1))),
+            expired: AtomicBool::new(false),
+            channel: tokio::sync::Mutex::new(None),
+            client: self.client.clone(),
+        });
+        tokio::spawn(keep_session(
+            Arc::downgrade(&session),
+            Arc::downgrade(&self.deadlines),
+        ));
+        sessions.insert(secs, Arc::clone(&session));
+        Ok(session)
     }
 
     fn name_prefix(&self, name: &LockName) -> String {
@@ -170,9 +369,7 @@ impl EtcdLockStore {
     }
 
     fn deadlines(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
-        self.deadlines
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock_deadlines(&self.deadlines)
     }
 
     /// Whether this client's TTL for `key` has passed without a renewal.
@@ -213,19 +410,18 @@ impl LockBackend for EtcdLockStore {
             let mut client = self.client.clone();
             let key = self.key(name, owner);
             // Look before writing: a waiter that wrote its key and deleted it again would
-            // wake every watcher of the name (a deletion is what they wait for).
-            if let Some(holder) = self.first(name).await?
+            // wake every watcher of the name (a deletion is what they wait for). The
+            // session lease is made sure of meanwhile (usually nothing to do).
+            let (session, holder) =
+                tokio::try_join!(self.session(ttl, sent + ttl), self.first(name))?;
+            if let Some(holder) = holder
                 && holder.key_str().unwrap_or_default() != key
             {
                 return Ok(TryAcquire::Held {
                     remaining_ttl: self.lease_left(holder.lease()).await,
                 });
             }
-            let lease = client
-                .lease_grant(whole_seconds(ttl), None)
-                .await
-                .map_err(failed("cannot take a lease"))?
-                .id();
+            let lease = session.id;
             // Our key, unless we hold one already (an acquire repeated by its owner), and
             // the name's first key, in one round trip.
             let first_key = TxnOp::get(
@@ -253,9 +449,6 @@ impl LockBackend for EtcdLockStore {
                 .await
                 .map_err(failed("cannot write the lock key"))?;
             let created = answer.succeeded();
-            if !created {
-                let _ = client.lease_revoke(lease).await;
-            }
             let first = answer
                 .op_responses()
                 .into_iter()
@@ -278,7 +471,6 @@ impl LockBackend for EtcdLockStore {
                     // Not first: take our key back out of the line.
                     if created {
                         let _ = client.delete(key.as_str(), None).await;
-                        let _ = client.lease_revoke(lease).await;
                     }
                     let remaining_ttl = match holder {
                         Some(kv) => self.lease_left(kv.lease()).await,
@@ -306,36 +498,62 @@ impl LockBackend for EtcdLockStore {
                 self.deadlines().remove(&key);
                 return Ok(ExtendOutcome::Lost(LossReason::Expired));
             }
-            let response = client
-                .get(key.as_str(), None)
-                .await
-                .map_err(failed("cannot read the lock key"))?;
-            let Some(kv) = response.kvs().first() else {
-                let taken = self.first(name).await?.is_some();
-                return Ok(ExtendOutcome::Lost(if taken {
+            // Our key and the name's first key in one read, while the session lease is
+            // made sure of for the new deadline.
+            let first_key = TxnOp::get(
+                self.name_prefix(name),
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                        .with_limit(1),
+                ),
+            );
+            let read = async {
+                client
+                    .clone()
+                    .txn(Txn::new().and_then([TxnOp::get(key.as_str(), None), first_key]))
+                    .await
+                    .map_err(failed("cannot read the lock key"))
+            };
+            let (session, answer) = tokio::try_join!(self.session(ttl, sent + ttl), read)?;
+            let mut got = answer
+                .op_responses()
+                .into_iter()
+                .filter_map(|response| match response {
+                    TxnOpResponse::Get(got) => Some(got.kvs().first().cloned()),
+                    _ => None,
+                });
+            let (mine, first) = (got.next().flatten(), got.next().flatten());
+            let Some(kv) = mine else {
+                return Ok(ExtendOutcome::Lost(if first.is_some() {
                     LossReason::TakenOver
                 } else {
                     LossReason::Expired
                 }));
             };
-            let (mut keeper, mut stream) = client
-                .lease_keep_alive(kv.lease())
-                .await
-                .map_err(failed("cannot renew the lease"))?;
-            keeper
-                .keep_alive()
-                .await
-                .map_err(failed("cannot renew the lease"))?;
-            let renewed = stream
-                .message()
-                .await
-                .map_err(failed("cannot renew the lease"))?
-                .is_some_and(|answer| answer.ttl() > 0);
-            if !renewed {
-                return Ok(ExtendOutcome::Lost(LossReason::Expired));
+            if kv.lease() != session.id {
+                // A key on a lease that is not this client's session now (written by an
+                // earlier session whose lease was replaced): keep that lease alive.
+                let (mut keeper, mut stream) = client
+                    .lease_keep_alive(kv.lease())
+                    .await
+                    .map_err(failed("cannot renew the lease"))?;
+                keeper
+                    .keep_alive()
+                    .await
+                    .map_err(failed("cannot renew the lease"))?;
+                let renewed = stream
+                    .message()
+                    .await
+                    .map_err(failed("cannot renew the lease"))?
+                    .is_some_and(|answer| answer.ttl() > 0);
+                if !renewed {
+                    return Ok(ExtendOutcome::Lost(LossReason::Expired));
+                }
             }
             // Still first? (A key of ours that is not first is not a lock.)
-            match self.first(name).await? {
+            match first {
                 Some(first) if first.key() == kv.key() => {
                     self.deadlines().insert(key, sent + ttl);
                     Ok(ExtendOutcome::Extended)
@@ -390,7 +608,6 @@ impl LockBackend for EtcdLockStore {
                 });
             };
             let ours = first.as_ref().is_some_and(|first| first.key() == kv.key());
-            let _ = client.lease_revoke(kv.lease()).await;
             Ok(match (ours, overdue) {
                 (true, false) => ReleaseOutcome::Released,
                 // Our TTL had passed: whatever etcd still kept was no longer a lock.
@@ -416,8 +633,8 @@ impl LockBackend for EtcdLockStore {
             };
             let info = self.info(&kv).await;
             let mut client = self.client.clone();
+            // The key only: its lease is the holder's session, which may carry other locks.
             let _ = client.delete(kv.key().to_vec(), None).await;
-            let _ = client.lease_revoke(kv.lease()).await;
             Ok(Some(info))
         })
     }
