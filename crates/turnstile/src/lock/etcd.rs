@@ -675,4 +675,89 @@ impl LockBackend for EtcdLockStore {
     fn describe(&self) -> String {
         self.url.clone()
     }
+
+    /// One write: `from`'s key out and `to`'s key in, in one transaction that also reads
+    /// the name's first two keys as they were. `to` holds the lock when no other key
+    /// was in line (its key, the newest, is then the only one), with the transaction's
+    /// revision — its key's create revision — as the token.
+    fn hand_over<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: &'a OwnerId,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            let mut client = self.client.clone();
+            let (from_key, to_key) = (self.key(name, from), self.key(name, to));
+            let session = self.session(ttl, sent + ttl).await?;
+            let overdue = self.overdue(&from_key);
+            let first_two = TxnOp::get(
+                self.name_prefix(name),
+                Some(
+                    GetOptions::new()
+                        .with_prefix()
+                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                        .with_limit(2),
+                ),
+            );
+            let txn = Txn::new()
+                .when([
+                    Compare::create_revision(from_key.as_str(), CompareOp::Greater, 0),
+                    Compare::create_revision(to_key.as_str(), CompareOp::Equal, 0),
+                ])
+                .and_then([
+                    first_two,
+                    TxnOp::delete(from_key.as_str(), None),
+                    TxnOp::put(
+                        to_key.as_str(),
+                        to.to_string(),
+                        Some(PutOptions::new().with_lease(session.id)),
+                    ),
+                ]);
+            let answer = client
+                .txn(txn)
+                .await
+                .map_err(failed("cannot hand the lock over"))?;
+            if !answer.succeeded() {
+                // `from` has no key (its lock is gone), or `to` has one already: the
+                // two steps apart say what happened.
+                let released = self.release(name, from).await?;
+                let acquired = self.try_acquire(name, to, ttl).await?;
+                return Ok((released, acquired));
+            }
+            self.deadlines().remove(&from_key);
+            let revision = answer.header().map_or(0, |header| header.revision());
+            let before: Vec<etcd_client::KeyValue> = answer
+                .op_responses()
+                .into_iter()
+                .find_map(|response| match response {
+                    TxnOpResponse::Get(got) => Some(got.kvs().to_vec()),
+                    _ => None,
+                })
+                .unwrap_or_default();
+            let was_first = before
+                .first()
+                .is_some_and(|kv| kv.key() == from_key.as_bytes());
+            let released = match (was_first, overdue) {
+                (true, false) => ReleaseOutcome::Released,
+                (true, true) => ReleaseOutcome::AlreadyExpired,
+                (false, _) => ReleaseOutcome::HeldByOther,
+            };
+            let Some(ahead) = before.iter().find(|kv| kv.key() != from_key.as_bytes()) else {
+                self.deadlines().insert(to_key, sent + ttl);
+                return Ok((
+                    released,
+                    TryAcquire::Acquired {
+                        token: token(revision),
+                    },
+                ));
+            };
+            // Another key is in line before ours: take ours back out.
+            let _ = client.delete(to_key.as_str(), None).await;
+            let remaining_ttl = self.lease_left(ahead.lease()).await;
+            Ok((released, TryAcquire::Held { remaining_ttl }))
+        })
+    }
 }

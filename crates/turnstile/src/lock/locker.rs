@@ -152,6 +152,30 @@ pub struct Locker {
 struct Inner {
     backend: Arc<dyn LockBackend>,
     queues: Mutex<Queues>,
+    /// A moving average of how long one acquisition request to the store takes, in µs
+    /// (0 before the first): what a waiter elsewhere needs, once woken, to get in.
+    acquire_micros: std::sync::atomic::AtomicU64,
+}
+
+impl Inner {
+    fn record_acquire_time(&self, took: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let sample = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        let old = self.acquire_micros.load(Relaxed);
+        let new = if old == 0 {
+            sample
+        } else {
+            old.saturating_mul(7).saturating_add(sample) / 8
+        };
+        self.acquire_micros.store(new, Relaxed);
+    }
+
+    fn acquire_time(&self) -> Duration {
+        Duration::from_micros(
+            self.acquire_micros
+                .load(std::sync::atomic::Ordering::Relaxed),
+        )
+    }
 }
 
 #[derive(Default)]
@@ -182,6 +206,7 @@ impl Locker {
             inner: Arc::new(Inner {
                 backend,
                 queues: Mutex::default(),
+                acquire_micros: std::sync::atomic::AtomicU64::new(0),
             }),
         }
     }
@@ -391,10 +416,18 @@ impl Locker {
             // with its lock loses little. With long critical sections the others' polls
             // land in the pause at the first cap; with short ones, within a few runs.
             if let Some(run) = queue.take_yield() {
+                // Never shorter than a waiter elsewhere needs to get in once it looks:
+                // four of this store's acquisition times (its wake-up, its request, and
+                // slack for a loaded machine) — on a store whose writes are slow next to
+                // the hand-overs (etcd: each an fsynced write), a pause by the rules
+                // above alone ends before a woken waiter's write arrives — at most a
+                // quarter of the run.
+                let catch_up = (self.inner.acquire_time() * 4).min(run / 4);
                 let pause = match watch.poll_max() {
                     Some(max) => (max + max / 2).min(run / 8),
                     None => YIELD_TO_NOTIFIED_WAITERS.min(run / 16),
-                };
+                }
+                .max(catch_up);
                 // Tokio's timer counts whole milliseconds: a shorter sleep would last a
                 // millisecond anyway, far more than intended (it cost a third of the
                 // contended throughput on Redis). Below that, there is no pause: the
@@ -444,6 +477,9 @@ impl Locker {
         };
         let answer = backend.try_acquire(name, owner, options.get_ttl()).await;
         undo.disarm();
+        if answer.is_ok() {
+            self.inner.record_acquire_time(sent.elapsed());
+        }
         match answer? {
             TryAcquire::Acquired { token } => {
                 queue.acquired_from_store();
