@@ -252,6 +252,14 @@ fn whole_seconds(ttl: Duration) -> i64 {
         .max(1)
 }
 
+/// The first `count` keys under a name's prefix, oldest (smallest create revision) first.
+fn in_line_options(count: i64) -> GetOptions {
+    GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Ascend)
+        .with_limit(count)
+}
+
 fn token(revision: i64) -> FencingToken {
     FencingToken::new(u64::try_from(revision).unwrap_or(0))
 }
@@ -345,6 +353,11 @@ impl EtcdLockStore {
         format!("{}/{}/", self.prefix, name.as_str())
     }
 
+    /// Reads the first `count` keys in line for `name`, oldest first.
+    fn in_line(&self, name: &LockName, count: i64) -> TxnOp {
+        TxnOp::get(self.name_prefix(name), Some(in_line_options(count)))
+    }
+
     fn key(&self, name: &LockName, owner: &OwnerId) -> String {
         format!("{}{owner}", self.name_prefix(name))
     }
@@ -354,15 +367,7 @@ impl EtcdLockStore {
         let response = self
             .client
             .clone()
-            .get(
-                self.name_prefix(name),
-                Some(
-                    GetOptions::new()
-                        .with_prefix()
-                        .with_sort(SortTarget::Create, SortOrder::Ascend)
-                        .with_limit(1),
-                ),
-            )
+            .get(self.name_prefix(name), Some(in_line_options(1)))
             .await
             .map_err(failed("cannot read the lock"))?;
         Ok(response.kvs().first().cloned())
@@ -424,15 +429,7 @@ impl LockBackend for EtcdLockStore {
             let lease = session.id;
             // Our key, unless we hold one already (an acquire repeated by its owner), and
             // the name's first key, in one round trip.
-            let first_key = TxnOp::get(
-                self.name_prefix(name),
-                Some(
-                    GetOptions::new()
-                        .with_prefix()
-                        .with_sort(SortTarget::Create, SortOrder::Ascend)
-                        .with_limit(1),
-                ),
-            );
+            let first_key = self.in_line(name, 1);
             let txn = Txn::new()
                 .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
                 .and_then([
@@ -500,15 +497,7 @@ impl LockBackend for EtcdLockStore {
             }
             // Our key and the name's first key in one read, while the session lease is
             // made sure of for the new deadline.
-            let first_key = TxnOp::get(
-                self.name_prefix(name),
-                Some(
-                    GetOptions::new()
-                        .with_prefix()
-                        .with_sort(SortTarget::Create, SortOrder::Ascend)
-                        .with_limit(1),
-                ),
-            );
+            let first_key = self.in_line(name, 1);
             let read = async {
                 client
                     .clone()
@@ -575,15 +564,7 @@ impl LockBackend for EtcdLockStore {
             self.deadlines().remove(&key);
             // In one round trip: our key, the name's first key (before the delete), and
             // the delete of ours.
-            let first_key = TxnOp::get(
-                self.name_prefix(name),
-                Some(
-                    GetOptions::new()
-                        .with_prefix()
-                        .with_sort(SortTarget::Create, SortOrder::Ascend)
-                        .with_limit(1),
-                ),
-            );
+            let first_key = self.in_line(name, 1);
             let answer = client
                 .txn(Txn::new().and_then([
                     TxnOp::get(key.as_str(), None),
@@ -674,90 +655,5 @@ impl LockBackend for EtcdLockStore {
 
     fn describe(&self) -> String {
         self.url.clone()
-    }
-
-    /// One write: `from`'s key out and `to`'s key in, in one transaction that also reads
-    /// the name's first two keys as they were. `to` holds the lock when no other key
-    /// was in line (its key, the newest, is then the only one), with the transaction's
-    /// revision — its key's create revision — as the token.
-    fn hand_over<'a>(
-        &'a self,
-        name: &'a LockName,
-        from: &'a OwnerId,
-        to: &'a OwnerId,
-        ttl: Duration,
-    ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
-        Box::pin(async move {
-            let sent = Instant::now();
-            let mut client = self.client.clone();
-            let (from_key, to_key) = (self.key(name, from), self.key(name, to));
-            let session = self.session(ttl, sent + ttl).await?;
-            let overdue = self.overdue(&from_key);
-            let first_two = TxnOp::get(
-                self.name_prefix(name),
-                Some(
-                    GetOptions::new()
-                        .with_prefix()
-                        .with_sort(SortTarget::Create, SortOrder::Ascend)
-                        .with_limit(2),
-                ),
-            );
-            let txn = Txn::new()
-                .when([
-                    Compare::create_revision(from_key.as_str(), CompareOp::Greater, 0),
-                    Compare::create_revision(to_key.as_str(), CompareOp::Equal, 0),
-                ])
-                .and_then([
-                    first_two,
-                    TxnOp::delete(from_key.as_str(), None),
-                    TxnOp::put(
-                        to_key.as_str(),
-                        to.to_string(),
-                        Some(PutOptions::new().with_lease(session.id)),
-                    ),
-                ]);
-            let answer = client
-                .txn(txn)
-                .await
-                .map_err(failed("cannot hand the lock over"))?;
-            if !answer.succeeded() {
-                // `from` has no key (its lock is gone), or `to` has one already: the
-                // two steps apart say what happened.
-                let released = self.release(name, from).await?;
-                let acquired = self.try_acquire(name, to, ttl).await?;
-                return Ok((released, acquired));
-            }
-            self.deadlines().remove(&from_key);
-            let revision = answer.header().map_or(0, |header| header.revision());
-            let before: Vec<etcd_client::KeyValue> = answer
-                .op_responses()
-                .into_iter()
-                .find_map(|response| match response {
-                    TxnOpResponse::Get(got) => Some(got.kvs().to_vec()),
-                    _ => None,
-                })
-                .unwrap_or_default();
-            let was_first = before
-                .first()
-                .is_some_and(|kv| kv.key() == from_key.as_bytes());
-            let released = match (was_first, overdue) {
-                (true, false) => ReleaseOutcome::Released,
-                (true, true) => ReleaseOutcome::AlreadyExpired,
-                (false, _) => ReleaseOutcome::HeldByOther,
-            };
-            let Some(ahead) = before.iter().find(|kv| kv.key() != from_key.as_bytes()) else {
-                self.deadlines().insert(to_key, sent + ttl);
-                return Ok((
-                    released,
-                    TryAcquire::Acquired {
-                        token: token(revision),
-                    },
-                ));
-            };
-            // Another key is in line before ours: take ours back out.
-            let _ = client.delete(to_key.as_str(), None).await;
-            let remaining_ttl = self.lease_left(ahead.lease()).await;
-            Ok((released, TryAcquire::Held { remaining_ttl }))
-        })
     }
 }
