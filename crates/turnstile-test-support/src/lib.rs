@@ -24,7 +24,7 @@ mod proxy;
 mod rabbitmq;
 mod redis;
 
-pub use etcd::{EtcdServer, shared_etcd};
+pub use etcd::{EtcdCluster, EtcdServer, shared_etcd};
 pub use mariadb::{MariaDbServer, shared_mariadb};
 pub use nats::NatsServer;
 pub use postgres::{PostgresServer, shared_postgres};

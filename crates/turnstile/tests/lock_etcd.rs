@@ -1,4 +1,6 @@
-//! The etcd engine: the conformance suite against a real etcd member, and a restart.
+//! The etcd engine: the conformance suite against a real etcd member, a restart, and a
+//! crashed client. (The three-member cluster has its own test binary, `lock_etcd_cluster`,
+//! so that its three servers do not load the machine under the timing checks here.)
 
 mod conformance;
 

@@ -214,6 +214,18 @@ pub struct EtcdLockStore {
     deadlines: Deadlines,
     /// The session leases, by their TTL in whole seconds.
     sessions: Arc<tokio::sync::Mutex<HashMap<i64, Arc<Session>>>>,
+    /// How many endpoints the URL names: how often a refused request is sent again.
+    endpoints: usize,
+}
+
+/// Whether a request failed before it reached etcd: the connection to the endpoint the
+/// client's balancer picked was refused (a member that is down). Sent again, the
+/// request goes to another endpoint.
+fn never_sent(error: &etcd_client::Error) -> bool {
+    match error {
+        etcd_client::Error::GRpcStatus(status) => status.message().contains("tcp connect error"),
+        _ => false,
+    }
 }
 
 impl std::fmt::Debug for EtcdLockStore {
@@ -307,7 +319,48 @@ impl EtcdLockStore {
             url: format!("etcd://{hosts}"),
             deadlines: Arc::default(),
             sessions: Arc::default(),
+            endpoints: endpoints.len(),
         })
+    }
+
+    /// Sends a request, and again (once per endpoint at most) while the endpoint it went
+    /// to refused the connection: etcd-client's balancer keeps a dead member in its
+    /// rotation, and without this every request that lands on it would fail although
+    /// a quorum is up.
+    async fn failover<T, F, Fut>(&self, request: F) -> std::result::Result<T, etcd_client::Error>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        let mut refused = 0;
+        loop {
+            match request(self.client.clone()).await {
+                Err(error) if never_sent(&error) && refused < self.endpoints => refused += 1,
+                answer => return answer,
+            }
+        }
+    }
+
+    async fn txn(
+        &self,
+        txn: Txn,
+    ) -> std::result::Result<etcd_client::TxnResponse, etcd_client::Error> {
+        self.failover(|mut client| {
+            let txn = txn.clone();
+            async move { client.txn(txn).await }
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &str) {
+        let key = key.to_owned();
+        // Best effort: the key's lease takes it away in the end.
+        let _ = self
+            .failover(|mut client| {
+                let key = key.clone();
+                async move { client.delete(key, None).await }
+            })
+            .await;
     }
 
     /// The session lease for locks of `ttl`, kept alive at least until `needed_until`
@@ -327,9 +380,7 @@ impl EtcdLockStore {
         }
         let sent = Instant::now();
         let id = self
-            .client
-            .clone()
-            .lease_grant(secs, None)
+            .failover(|mut client| async move { client.lease_grant(secs, None).await })
             .await
             .map_err(failed("cannot take a session lease"))?
             .id();
@@ -364,10 +415,12 @@ impl EtcdLockStore {
 
     /// The holder: the key under `name` with the smallest create revision.
     async fn first(&self, name: &LockName) -> Result<Option<etcd_client::KeyValue>> {
+        let prefix = self.name_prefix(name);
         let response = self
-            .client
-            .clone()
-            .get(self.name_prefix(name), Some(in_line_options(1)))
+            .failover(|mut client| {
+                let prefix = prefix.clone();
+                async move { client.get(prefix, Some(in_line_options(1))).await }
+            })
             .await
             .map_err(failed("cannot read the lock"))?;
         Ok(response.kvs().first().cloned())
@@ -386,9 +439,7 @@ impl EtcdLockStore {
 
     async fn lease_left(&self, lease: i64) -> Option<Duration> {
         let response = self
-            .client
-            .clone()
-            .lease_time_to_live(lease, None)
+            .failover(|mut client| async move { client.lease_time_to_live(lease, None).await })
             .await
             .ok()?;
         u64::try_from(response.ttl()).ok().map(Duration::from_secs)
@@ -412,7 +463,6 @@ impl LockBackend for EtcdLockStore {
     ) -> BoxFuture<'a, Result<TryAcquire>> {
         Box::pin(async move {
             let sent = Instant::now();
-            let mut client = self.client.clone();
             let key = self.key(name, owner);
             // Look before writing: a waiter that wrote its key and deleted it again would
             // wake every watcher of the name (a deletion is what they wait for). The
@@ -441,7 +491,7 @@ impl LockBackend for EtcdLockStore {
                     first_key.clone(),
                 ])
                 .or_else([first_key]);
-            let answer = client
+            let answer = self
                 .txn(txn)
                 .await
                 .map_err(failed("cannot write the lock key"))?;
@@ -467,7 +517,7 @@ impl LockBackend for EtcdLockStore {
                 holder => {
                     // Not first: take our key back out of the line.
                     if created {
-                        let _ = client.delete(key.as_str(), None).await;
+                        self.delete(&key).await;
                     }
                     let remaining_ttl = match holder {
                         Some(kv) => self.lease_left(kv.lease()).await,
@@ -491,7 +541,7 @@ impl LockBackend for EtcdLockStore {
             let key = self.key(name, owner);
             if self.overdue(&key) {
                 // Past this client's TTL: the lock is not ours to renew any more.
-                let _ = client.delete(key.as_str(), None).await;
+                self.delete(&key).await;
                 self.deadlines().remove(&key);
                 return Ok(ExtendOutcome::Lost(LossReason::Expired));
             }
@@ -499,9 +549,7 @@ impl LockBackend for EtcdLockStore {
             // made sure of for the new deadline.
             let first_key = self.in_line(name, 1);
             let read = async {
-                client
-                    .clone()
-                    .txn(Txn::new().and_then([TxnOp::get(key.as_str(), None), first_key]))
+                self.txn(Txn::new().and_then([TxnOp::get(key.as_str(), None), first_key]))
                     .await
                     .map_err(failed("cannot read the lock key"))
             };
@@ -558,14 +606,13 @@ impl LockBackend for EtcdLockStore {
         owner: &'a OwnerId,
     ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
         Box::pin(async move {
-            let mut client = self.client.clone();
             let key = self.key(name, owner);
             let overdue = self.overdue(&key);
             self.deadlines().remove(&key);
             // In one round trip: our key, the name's first key (before the delete), and
             // the delete of ours.
             let first_key = self.in_line(name, 1);
-            let answer = client
+            let answer = self
                 .txn(Txn::new().and_then([
                     TxnOp::get(key.as_str(), None),
                     first_key,
@@ -613,9 +660,8 @@ impl LockBackend for EtcdLockStore {
                 return Ok(None);
             };
             let info = self.info(&kv).await;
-            let mut client = self.client.clone();
             // The key only: its lease is the holder's session, which may carry other locks.
-            let _ = client.delete(kv.key().to_vec(), None).await;
+            self.delete(kv.key_str().unwrap_or_default()).await;
             Ok(Some(info))
         })
     }
@@ -625,13 +671,16 @@ impl LockBackend for EtcdLockStore {
             // From the current revision (a past start revision would be served by etcd's
             // slow catch-up loop): the lock core checks the lock again once this
             // returns, so a release just before is not missed.
+            let prefix = self.name_prefix(name);
             let mut stream = self
-                .client
-                .clone()
-                .watch(
-                    self.name_prefix(name),
-                    Some(etcd_client::WatchOptions::new().with_prefix()),
-                )
+                .failover(|mut client| {
+                    let prefix = prefix.clone();
+                    async move {
+                        client
+                            .watch(prefix, Some(etcd_client::WatchOptions::new().with_prefix()))
+                            .await
+                    }
+                })
                 .await
                 .map_err(failed("cannot watch the lock"))?;
             let (sender, receiver) = tokio::sync::watch::channel(0_u64);
