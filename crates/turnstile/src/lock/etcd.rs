@@ -32,6 +32,9 @@
 //!   from 50 ms to 500 ms in case a notification is lost.
 //! - **Breaking** a lock deletes the holder's key only; the holder's other locks on the
 //!   same session lease stay.
+//! - **Members down**: list every member in the URL. A request that a dead member
+//!   refuses is sent to the next endpoint (etcd-client's balancer keeps dead endpoints in
+//!   its rotation); without a quorum, requests fail and holders stop at their deadline.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
