@@ -25,13 +25,17 @@ pub(crate) struct BenchArgs {
     /// compare-and-delete script) instead of the library: the floor to compare with.
     #[arg(long)]
     raw: bool,
+    /// The same bare commands on blocking connections, one per worker thread (Redis
+    /// only): the physical floor, with no async runtime in the way.
+    #[arg(long, conflicts_with = "raw")]
+    raw_blocking: bool,
 }
 
-struct Workload {
-    secs: u64,
-    workers: usize,
-    ttl_ms: u64,
-    acquire_timeout_ms: u64,
+pub(crate) struct Workload {
+    pub(crate) secs: u64,
+    pub(crate) workers: usize,
+    pub(crate) ttl_ms: u64,
+    pub(crate) acquire_timeout_ms: u64,
 }
 
 fn env_number(name: &str, default: u64) -> Result<u64, Error> {
@@ -48,7 +52,7 @@ fn env_number(name: &str, default: u64) -> Result<u64, Error> {
 }
 
 impl Workload {
-    fn from_env() -> Result<Workload, Error> {
+    pub(crate) fn from_env() -> Result<Workload, Error> {
         Ok(Workload {
             secs: env_number("BENCH_SECS", 5)?,
             workers: usize::try_from(env_number("WORKERS", 8)?).unwrap_or(8),
@@ -121,7 +125,7 @@ enum Counter {
 }
 
 #[cfg(feature = "redis")]
-const RAW_RELEASE: &str = r"
+pub(crate) const RAW_RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
@@ -495,11 +499,71 @@ fn round(value: f64, places: i32) -> f64 {
     (value * scale).round() / scale
 }
 
-struct WorkerReport {
-    sections: u64,
-    waits_ms: Vec<f64>,
-    timeouts: u64,
-    errors: u64,
+pub(crate) struct WorkerReport {
+    pub(crate) sections: u64,
+    pub(crate) waits_ms: Vec<f64>,
+    pub(crate) timeouts: u64,
+    pub(crate) errors: u64,
+}
+
+/// What phase A (one worker, a new lock each cycle) measured.
+pub(crate) struct Uncontended {
+    /// Acquire latencies in µs, sorted.
+    pub(crate) acquire_us: Vec<f64>,
+    pub(crate) elapsed: f64,
+    pub(crate) errors: u64,
+}
+
+/// The workload's JSON report (one line), the same for every peer.
+pub(crate) fn report_json(
+    peer: &str,
+    wait_strategy: &str,
+    work: &Workload,
+    uncontended: Uncontended,
+    reports: &[WorkerReport],
+    contended_elapsed: f64,
+    counter_value: i64,
+) -> serde_json::Value {
+    let Uncontended {
+        acquire_us,
+        elapsed: uncontended_elapsed,
+        errors: uncontended_errors,
+    } = uncontended;
+    let uncontended_cycles = acquire_us.len() as u64;
+    let contended_sections: u64 = reports.iter().map(|r| r.sections).sum();
+    let mut waits: Vec<f64> = reports
+        .iter()
+        .flat_map(|r| r.waits_ms.iter().copied())
+        .collect();
+    waits.sort_by(f64::total_cmp);
+    let per_worker: Vec<u64> = reports.iter().map(|r| r.sections).collect();
+    serde_json::json!({
+        "peer": peer,
+        "lang": "rust",
+        "version": env!("CARGO_PKG_VERSION"),
+        "workers": work.workers,
+        "window_s": work.secs,
+        "lock_ttl_ms": work.ttl_ms,
+        "uncontended_cycles": uncontended_cycles,
+        "uncontended_elapsed_s": round(uncontended_elapsed, 3),
+        "uncontended_cycles_per_s": round(uncontended_cycles as f64 / uncontended_elapsed, 1),
+        "acquire_p50_us": round(percentile(&acquire_us, 50.0), 1),
+        "acquire_p99_us": round(percentile(&acquire_us, 99.0), 1),
+        "uncontended_errors": uncontended_errors,
+        "contended_sections": contended_sections,
+        "contended_elapsed_s": round(contended_elapsed, 3),
+        "contended_sections_per_s": round(contended_sections as f64 / contended_elapsed.max(f64::EPSILON), 1),
+        "counter_value": counter_value,
+        "counter_ok": u64::try_from(counter_value).is_ok_and(|value| value == contended_sections),
+        "acquire_timeouts": reports.iter().map(|r| r.timeouts).sum::<u64>(),
+        "contended_errors": reports.iter().map(|r| r.errors).sum::<u64>(),
+        "per_worker_min": per_worker.iter().min().copied().unwrap_or(0),
+        "per_worker_max": per_worker.iter().max().copied().unwrap_or(0),
+        "contended_wait_p50_ms": round(percentile(&waits, 50.0), 3),
+        "contended_wait_p99_ms": round(percentile(&waits, 99.0), 3),
+        "contended_wait_max_ms": round(waits.last().copied().unwrap_or(0.0), 3),
+        "wait_strategy": wait_strategy,
+    })
 }
 
 pub(crate) async fn run(args: BenchArgs) -> ExitCode {
@@ -525,6 +589,15 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
         std::process::id(),
         rand::random::<u32>()
     );
+    if args.raw_blocking {
+        #[cfg(feature = "redis")]
+        return crate::bench_blocking::run(&url, &work, &run).await;
+        #[cfg(not(feature = "redis"))]
+        {
+            eprintln!("turnstile: --raw-blocking needs the `redis` feature");
+            return ExitCode::from(exit::USAGE);
+        }
+    }
     let peer = match open_peer(&url, args.raw, &run).await {
         Ok(peer) => Rc::new(peer),
         Err(error) => {
@@ -576,7 +649,6 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
         }
     }
     let uncontended_elapsed = started.elapsed().as_secs_f64();
-    let uncontended_cycles = acquire_us.len() as u64;
     acquire_us.sort_by(f64::total_cmp);
 
     // Phase B: WORKERS tasks on one hot lock.
@@ -649,40 +721,19 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
         .await;
 
     let counter_value = peer.counter_get().await.unwrap_or(-1);
-    let contended_sections: u64 = reports.iter().map(|r| r.sections).sum();
-    let mut waits: Vec<f64> = reports
-        .iter()
-        .flat_map(|r| r.waits_ms.iter().copied())
-        .collect();
-    waits.sort_by(f64::total_cmp);
-    let per_worker: Vec<u64> = reports.iter().map(|r| r.sections).collect();
-    let report = serde_json::json!({
-        "peer": peer.name(),
-        "lang": "rust",
-        "version": env!("CARGO_PKG_VERSION"),
-        "workers": work.workers,
-        "window_s": work.secs,
-        "lock_ttl_ms": work.ttl_ms,
-        "uncontended_cycles": uncontended_cycles,
-        "uncontended_elapsed_s": round(uncontended_elapsed, 3),
-        "uncontended_cycles_per_s": round(uncontended_cycles as f64 / uncontended_elapsed, 1),
-        "acquire_p50_us": round(percentile(&acquire_us, 50.0), 1),
-        "acquire_p99_us": round(percentile(&acquire_us, 99.0), 1),
-        "uncontended_errors": uncontended_errors,
-        "contended_sections": contended_sections,
-        "contended_elapsed_s": round(contended_elapsed, 3),
-        "contended_sections_per_s": round(contended_sections as f64 / contended_elapsed.max(f64::EPSILON), 1),
-        "counter_value": counter_value,
-        "counter_ok": u64::try_from(counter_value).is_ok_and(|value| value == contended_sections),
-        "acquire_timeouts": reports.iter().map(|r| r.timeouts).sum::<u64>(),
-        "contended_errors": reports.iter().map(|r| r.errors).sum::<u64>(),
-        "per_worker_min": per_worker.iter().min().copied().unwrap_or(0),
-        "per_worker_max": per_worker.iter().max().copied().unwrap_or(0),
-        "contended_wait_p50_ms": round(percentile(&waits, 50.0), 3),
-        "contended_wait_p99_ms": round(percentile(&waits, 99.0), 3),
-        "contended_wait_max_ms": round(waits.last().copied().unwrap_or(0.0), 3),
-        "wait_strategy": peer.wait_strategy(),
-    });
+    let report = report_json(
+        peer.name(),
+        peer.wait_strategy(),
+        &work,
+        Uncontended {
+            acquire_us,
+            elapsed: uncontended_elapsed,
+            errors: uncontended_errors,
+        },
+        &reports,
+        contended_elapsed,
+        counter_value,
+    );
     println!("{report}");
     ExitCode::SUCCESS
 }

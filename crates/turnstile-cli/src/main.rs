@@ -2,6 +2,8 @@
 //! locks, benchmark a store.
 
 mod bench;
+#[cfg(feature = "redis")]
+mod bench_blocking;
 #[cfg(feature = "etcd")]
 mod bench_etcd;
 mod bench_http;
