@@ -418,10 +418,9 @@ impl Locker {
             if let Some(run) = queue.take_yield() {
                 // Never shorter than a waiter elsewhere needs to get in once it looks:
                 // four of this store's acquisition times (its wake-up, its request, and
-                // slack for a loaded machine) — on a store whose writes are slow next to
-                // the hand-overs (etcd: each an fsynced write), a pause by the rules
-                // above alone ends before a woken waiter's write arrives — at most a
-                // quarter of the run.
+                // slack for a loaded machine), at most a quarter of the run. On a store
+                // whose acquisitions are slow (etcd: an fsynced write), a pause by the
+                // rules above alone can end before a woken waiter's write arrives.
                 let catch_up = (self.inner.acquire_time() * 4).min(run / 4);
                 let pause = match watch.poll_max() {
                     Some(max) => (max + max / 2).min(run / 8),
