@@ -60,6 +60,12 @@ pub struct RabbitMqPublisher {
     /// The connection and its confirming channel; dropped after a failure and opened
     /// again on the next publish (lapin does not recover connections by itself).
     link: Mutex<Option<(Connection, Channel)>>,
+    /// Held from a publish to its confirm: one message in flight at a time. AMQP's
+    /// `basic.return` (the broker's "unroutable") names no delivery tag, and lapin pairs
+    /// it with the next acknowledged publish; with several in flight under one batched
+    /// ack it could land on another message, and the unroutable one would count as
+    /// delivered — lost. (Seen in the "unroutable message parks its key" test.)
+    in_flight: Mutex<()>,
 }
 
 impl std::fmt::Debug for RabbitMqPublisher {
@@ -80,6 +86,7 @@ impl RabbitMqPublisher {
             redacted: crate::store::redact(url),
             exchange: exchange.to_owned(),
             link: Mutex::new(None),
+            in_flight: Mutex::new(()),
         };
         let link = publisher.open().await?;
         *publisher.link.lock().await = Some(link);
@@ -146,6 +153,7 @@ impl Publisher for RabbitMqPublisher {
         seq: u64,
     ) -> BoxFuture<'a, std::result::Result<(), Failure>> {
         Box::pin(async move {
+            let _one_at_a_time = self.in_flight.lock().await;
             let channel = self.channel().await?;
             let mut headers = FieldTable::default();
             for (name, value) in message.headers() {
