@@ -275,6 +275,21 @@ fn in_line_options(count: i64) -> GetOptions {
         .with_limit(count)
 }
 
+/// The first key of each of a transaction's first two reads: ours, and the name's
+/// first in line.
+fn mine_and_first(
+    answer: &etcd_client::TxnResponse,
+) -> (Option<etcd_client::KeyValue>, Option<etcd_client::KeyValue>) {
+    let mut got = answer
+        .op_responses()
+        .into_iter()
+        .filter_map(|response| match response {
+            TxnOpResponse::Get(got) => Some(got.kvs().first().cloned()),
+            _ => None,
+        });
+    (got.next().flatten(), got.next().flatten())
+}
+
 fn token(revision: i64) -> FencingToken {
     FencingToken::new(u64::try_from(revision).unwrap_or(0))
 }
@@ -557,14 +572,7 @@ impl LockBackend for EtcdLockStore {
                     .map_err(failed("cannot read the lock key"))
             };
             let (session, answer) = tokio::try_join!(self.session(ttl, sent + ttl), read)?;
-            let mut got = answer
-                .op_responses()
-                .into_iter()
-                .filter_map(|response| match response {
-                    TxnOpResponse::Get(got) => Some(got.kvs().first().cloned()),
-                    _ => None,
-                });
-            let (mine, first) = (got.next().flatten(), got.next().flatten());
+            let (mine, first) = mine_and_first(&answer);
             let Some(kv) = mine else {
                 return Ok(ExtendOutcome::Lost(if first.is_some() {
                     LossReason::TakenOver
@@ -623,14 +631,7 @@ impl LockBackend for EtcdLockStore {
                 ]))
                 .await
                 .map_err(failed("cannot release the lock"))?;
-            let mut got = answer
-                .op_responses()
-                .into_iter()
-                .filter_map(|response| match response {
-                    TxnOpResponse::Get(got) => Some(got.kvs().first().cloned()),
-                    _ => None,
-                });
-            let (mine, first) = (got.next().flatten(), got.next().flatten());
+            let (mine, first) = mine_and_first(&answer);
             let Some(kv) = mine else {
                 return Ok(if first.is_some() {
                     ReleaseOutcome::HeldByOther
