@@ -23,6 +23,7 @@ mod postgres;
 mod proxy;
 mod rabbitmq;
 mod redis;
+mod zookeeper;
 
 pub use etcd::{EtcdCluster, EtcdServer, shared_etcd};
 pub use mariadb::{MariaDbServer, shared_mariadb};
@@ -31,6 +32,7 @@ pub use postgres::{PostgresServer, shared_postgres};
 pub use proxy::TcpProxy;
 pub use rabbitmq::{RabbitMqServer, shared_rabbitmq};
 pub use redis::{RedisServer, shared_redis};
+pub use zookeeper::{ZooKeeperServer, shared_zookeeper};
 
 /// A free TCP port on 127.0.0.1 (free when this returns; the server retries on a clash).
 pub fn free_port() -> u16 {

@@ -13,6 +13,7 @@ pub const SCHEMES: &[&str] = &[
     "rediss://HOST[:PORT][/DB]",
     "redlock://HOST:PORT,HOST:PORT,HOST:PORT[,…][/DB]",
     "etcd://HOST:PORT[,HOST:PORT…]",
+    "zk://HOST:PORT[,HOST:PORT…][/PATH]",
     "postgres://USER@HOST[:PORT]/DB",
     "mysql://USER@HOST[:PORT]/DB (or mariadb://)",
 ];
@@ -51,6 +52,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>> {
         "redis" | "rediss" | "redis+unix" | "unix" => open_redis(url).await,
         "redlock" => open_redlock(url).await,
         "etcd" => open_etcd(url).await,
+        "zk" | "zookeeper" => open_zookeeper(url).await,
         "postgres" | "postgresql" => open_postgres(url).await,
         "mysql" | "mariadb" => open_mysql(url).await,
         other => Err(Error::new(
@@ -150,6 +152,24 @@ async fn open_etcd(url: &str) -> Result<Arc<dyn LockBackend>> {
         ErrorKind::UnsupportedStore,
         format!(
             "{} needs etcd support: build turnstile with the `etcd` feature",
+            redact(url)
+        ),
+    ))
+}
+
+#[cfg(feature = "zookeeper")]
+async fn open_zookeeper(url: &str) -> Result<Arc<dyn LockBackend>> {
+    Ok(Arc::new(
+        crate::lock::zookeeper::ZooKeeperLockStore::connect(url).await?,
+    ))
+}
+
+#[cfg(not(feature = "zookeeper"))]
+async fn open_zookeeper(url: &str) -> Result<Arc<dyn LockBackend>> {
+    Err(Error::new(
+        ErrorKind::UnsupportedStore,
+        format!(
+            "{} needs ZooKeeper support: build turnstile with the `zookeeper` feature",
             redact(url)
         ),
     ))

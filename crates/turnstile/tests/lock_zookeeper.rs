@@ -1,0 +1,171 @@
+//! The ZooKeeper engine: the conformance suite against a real ZooKeeper server, a
+//! restart, a server down past the holder's deadline, and a crashed client.
+
+mod conformance;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use conformance::TestStore;
+use turnstile::ErrorKind;
+use turnstile::lock::zookeeper::ZooKeeperLockStore;
+use turnstile::lock::{LockOptions, Locker, LossReason};
+use turnstile_test_support::{ZooKeeperServer, shared_zookeeper, unique_name};
+
+struct Shared {
+    url: String,
+}
+
+impl TestStore for Shared {
+    fn locker(&self) -> Pin<Box<dyn Future<Output = Locker> + Send + '_>> {
+        Box::pin(async move { Locker::new(ZooKeeperLockStore::connect(&self.url).await.unwrap()) })
+    }
+}
+
+async fn shared() -> Shared {
+    Shared {
+        url: format!("{}/{}", shared_zookeeper().url(), unique_name("t")),
+    }
+}
+
+conformance_tests!(super::shared);
+
+/// Tokens are creation zxids: after the server restarts (same data), a new holder's
+/// token is larger than every earlier one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_grow_across_a_restart() {
+    let server = ZooKeeperServer::spawn();
+    let locker = Locker::new(ZooKeeperLockStore::connect(&server.url()).await.unwrap());
+    let options = LockOptions::new()
+        .ttl(Duration::from_secs(2))
+        .wait(Duration::from_secs(10));
+    let guard = locker.acquire("job", &options).await.unwrap();
+    let before = guard.fencing_token();
+    guard.release().await.unwrap();
+    server.start_again();
+    let locker = Locker::new(ZooKeeperLockStore::connect(&server.url()).await.unwrap());
+    let guard = locker.acquire("job", &options).await.unwrap();
+    assert!(guard.fencing_token() > before);
+    guard.release().await.unwrap();
+}
+
+/// The server goes down while a lock is held and stays down past the holder's deadline:
+/// the holder's renewals fail (its connection is suspended, its session maybe alive),
+/// so its lost signal fires at the deadline, not before; once the server is back, the
+/// lock can be taken again, with a larger token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_down_past_the_deadline_fires_the_lost_signal_there() {
+    let server = ZooKeeperServer::spawn();
+    let locker = Locker::new(ZooKeeperLockStore::connect(&server.url()).await.unwrap());
+    let ttl = Duration::from_secs(1);
+    let guard = locker
+        .acquire("down", &LockOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    let token = guard.fencing_token();
+    let down_at = Instant::now();
+    server.kill();
+    let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("the lost signal did not fire within 5 s of the server going down");
+    let fired_after = down_at.elapsed();
+    assert_eq!(reason, LossReason::RenewalFailed);
+    assert!(
+        fired_after <= ttl + Duration::from_millis(200),
+        "the lost signal fired {fired_after:?} after the server went down (TTL {ttl:?})"
+    );
+    assert!(guard.is_lost());
+    server.start_again();
+    let other = Locker::new(ZooKeeperLockStore::connect(&server.url()).await.unwrap());
+    let taken = other
+        .acquire("down", &LockOptions::new().wait(Duration::from_secs(15)))
+        .await
+        .unwrap();
+    assert!(taken.fencing_token() > token);
+    taken.release().await.unwrap();
+}
+
+/// A client that dies holding a lock (its runtime stops: no release, no pings) frees
+/// it when ZooKeeper expires its session — the TTL rounded up to whole seconds after
+/// its last ping — and not before the TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_clients_lock_frees_when_its_session_expires() {
+    let store = shared().await;
+    let url = store.url.clone();
+    let ttl = Duration::from_secs(1);
+    let crashed_at = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let locker = Locker::new(ZooKeeperLockStore::connect(&url).await.unwrap());
+            let guard = locker
+                .acquire("crash", &LockOptions::new().ttl(ttl))
+                .await
+                .unwrap();
+            // Neither released nor dropped: the process is about to vanish.
+            std::mem::forget(guard);
+            std::mem::forget(locker);
+        });
+        runtime.shutdown_background();
+        Instant::now()
+    })
+    .join()
+    .unwrap();
+    let other = store.locker().await;
+    let guard = other
+        .acquire("crash", &LockOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    let freed_after = crashed_at.elapsed();
+    assert!(
+        freed_after >= ttl,
+        "the lock came free {freed_after:?} after the crash, before its TTL"
+    );
+    assert!(
+        freed_after < Duration::from_secs(4),
+        "the lock came free only {freed_after:?} after the crash (session timeout: 1 s)"
+    );
+    guard.release().await.unwrap();
+}
+
+/// A TTL longer than the server grants sessions for is refused with a clear error,
+/// not accepted with a lock that could vanish before its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttl_longer_than_the_servers_longest_session_is_refused() {
+    let store = shared().await;
+    let locker = store.locker().await;
+    let error = locker
+        .acquire("long", &LockOptions::new().ttl(Duration::from_secs(600)))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidOptions, "{error}");
+    assert!(error.to_string().contains("maxSessionTimeout"), "{error}");
+}
+
+/// Bad URLs are refused before anything is sent, and a server that is not there is
+/// reported as unavailable within the connect timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_urls_and_a_missing_server_get_clear_errors() {
+    for url in [
+        "zk://",
+        "zk://127.0.0.1",
+        "zk://127.0.0.1:notaport",
+        "zk://127.0.0.1:2181/a//b",
+        "zk://127.0.0.1:2181/..",
+        "zk://127.0.0.1:2181?turnstile_prefix=x",
+    ] {
+        let error = ZooKeeperLockStore::connect(url).await.unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::InvalidUrl, "{url}: {error}");
+    }
+    let port = turnstile_test_support::free_port();
+    let started = Instant::now();
+    let error = ZooKeeperLockStore::connect(&format!("zk://127.0.0.1:{port}"))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
