@@ -74,6 +74,8 @@ enum Held {
     RawSql(crate::bench_sql::RawSqlHeld),
     #[cfg(feature = "etcd")]
     RawEtcd(crate::bench_etcd::RawEtcdHeld),
+    #[cfg(feature = "zookeeper")]
+    RawZooKeeper(crate::bench_zookeeper::RawZooKeeperHeld),
 }
 
 enum AcquireError {
@@ -97,6 +99,11 @@ enum Peer {
     RawEtcd {
         client: Box<etcd_client::Client>,
         counter: Box<crate::bench_etcd::EtcdCounter>,
+    },
+    /// The zookeeper-client crate's lock recipe.
+    #[cfg(feature = "zookeeper")]
+    RawZooKeeper {
+        counter: Box<crate::bench_zookeeper::ZooKeeperCounter>,
     },
     #[cfg(feature = "redis")]
     Raw {
@@ -122,6 +129,8 @@ enum Counter {
     },
     #[cfg(feature = "etcd")]
     Etcd(Box<crate::bench_etcd::EtcdCounter>),
+    #[cfg(feature = "zookeeper")]
+    ZooKeeper(Box<crate::bench_zookeeper::ZooKeeperCounter>),
 }
 
 #[cfg(feature = "redis")]
@@ -180,6 +189,8 @@ impl Counter {
             .map_err(|e| e.to_string()),
             #[cfg(feature = "etcd")]
             Counter::Etcd(counter) => counter.set(value).await,
+            #[cfg(feature = "zookeeper")]
+            Counter::ZooKeeper(counter) => counter.set(value).await,
         }
     }
 
@@ -200,6 +211,8 @@ impl Counter {
             .map_err(|e| e.to_string()),
             #[cfg(feature = "etcd")]
             Counter::Etcd(counter) => counter.get().await,
+            #[cfg(feature = "zookeeper")]
+            Counter::ZooKeeper(counter) => counter.get().await,
         }
     }
 }
@@ -214,6 +227,8 @@ impl Peer {
             Peer::Raw { .. } => "raw",
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { .. } => "raw",
+            #[cfg(feature = "zookeeper")]
+            Peer::RawZooKeeper { .. } => "raw",
         }
     }
 
@@ -226,6 +241,8 @@ impl Peer {
             Peer::Raw { .. } => "busy-retry",
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { .. } => "etcd-lock-rpc",
+            #[cfg(feature = "zookeeper")]
+            Peer::RawZooKeeper { .. } => "zookeeper-client-recipe",
         }
     }
 
@@ -257,6 +274,19 @@ impl Peer {
                     Err(error) => Err(AcquireError::Failed(error)),
                 }
             }
+            #[cfg(feature = "zookeeper")]
+            Peer::RawZooKeeper { counter } => match crate::bench_zookeeper::raw_acquire(
+                &counter.client,
+                &counter.directory,
+                name,
+                wait,
+            )
+            .await
+            {
+                Ok(Some(held)) => Ok(Held::RawZooKeeper(held)),
+                Ok(None) => Err(AcquireError::Timeout),
+                Err(error) => Err(AcquireError::Failed(error)),
+            },
             #[cfg(feature = "redis")]
             Peer::Raw { connection, .. } => {
                 let key = format!("{name}:raw-lock");
@@ -295,6 +325,10 @@ impl Peer {
             (Peer::RawEtcd { client, .. }, Held::RawEtcd(held)) => {
                 crate::bench_etcd::raw_release(client, held).await
             }
+            #[cfg(feature = "zookeeper")]
+            (Peer::RawZooKeeper { .. }, Held::RawZooKeeper(held)) => {
+                crate::bench_zookeeper::raw_release(held).await
+            }
             #[cfg(feature = "redis")]
             (
                 Peer::Raw {
@@ -322,6 +356,8 @@ impl Peer {
             Peer::Library { counter, .. } => counter.get().await,
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { counter, .. } => counter.get().await,
+            #[cfg(feature = "zookeeper")]
+            Peer::RawZooKeeper { counter } => counter.get().await,
             #[cfg(feature = "redis")]
             Peer::Raw {
                 connection,
@@ -338,6 +374,8 @@ impl Peer {
             Peer::Library { counter, .. } => counter.set(value).await,
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { counter, .. } => counter.set(value).await,
+            #[cfg(feature = "zookeeper")]
+            Peer::RawZooKeeper { counter } => counter.set(value).await,
             #[cfg(feature = "redis")]
             Peer::Raw {
                 connection,
@@ -412,6 +450,25 @@ async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
                 Ok(Peer::Library {
                     locker: Locker::connect(url).await?,
                     counter: Counter::Etcd(Box::new(counter)),
+                })
+            }
+        }
+        #[cfg(feature = "zookeeper")]
+        ("zk" | "zookeeper", raw) => {
+            let (client, directory) = crate::bench_zookeeper::connect(url)
+                .await
+                .map_err(|e| Error::new(ErrorKind::StoreUnavailable, e))?;
+            let counter = Box::new(crate::bench_zookeeper::ZooKeeperCounter {
+                path: format!("{directory}/{run}-counter"),
+                client,
+                directory,
+            });
+            if raw {
+                Ok(Peer::RawZooKeeper { counter })
+            } else {
+                Ok(Peer::Library {
+                    locker: Locker::connect(url).await?,
+                    counter: Counter::ZooKeeper(counter),
                 })
             }
         }

@@ -11,6 +11,8 @@ mod bench_http;
 mod bench_outbox;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod bench_sql;
+#[cfg(feature = "zookeeper")]
+mod bench_zookeeper;
 mod exec;
 mod idempotency;
 mod outbox;

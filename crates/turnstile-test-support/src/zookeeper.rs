@@ -44,7 +44,7 @@ impl ZooKeeperServer {
             "ZooKeeper is not installed; install the Debian package `zookeeper` \
              (the README's test command does this: ./scripts/test)"
         );
-        let java = crate::find_binary("java", "default-jre-headless", &[]);
+        let java = crate::find_binary("java", "default-jre", &[]);
         let mut last_log = String::new();
         for _ in 0..5 {
             let port = port.unwrap_or_else(free_port);
