@@ -405,6 +405,58 @@ impl ZooKeeperLockStore {
             None => Ok(None),
         }
     }
+
+    /// Decides an acquisition from the node just `created` (with its `stat`) and the
+    /// listing sent right after it: our oldest node holds if it is first (a later one of
+    /// ours, from a create whose reply was lost, goes); otherwise every node of ours goes
+    /// and the answer is "held".
+    async fn settle(
+        &self,
+        client: &zk::Client,
+        dir: String,
+        created: Node,
+        stat: zk::Stat,
+        listed: std::result::Result<Vec<String>, zk::Error>,
+        deadline: Instant,
+    ) -> Result<TryAcquire> {
+        let nodes = match listed {
+            Ok(children) => in_line(&children),
+            Err(error) => {
+                Self::delete_all(client, &dir, &[&created]).await;
+                return Err(failed("cannot list the lock's nodes")(error));
+            }
+        };
+        let ours: Vec<&Node> = nodes
+            .iter()
+            .filter(|node| node.owner == created.owner)
+            .collect();
+        let Some(first) = nodes.first().filter(|first| first.owner == created.owner) else {
+            Self::delete_all(client, &dir, &ours).await;
+            return Ok(TryAcquire::Held {
+                remaining_ttl: None,
+            });
+        };
+        let extra: Vec<&Node> = ours.iter().copied().filter(|node| *node != first).collect();
+        // A multi's create may answer with an invalid stat (ZOOKEEPER-4026): read it.
+        let token = if *first == created && !stat.is_invalid() {
+            token(&stat)
+        } else {
+            match self.info(client, &dir, first).await? {
+                Some(info) => info.fencing_token,
+                None => {
+                    Self::delete_all(client, &dir, &ours).await;
+                    return Ok(TryAcquire::Held {
+                        remaining_ttl: None,
+                    });
+                }
+            }
+        };
+        Self::delete_all(client, &dir, &extra).await;
+        let path = format!("{dir}/{}", first.child());
+        locked(&self.inner.deadlines).insert(path.clone(), deadline);
+        locked(&self.inner.nodes).insert((dir, created.owner), path);
+        Ok(TryAcquire::Acquired { token })
+    }
 }
 
 impl LockBackend for ZooKeeperLockStore {
@@ -441,46 +493,9 @@ impl LockBackend for ZooKeeperLockStore {
                     sequence: sequence.into_i64(),
                     owner: owner_hex.clone(),
                 };
-                let nodes = match listed {
-                    Ok(children) => in_line(&children),
-                    Err(error) => {
-                        Self::delete_all(&client, &dir, &[&created]).await;
-                        return Err(failed("cannot list the lock's nodes")(error));
-                    }
-                };
-                let ours: Vec<&Node> = nodes
-                    .iter()
-                    .filter(|node| node.owner == owner_hex)
-                    .collect();
-                let Some(first) = nodes.first().filter(|first| first.owner == owner_hex) else {
-                    // Not first: take our nodes (this one, and any whose create reply was
-                    // lost) back out of the line.
-                    Self::delete_all(&client, &dir, &ours).await;
-                    return Ok(TryAcquire::Held {
-                        remaining_ttl: None,
-                    });
-                };
-                // First: our oldest node holds; any later one of ours goes.
-                let extra: Vec<&Node> =
-                    ours.iter().copied().filter(|node| *node != first).collect();
-                let token = if *first == created {
-                    token(&stat)
-                } else {
-                    match self.info(&client, &dir, first).await? {
-                        Some(info) => info.fencing_token,
-                        None => {
-                            Self::delete_all(&client, &dir, &ours).await;
-                            return Ok(TryAcquire::Held {
-                                remaining_ttl: None,
-                            });
-                        }
-                    }
-                };
-                Self::delete_all(&client, &dir, &extra).await;
-                let path = format!("{dir}/{}", first.child());
-                locked(&self.inner.deadlines).insert(path.clone(), sent + ttl);
-                locked(&self.inner.nodes).insert((dir, owner_hex), path);
-                return Ok(TryAcquire::Acquired { token });
+                return self
+                    .settle(&client, dir, created, stat, listed, sent + ttl)
+                    .await;
             }
             Err(Error::new(
                 ErrorKind::Store,
@@ -675,6 +690,75 @@ impl LockBackend for ZooKeeperLockStore {
             });
             Ok(ReleaseWatch::new(receiver, WatchTask(task))
                 .with_poll(Duration::from_millis(50), Duration::from_millis(500)))
+        })
+    }
+
+    fn hand_over<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: &'a OwnerId,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            let dir = self.inner.dir(name);
+            let from_key = (dir.clone(), from.to_string());
+            let known = locked(&self.inner.nodes).get(&from_key).cloned();
+            let Some(from_path) = known.filter(|path| !self.inner.overdue(path)) else {
+                let released = self.release(name, from).await?;
+                return Ok((released, self.try_acquire(name, to, ttl).await?));
+            };
+            // One write: our node goes and the next owner's comes, atomically; the
+            // listing leaves right after it. The node deleted was first (we were first
+            // when we took it, and no node can come before it later).
+            let client = self.session(ttl).await?;
+            let to_hex = to.to_string();
+            let mut writer = client.new_multi_writer();
+            writer
+                .add_delete(&from_path, None)
+                .and_then(|()| {
+                    writer.add_create(
+                        &format!("{dir}/{to_hex}-"),
+                        to_hex.as_bytes(),
+                        &ephemeral_sequential(),
+                    )
+                })
+                .map_err(failed("cannot hand the lock over"))?;
+            let commit = writer.commit();
+            let list = client.list_children(&dir);
+            let (committed, listed) = tokio::join!(commit, list);
+            let created = match committed {
+                Ok(results) => results.into_iter().find_map(|result| match result {
+                    zk::MultiWriteResult::Create { path, stat } => Some((path, stat)),
+                    _ => None,
+                }),
+                // Our node was gone (broken, or its session expired): not a hand-over.
+                Err(zk::MultiWriteError::OperationFailed {
+                    source: zk::Error::NoNode,
+                    ..
+                }) => None,
+                Err(error) => return Err(failed("cannot hand the lock over")(error.into())),
+            };
+            let Some((path, stat)) = created else {
+                let released = self.release(name, from).await?;
+                return Ok((released, self.try_acquire(name, to, ttl).await?));
+            };
+            locked(&self.inner.nodes).remove(&from_key);
+            locked(&self.inner.deadlines).remove(&from_path);
+            let created = path
+                .rsplit_once('/')
+                .and_then(|(_, child)| Node::parse(child))
+                .ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::Store,
+                        format!("ZooKeeper answered with an unexpected node path {path:?}"),
+                    )
+                })?;
+            let acquired = self
+                .settle(&client, dir, created, stat, listed, sent + ttl)
+                .await?;
+            Ok((ReleaseOutcome::Released, acquired))
         })
     }
 
