@@ -66,6 +66,16 @@ async fn a_server_down_past_the_deadline_fires_the_lost_signal_there() {
     let token = guard.fencing_token();
     let down_at = Instant::now();
     server.kill();
+    // Before the deadline the lock is suspended (a renewal failed), not lost.
+    let suspended_by = Instant::now() + ttl;
+    while !guard.is_suspended() && Instant::now() < suspended_by {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        guard.is_suspended(),
+        "no renewal failed before the deadline"
+    );
+    assert!(!guard.is_lost());
     let reason = tokio::time::timeout(Duration::from_secs(5), guard.lost())
         .await
         .expect("the lost signal did not fire within 5 s of the server going down");
@@ -76,6 +86,7 @@ async fn a_server_down_past_the_deadline_fires_the_lost_signal_there() {
         "the lost signal fired {fired_after:?} after the server went down (TTL {ttl:?})"
     );
     assert!(guard.is_lost());
+    assert!(!guard.is_suspended());
     server.start_again();
     let other = Locker::new(ZooKeeperLockStore::connect(&server.url()).await.unwrap());
     let taken = other

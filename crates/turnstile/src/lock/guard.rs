@@ -190,6 +190,18 @@ impl LockGuard {
         self.held.lease.valid_until()
     }
 
+    /// Whether the lock is **suspended**: the watchdog's last renewal failed to reach the
+    /// store, or has had no answer for a sixth of the TTL (the store is unreachable or
+    /// slow; on ZooKeeper, the connection is lost while the session may live on), and no
+    /// renewal has succeeded since. The lock still counts as held
+    /// until [`valid_until`](Self::valid_until): if a renewal gets through before then,
+    /// the suspension ends; if not, the lost signal fires at that deadline with
+    /// [`LossReason::RenewalFailed`]. Work that must not run without a confirmed lock
+    /// can pause while this is true. Never true once the lock is lost.
+    pub fn is_suspended(&self) -> bool {
+        self.held.lease.is_suspended()
+    }
+
     /// Whether the lost signal has fired.
     pub fn is_lost(&self) -> bool {
         self.held.lease.is_lost()

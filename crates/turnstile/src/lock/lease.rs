@@ -44,6 +44,9 @@ pub(crate) struct Lease {
     valid_until: Mutex<Instant>,
     lost: CancellationToken,
     loss: OnceLock<LossReason>,
+    /// The last renewal did not get an answer from the store (unreachable, too slow):
+    /// the lease holds until `valid_until` unless a renewal gets through.
+    suspended: std::sync::atomic::AtomicBool,
     /// When the request that took the lease was sent.
     pub(crate) started: Instant,
 }
@@ -77,6 +80,7 @@ impl Lease {
             valid_until: Mutex::new(sent + ttl - drift),
             lost: CancellationToken::new(),
             loss: OnceLock::new(),
+            suspended: std::sync::atomic::AtomicBool::new(false),
             started: sent,
         })
     }
@@ -87,6 +91,17 @@ impl Lease {
 
     fn renewed(&self, sent: Instant) {
         *self.valid_until.lock().unwrap_or_else(|p| p.into_inner()) = sent + self.ttl - self.drift;
+        self.suspend(false);
+    }
+
+    fn suspend(&self, suspended: bool) {
+        self.suspended
+            .store(suspended, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the last renewal failed to reach the store (and no later one succeeded).
+    pub(crate) fn is_suspended(&self) -> bool {
+        self.suspended.load(std::sync::atomic::Ordering::SeqCst) && !self.is_lost()
     }
 
     pub(crate) fn mark_lost(&self, reason: LossReason) {
@@ -219,7 +234,18 @@ async fn keep(
             }
             sleep_until(next_renewal).await;
             let sent = Instant::now();
-            let outcome = lease.renewer.renew(lease.ttl).await;
+            let renewing = lease.renewer.renew(lease.ttl);
+            tokio::pin!(renewing);
+            // A renewal still unanswered after a sixth of the TTL (a store that is down
+            // may not answer at all before the deadline) suspends the lease meanwhile.
+            let outcome = tokio::select! {
+                outcome = &mut renewing => outcome,
+                () = sleep_until(sent + lease.ttl / 6) => {
+                    lease.suspend(true);
+                    telemetry::renewal_slow(lease.kind, &lease.name, lease.ttl / 6);
+                    renewing.await
+                }
+            };
             (sent, outcome)
         };
         tokio::select! {
@@ -252,6 +278,7 @@ async fn keep(
                 }
                 // The store is unreachable or slow: keep trying until the deadline.
                 Err(error) => {
+                    lease.suspend(true);
                     telemetry::renewal_failed(lease.kind, &lease.name, &error);
                     next_renewal = Instant::now() + renewal_retry_delay(lease.ttl);
                 }
@@ -313,11 +340,40 @@ mod tests {
         let (lease, calls) = lease(2, unreachable);
         let started = Instant::now();
         let _keeper = Keeper::start(Arc::clone(&lease), true, None);
+        // After two good renewals (1 s, 2 s) the third, at 3 s, fails: suspended, not lost.
+        sleep_until(started + TTL + Duration::from_millis(1)).await;
+        assert!(lease.is_suspended(), "a failed renewal suspends the lease");
+        assert!(!lease.is_lost());
         let reason = lease.lost_signal().await;
+        assert!(!lease.is_suspended(), "a lost lease is lost, not suspended");
         assert_eq!(reason, LossReason::RenewalFailed);
         // Two renewals succeeded (at 1 s and 2 s), so the deadline is 2 s + TTL - drift.
         assert_eq!(started.elapsed(), 2 * TTL / 3 + TTL - DRIFT);
         assert!(calls.load(Ordering::SeqCst) > 3, "renewals were retried");
+    }
+
+    /// A store that never answers a renewal.
+    struct Hanging;
+
+    impl Renew for Hanging {
+        fn renew(&self, _ttl: Duration) -> BoxFuture<'_, Result<ExtendOutcome>> {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unanswered_renewal_suspends_the_lease_until_the_deadline() {
+        let started = Instant::now();
+        let lease = Lease::new(Hanging, LeaseKind::Lock, "t".into(), TTL, DRIFT, started);
+        let _keeper = Keeper::start(Arc::clone(&lease), true, None);
+        // The first renewal leaves at TTL/3; a sixth of the TTL later it is overdue.
+        sleep_until(started + TTL / 3 + TTL / 6 - Duration::from_millis(1)).await;
+        assert!(!lease.is_suspended());
+        sleep_until(started + TTL / 3 + TTL / 6 + Duration::from_millis(1)).await;
+        assert!(lease.is_suspended());
+        assert_eq!(lease.lost_signal().await, LossReason::RenewalFailed);
+        assert_eq!(started.elapsed(), TTL - DRIFT);
+        assert!(!lease.is_suspended());
     }
 
     #[tokio::test(start_paused = true)]

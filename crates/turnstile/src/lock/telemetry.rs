@@ -11,6 +11,7 @@
 //! | `turnstile_lock_released_total` | counter | `outcome` = `released`, `expired`, `held_by_other`, `handed_over` |
 //! | `turnstile_lock_held_seconds` | histogram | — (from acquiring to releasing) |
 //! | `turnstile_lock_renewal_failures_total` | counter | — (a renewal that could not reach the store) |
+//! | `turnstile_lease_suspensions_total` | counter | `kind` = `lock` or `idempotency claim` (a renewal unanswered for a sixth of the TTL; see [`LockGuard::is_suspended`](super::LockGuard::is_suspended)) |
 //! | `turnstile_lock_lost_total` | counter | `reason` = see [`LossReason`] |
 
 use std::time::Duration;
@@ -68,6 +69,16 @@ pub(crate) fn renewal_failed(kind: LeaseKind, name: &str, error: &Error) {
             tracing::warn!(key = %name, %error, "idempotency claim renewal failed; retrying until the lease's deadline");
         }
     }
+}
+
+/// A renewal has had no answer for a sixth of the TTL: the lease is suspended.
+pub(crate) fn renewal_slow(kind: LeaseKind, name: &str, waited: Duration) {
+    let noun = match kind {
+        LeaseKind::Lock => "lock",
+        LeaseKind::Claim => "idempotency claim",
+    };
+    metrics::counter!("turnstile_lease_suspensions_total", "kind" => noun).increment(1);
+    tracing::warn!(name = %name, ?waited, "{noun} renewal unanswered; the lease is suspended until a renewal gets through or its deadline passes");
 }
 
 pub(crate) fn lost(kind: LeaseKind, name: &str, reason: LossReason, held: Duration) {
