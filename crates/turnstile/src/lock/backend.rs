@@ -84,6 +84,19 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         Box::pin(async { Ok(0) })
     }
 
+    /// Whether a refused [`try_acquire`](Self::try_acquire) leaves `owner` waiting in the
+    /// store's own line (ZooKeeper: its node stays, so it comes next in order), and a
+    /// later `try_acquire` for the same owner checks its place instead of joining again.
+    ///
+    /// The lock core then calls [`release`](Self::release) for an owner that stops
+    /// waiting without the lock (its wait bound passed, an error, its future dropped, a
+    /// `try_acquire` that may not wait), and does not stand back after a run of
+    /// hand-overs between its own tasks: the line gives waiters elsewhere their turn.
+    /// The default is `false`: a refusal leaves nothing behind.
+    fn keeps_waiters_in_line(&self) -> bool {
+        false
+    }
+
     /// Releases the lock held by `from` and tries to take it for `to`, used to hand a
     /// lock straight to the next waiter in the same process.
     ///

@@ -257,7 +257,14 @@ impl Locker {
                 telemetry::acquired(&name, guard.fencing_token().get(), started.elapsed(), false);
                 Ok(Some(guard))
             }
-            Ok(Attempt::Held { .. }) => Ok(None),
+            Ok(Attempt::Held { .. }) => {
+                // This call does not wait: leave the line a refused attempt may have
+                // joined.
+                if self.inner.backend.keeps_waiters_in_line() {
+                    let _ = self.inner.backend.release(&name, &owner).await;
+                }
+                Ok(None)
+            }
             Err(error) => {
                 telemetry::not_acquired(&name, &error, started.elapsed());
                 self.undo_uncertain(&name, &owner, &error);
@@ -290,7 +297,17 @@ impl Locker {
         let name = name.into_lock_name()?;
         let owner = OwnerId::random();
         let started = Instant::now();
+        // On a store that keeps waiters in line, a waiter that stops waiting (an error,
+        // the wait bound, or this future dropped) must leave the line.
+        let keeps_line = self.inner.backend.keeps_waiters_in_line();
+        let leave_line = UndoOnDrop {
+            backend: Arc::clone(&self.inner.backend),
+            name: &name,
+            owner: &owner,
+            armed: keeps_line,
+        };
         let result = self.acquire_as(&name, &owner, options).await;
+        leave_line.disarm();
         match &result {
             Ok((guard, handed_over)) => telemetry::acquired(
                 &name,
@@ -300,7 +317,11 @@ impl Locker {
             ),
             Err(error) => {
                 telemetry::not_acquired(&name, error, started.elapsed());
-                self.undo_uncertain(&name, &owner, error);
+                if keeps_line {
+                    let _ = self.inner.backend.release(&name, &owner).await;
+                } else {
+                    self.undo_uncertain(&name, &owner, error);
+                }
             }
         }
         result.map(|(guard, _)| guard)
@@ -415,7 +436,11 @@ impl Locker {
             // when others poll, a sixteenth when they are notified), so a process alone
             // with its lock loses little. With long critical sections the others' polls
             // land in the pause at the first cap; with short ones, within a few runs.
-            if let Some(run) = queue.take_yield() {
+            // A store that keeps waiters in line gives waiters elsewhere their turn
+            // itself: the next owner's request joins the line behind them.
+            if let Some(run) = queue.take_yield()
+                && !self.inner.backend.keeps_waiters_in_line()
+            {
                 // Never shorter than a waiter elsewhere needs to get in once it looks:
                 // four of this store's acquisition times (its wake-up, its request, and
                 // slack for a loaded machine), at most a quarter of the run. On a store

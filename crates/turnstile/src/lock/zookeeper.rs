@@ -160,6 +160,15 @@ fn token(stat: &zk::Stat) -> FencingToken {
     FencingToken::new(u64::try_from(stat.czxid).unwrap_or(0))
 }
 
+/// A node of this client's in a name's line: where it is, and its creation zxid (the
+/// fencing token it holds the lock with once it is first).
+#[derive(Debug, Clone)]
+struct Placed {
+    node: Node,
+    path: String,
+    token: FencingToken,
+}
+
 fn ephemeral_sequential() -> zk::CreateOptions<'static> {
     zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all())
 }
@@ -174,8 +183,9 @@ struct Inner {
     sessions: tokio::sync::Mutex<HashMap<u64, zk::Client>>,
     /// The session used last: reads and deletions go there.
     last: Mutex<zk::Client>,
-    /// The node each acquisition of this client holds, by directory and owner.
-    nodes: Mutex<HashMap<(String, String), String>>,
+    /// The node each acquisition of this client holds or waits with, by directory and
+    /// owner.
+    nodes: Mutex<HashMap<(String, String), Placed>>,
     /// When each node this client holds stops being trusted without a renewal (sent +
     /// TTL). The session outlives every lock's TTL, so past its deadline a node is this
     /// client's to delete.
@@ -406,56 +416,124 @@ impl ZooKeeperLockStore {
         }
     }
 
-    /// Decides an acquisition from the node just `created` (with its `stat`) and the
-    /// listing sent right after it: our oldest node holds if it is first (a later one of
-    /// ours, from a create whose reply was lost, goes); otherwise every node of ours goes
-    /// and the answer is "held".
+    fn placed(&self, dir: &str, owner: &str) -> Option<Placed> {
+        locked(&self.inner.nodes)
+            .get(&(dir.to_owned(), owner.to_owned()))
+            .cloned()
+    }
+
+    fn forget(&self, dir: &str, owner: &str) -> Option<Placed> {
+        let placed = locked(&self.inner.nodes).remove(&(dir.to_owned(), owner.to_owned()));
+        if let Some(placed) = &placed {
+            locked(&self.inner.deadlines).remove(&placed.path);
+        }
+        placed
+    }
+
+    /// Decides an acquisition from our node `mine` (just created, or already waiting in
+    /// line) and a listing sent after it: our oldest node in line is our place (a later
+    /// one of ours, from a create whose reply was lost, goes); it holds the lock if it
+    /// is first, and otherwise stays in line. `None` when our node is no longer there (its
+    /// session expired, or the lock was broken): the caller creates another.
     async fn settle(
         &self,
         client: &zk::Client,
-        dir: String,
-        created: Node,
-        stat: zk::Stat,
+        dir: &str,
+        mine: Placed,
         listed: std::result::Result<Vec<String>, zk::Error>,
         deadline: Instant,
-    ) -> Result<TryAcquire> {
+    ) -> Result<Option<TryAcquire>> {
+        let owner = mine.node.owner.clone();
         let nodes = match listed {
             Ok(children) => in_line(&children),
+            Err(zk::Error::NoNode) => Vec::new(),
             Err(error) => {
-                Self::delete_all(client, &dir, &[&created]).await;
+                // Our node stays known, so that a release (the lock core's, when it
+                // stops waiting) finds and deletes it.
+                locked(&self.inner.nodes).insert((dir.to_owned(), owner), mine);
                 return Err(failed("cannot list the lock's nodes")(error));
             }
         };
-        let ours: Vec<&Node> = nodes
-            .iter()
-            .filter(|node| node.owner == created.owner)
-            .collect();
-        let Some(first) = nodes.first().filter(|first| first.owner == created.owner) else {
-            Self::delete_all(client, &dir, &ours).await;
-            return Ok(TryAcquire::Held {
-                remaining_ttl: None,
-            });
+        let ours: Vec<&Node> = nodes.iter().filter(|node| node.owner == owner).collect();
+        let Some(oldest) = ours.first().copied() else {
+            self.forget(dir, &owner);
+            return Ok(None);
         };
-        let extra: Vec<&Node> = ours.iter().copied().filter(|node| *node != first).collect();
-        // A multi's create may answer with an invalid stat (ZOOKEEPER-4026): read it.
-        let token = if *first == created && !stat.is_invalid() {
-            token(&stat)
+        Self::delete_all(client, dir, &ours[1..]).await;
+        let placed = if *oldest == mine.node {
+            mine
         } else {
-            match self.info(client, &dir, first).await? {
-                Some(info) => info.fencing_token,
+            match self.info(client, dir, oldest).await? {
+                Some(info) => Placed {
+                    node: oldest.clone(),
+                    path: format!("{dir}/{}", oldest.child()),
+                    token: info.fencing_token,
+                },
                 None => {
-                    Self::delete_all(client, &dir, &ours).await;
-                    return Ok(TryAcquire::Held {
-                        remaining_ttl: None,
-                    });
+                    self.forget(dir, &owner);
+                    return Ok(None);
                 }
             }
         };
-        Self::delete_all(client, &dir, &extra).await;
-        let path = format!("{dir}/{}", first.child());
-        locked(&self.inner.deadlines).insert(path.clone(), deadline);
-        locked(&self.inner.nodes).insert((dir, created.owner), path);
-        Ok(TryAcquire::Acquired { token })
+        let first = nodes.first() == Some(oldest);
+        if first {
+            locked(&self.inner.deadlines).insert(placed.path.clone(), deadline);
+        }
+        let token = placed.token;
+        locked(&self.inner.nodes).insert((dir.to_owned(), owner), placed);
+        Ok(Some(if first {
+            TryAcquire::Acquired { token }
+        } else {
+            TryAcquire::Held {
+                remaining_ttl: None,
+            }
+        }))
+    }
+
+    /// Creates a node for `owner` at the back of the line (and the name's directory if
+    /// it is missing), and settles the acquisition with a listing sent right behind it.
+    async fn join_line(
+        &self,
+        client: &zk::Client,
+        dir: &str,
+        owner: &str,
+        deadline: Instant,
+    ) -> Result<TryAcquire> {
+        let prefix = format!("{dir}/{owner}-");
+        for _ in 0..DIRECTORY_ATTEMPTS {
+            // Both requests leave now, in this order: the listing sees our node.
+            let create = client.create(&prefix, owner.as_bytes(), &ephemeral_sequential());
+            let list = client.list_children(dir);
+            let (created, listed) = tokio::join!(create, list);
+            let (stat, sequence) = match created {
+                Ok(created) => created,
+                Err(zk::Error::NoNode) => {
+                    let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+                    client
+                        .mkdir(dir, &container)
+                        .await
+                        .map_err(failed("cannot create the lock's directory"))?;
+                    continue;
+                }
+                Err(error) => return Err(failed("cannot create the lock's node")(error)),
+            };
+            let node = Node {
+                sequence: sequence.into_i64(),
+                owner: owner.to_owned(),
+            };
+            let mine = Placed {
+                path: format!("{dir}/{}", node.child()),
+                node,
+                token: token(&stat),
+            };
+            if let Some(answer) = self.settle(client, dir, mine, listed, deadline).await? {
+                return Ok(answer);
+            }
+        }
+        Err(Error::new(
+            ErrorKind::Store,
+            format!("the lock's directory {dir} kept vanishing while creating a node in it"),
+        ))
     }
 }
 
@@ -471,36 +549,14 @@ impl LockBackend for ZooKeeperLockStore {
             let client = self.session(ttl).await?;
             let dir = self.inner.dir(name);
             let owner_hex = owner.to_string();
-            let prefix = format!("{dir}/{owner_hex}-");
-            for _ in 0..DIRECTORY_ATTEMPTS {
-                // Both requests leave now, in this order: the listing sees our node.
-                let create = client.create(&prefix, owner_hex.as_bytes(), &ephemeral_sequential());
-                let list = client.list_children(&dir);
-                let (created, listed) = tokio::join!(create, list);
-                let (stat, sequence) = match created {
-                    Ok(created) => created,
-                    Err(zk::Error::NoNode) => {
-                        let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
-                        client
-                            .mkdir(&dir, &container)
-                            .await
-                            .map_err(failed("cannot create the lock's directory"))?;
-                        continue;
-                    }
-                    Err(error) => return Err(failed("cannot create the lock's node")(error)),
-                };
-                let created = Node {
-                    sequence: sequence.into_i64(),
-                    owner: owner_hex.clone(),
-                };
-                return self
-                    .settle(&client, dir, created, stat, listed, sent + ttl)
-                    .await;
+            // Already in line (waiting, or holding and asking again): a read tells.
+            if let Some(mine) = self.placed(&dir, &owner_hex) {
+                let listed = client.list_children(&dir).await;
+                if let Some(answer) = self.settle(&client, &dir, mine, listed, sent + ttl).await? {
+                    return Ok(answer);
+                }
             }
-            Err(Error::new(
-                ErrorKind::Store,
-                format!("the lock's directory {dir} kept vanishing while creating a node in it"),
-            ))
+            self.join_line(&client, &dir, &owner_hex, sent + ttl).await
         })
     }
 
@@ -514,16 +570,12 @@ impl LockBackend for ZooKeeperLockStore {
             let sent = Instant::now();
             let dir = self.inner.dir(name);
             let owner_hex = owner.to_string();
-            let known = locked(&self.inner.nodes)
-                .get(&(dir.clone(), owner_hex.clone()))
-                .cloned();
-            if let Some(path) = &known
-                && self.inner.overdue(path)
+            if let Some(mine) = self.placed(&dir, &owner_hex)
+                && self.inner.overdue(&mine.path)
             {
                 // Past this client's TTL: the lock is not ours to renew any more.
-                let _ = self.reader().await?.delete(path, None).await;
-                locked(&self.inner.deadlines).remove(path);
-                locked(&self.inner.nodes).remove(&(dir, owner_hex));
+                let _ = self.reader().await?.delete(&mine.path, None).await;
+                self.forget(&dir, &owner_hex);
                 return Ok(ExtendOutcome::Lost(LossReason::Expired));
             }
             // The session for this TTL must be alive (the node's own session, unless it
@@ -533,12 +585,11 @@ impl LockBackend for ZooKeeperLockStore {
             match nodes.first() {
                 Some(first) if first.owner == owner_hex => {
                     let path = format!("{dir}/{}", first.child());
-                    locked(&self.inner.deadlines).insert(path.clone(), sent + ttl);
-                    locked(&self.inner.nodes).insert((dir, owner_hex), path);
+                    locked(&self.inner.deadlines).insert(path, sent + ttl);
                     Ok(ExtendOutcome::Extended)
                 }
                 first => {
-                    locked(&self.inner.nodes).remove(&(dir, owner_hex));
+                    self.forget(&dir, &owner_hex);
                     Ok(ExtendOutcome::Lost(if first.is_some() {
                         LossReason::TakenOver
                     } else {
@@ -549,6 +600,8 @@ impl LockBackend for ZooKeeperLockStore {
         })
     }
 
+    /// Also what the lock core calls for an owner that stops waiting: its node leaves
+    /// the line (answering `HeldByOther`, or `AlreadyExpired` if the line is empty).
     fn release<'a>(
         &'a self,
         name: &'a LockName,
@@ -557,19 +610,17 @@ impl LockBackend for ZooKeeperLockStore {
         Box::pin(async move {
             let dir = self.inner.dir(name);
             let owner_hex = owner.to_string();
-            let known = locked(&self.inner.nodes).remove(&(dir.clone(), owner_hex.clone()));
+            let known = self.placed(&dir, &owner_hex);
             let overdue = known
-                .as_deref()
-                .is_some_and(|path| self.inner.overdue(path));
-            if let Some(path) = &known {
-                locked(&self.inner.deadlines).remove(path);
-            }
+                .as_ref()
+                .is_some_and(|mine| self.inner.overdue(&mine.path));
+            self.forget(&dir, &owner_hex);
             let client = self.reader().await?;
             let nodes = match &known {
                 // The listing (as it was before) and the delete leave together.
-                Some(path) => {
+                Some(mine) => {
                     let list = client.list_children(&dir);
-                    let delete = client.delete(path, None);
+                    let delete = client.delete(&mine.path, None);
                     let (listed, _) = tokio::join!(list, delete);
                     match listed {
                         Ok(children) => in_line(&children),
@@ -583,9 +634,13 @@ impl LockBackend for ZooKeeperLockStore {
                 .iter()
                 .filter(|node| node.owner == owner_hex)
                 .collect();
-            if known.is_none() {
-                Self::delete_all(&client, &dir, &ours).await;
-            }
+            // Nodes of ours this client did not know of (a create whose reply was lost).
+            let unknown: Vec<&Node> = ours
+                .iter()
+                .copied()
+                .filter(|node| known.as_ref().is_none_or(|mine| mine.node != **node))
+                .collect();
+            Self::delete_all(&client, &dir, &unknown).await;
             let first_is_ours = nodes.first().is_some_and(|first| first.owner == owner_hex);
             Ok(match (first_is_ours, overdue, nodes.is_empty()) {
                 (true, false, _) => ReleaseOutcome::Released,
@@ -703,28 +758,34 @@ impl LockBackend for ZooKeeperLockStore {
         Box::pin(async move {
             let sent = Instant::now();
             let dir = self.inner.dir(name);
-            let from_key = (dir.clone(), from.to_string());
-            let known = locked(&self.inner.nodes).get(&from_key).cloned();
-            let Some(from_path) = known.filter(|path| !self.inner.overdue(path)) else {
+            let (from_hex, to_hex) = (from.to_string(), to.to_string());
+            let Some(ours) = self
+                .placed(&dir, &from_hex)
+                .filter(|ours| !self.inner.overdue(&ours.path))
+            else {
                 let released = self.release(name, from).await?;
                 return Ok((released, self.try_acquire(name, to, ttl).await?));
             };
-            // One write: our node goes and the next owner's comes, atomically; the
-            // listing leaves right after it. The node deleted was first (we were first
-            // when we took it, and no node can come before it later).
+            // Our node was first (we were first when we took it, and no node can come
+            // before it later), so deleting it is a release. The next owner's node, if it
+            // is not in line yet, is created in the same write; the listing leaves right
+            // behind, and whoever is first then holds — a waiter elsewhere that was in
+            // line before the next owner comes first.
             let client = self.session(ttl).await?;
-            let to_hex = to.to_string();
+            let waiting = self.placed(&dir, &to_hex);
             let mut writer = client.new_multi_writer();
             writer
-                .add_delete(&from_path, None)
-                .and_then(|()| {
-                    writer.add_create(
+                .add_delete(&ours.path, None)
+                .map_err(failed("cannot hand the lock over"))?;
+            if waiting.is_none() {
+                writer
+                    .add_create(
                         &format!("{dir}/{to_hex}-"),
                         to_hex.as_bytes(),
                         &ephemeral_sequential(),
                     )
-                })
-                .map_err(failed("cannot hand the lock over"))?;
+                    .map_err(failed("cannot hand the lock over"))?;
+            }
             let commit = writer.commit();
             let list = client.list_children(&dir);
             let (committed, listed) = tokio::join!(commit, list);
@@ -737,29 +798,57 @@ impl LockBackend for ZooKeeperLockStore {
                 Err(zk::MultiWriteError::OperationFailed {
                     source: zk::Error::NoNode,
                     ..
-                }) => None,
+                }) => {
+                    let released = self.release(name, from).await?;
+                    return Ok((released, self.try_acquire(name, to, ttl).await?));
+                }
                 Err(error) => return Err(failed("cannot hand the lock over")(error.into())),
             };
-            let Some((path, stat)) = created else {
-                let released = self.release(name, from).await?;
-                return Ok((released, self.try_acquire(name, to, ttl).await?));
-            };
-            locked(&self.inner.nodes).remove(&from_key);
-            locked(&self.inner.deadlines).remove(&from_path);
-            let created = path
-                .rsplit_once('/')
-                .and_then(|(_, child)| Node::parse(child))
-                .ok_or_else(|| {
-                    Error::new(
+            self.forget(&dir, &from_hex);
+            let mine = match (waiting, created) {
+                (Some(waiting), _) => waiting,
+                (None, Some((path, stat))) => {
+                    let node = path
+                        .rsplit_once('/')
+                        .and_then(|(_, child)| Node::parse(child))
+                        .ok_or_else(|| {
+                            Error::new(
+                                ErrorKind::Store,
+                                format!("ZooKeeper answered with an unexpected node path {path:?}"),
+                            )
+                        })?;
+                    // A multi's create may answer with an invalid stat (ZOOKEEPER-4026).
+                    let token = if stat.is_invalid() {
+                        match client
+                            .check_stat(&path)
+                            .await
+                            .map_err(failed("cannot read the lock's node"))?
+                        {
+                            Some(stat) => token(&stat),
+                            None => FencingToken::new(0),
+                        }
+                    } else {
+                        token(&stat)
+                    };
+                    Placed { node, path, token }
+                }
+                (None, None) => {
+                    return Err(Error::new(
                         ErrorKind::Store,
-                        format!("ZooKeeper answered with an unexpected node path {path:?}"),
-                    )
-                })?;
-            let acquired = self
-                .settle(&client, dir, created, stat, listed, sent + ttl)
-                .await?;
+                        "ZooKeeper did not report the node it created",
+                    ));
+                }
+            };
+            let acquired = match self.settle(&client, &dir, mine, listed, sent + ttl).await? {
+                Some(acquired) => acquired,
+                None => self.try_acquire(name, to, ttl).await?,
+            };
             Ok((ReleaseOutcome::Released, acquired))
         })
+    }
+
+    fn keeps_waiters_in_line(&self) -> bool {
+        true
     }
 
     fn describe(&self) -> String {

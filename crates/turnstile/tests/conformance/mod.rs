@@ -648,11 +648,16 @@ pub async fn an_acquire_repeated_by_its_owner_gets_the_lock_it_has(store: impl T
         TryAcquire::Acquired { token },
         "a repeated acquire by the holder must return its own token"
     );
-    let other = backend
-        .try_acquire(&lock, &OwnerId::random(), ttl)
-        .await
-        .unwrap();
+    let other_owner = OwnerId::random();
+    let other = backend.try_acquire(&lock, &other_owner, ttl).await.unwrap();
     assert!(matches!(other, TryAcquire::Held { .. }), "{other:?}");
+    if backend.keeps_waiters_in_line() {
+        // The refused owner waits in the store's line until it leaves it.
+        assert_eq!(
+            backend.release(&lock, &other_owner).await.unwrap(),
+            ReleaseOutcome::HeldByOther
+        );
+    }
     assert_eq!(
         backend.release(&lock, &owner).await.unwrap(),
         ReleaseOutcome::Released
@@ -939,6 +944,10 @@ impl LockBackend for Counting {
     ) -> BoxFuture<'a, turnstile::Result<ReleaseWatch>> {
         self.watches.fetch_add(1, Ordering::SeqCst);
         self.inner.watch_releases(name)
+    }
+
+    fn keeps_waiters_in_line(&self) -> bool {
+        self.inner.keeps_waiters_in_line()
     }
 
     fn describe(&self) -> String {
