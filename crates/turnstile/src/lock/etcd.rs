@@ -4,10 +4,13 @@
 //! create revision under the name holds the lock. Keys live on this client's
 //! **session lease** — one lease per whole-second TTL in use (the TTL rounded up, plus
 //! one second), kept alive every half second while the store lives, as etcd's own
-//! concurrency package does — so an acquisition is one read and one conditional write,
-//! and a release one write, with no lease granted or revoked per acquisition. An
-//! acquisition that does not come first deletes its key again and answers "held", so
-//! nobody waits in etcd's queue: waiting is the lock core's.
+//! concurrency package does — so no lease is granted or revoked per acquisition. An
+//! acquisition is one transaction: our key joins the line (unless it is there already)
+//! and the first key is read back. A waiter's key **stays in line**, so waiters in every
+//! process get the lock in the order they asked; a waiter already in line checks its
+//! place with one read, and the lock core deletes its key when it stops waiting. A
+//! hand-over between tasks of one process is one transaction too: our key goes and the
+//! next owner's joins the line, behind any waiter elsewhere.
 //!
 //! # Guarantees
 //! - **Atomicity and order**: etcd's Raft log; revisions grow cluster-wide.
@@ -215,6 +218,9 @@ pub struct EtcdLockStore {
     prefix: String,
     url: String,
     deadlines: Deadlines,
+    /// Keys this client has in a name's line (holding or waiting): a waiter that asks
+    /// again reads its place instead of writing.
+    in_line: Arc<Mutex<std::collections::HashSet<String>>>,
     /// The session leases, by their TTL in whole seconds.
     sessions: Arc<tokio::sync::Mutex<HashMap<i64, Arc<Session>>>>,
     /// How many endpoints the URL names: how often a refused request is sent again.
@@ -336,6 +342,7 @@ impl EtcdLockStore {
             prefix,
             url: format!("etcd://{hosts}"),
             deadlines: Arc::default(),
+            in_line: Arc::default(),
             sessions: Arc::default(),
             endpoints: endpoints.len(),
         })
@@ -444,6 +451,46 @@ impl EtcdLockStore {
         Ok(response.kvs().first().cloned())
     }
 
+    fn is_in_line(&self, key: &str) -> bool {
+        self.in_line
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(key)
+    }
+
+    fn left_line(&self, key: &str) {
+        self.in_line
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(key);
+        self.deadlines().remove(key);
+    }
+
+    /// The answer for our key `mine` in line, given the name's `first` key: the lock is
+    /// ours until `deadline` if our key is first; otherwise our key waits in line.
+    fn placed(
+        &self,
+        key: String,
+        mine: &etcd_client::KeyValue,
+        first: Option<&etcd_client::KeyValue>,
+        deadline: Instant,
+    ) -> TryAcquire {
+        self.in_line
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(key.clone());
+        if first.is_some_and(|first| first.key() == mine.key()) {
+            self.deadlines().insert(key, deadline);
+            TryAcquire::Acquired {
+                token: token(mine.create_revision()),
+            }
+        } else {
+            TryAcquire::Held {
+                remaining_ttl: None,
+            }
+        }
+    }
+
     fn deadlines(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
         lock_deadlines(&self.deadlines)
     }
@@ -482,68 +529,51 @@ impl LockBackend for EtcdLockStore {
         Box::pin(async move {
             let sent = Instant::now();
             let key = self.key(name, owner);
-            // Look before writing: a waiter that wrote its key and deleted it again would
-            // wake every watcher of the name (a deletion is what they wait for). The
-            // session lease is made sure of meanwhile (usually nothing to do).
-            let (session, holder) =
-                tokio::try_join!(self.session(ttl, sent + ttl), self.first(name))?;
-            if let Some(holder) = holder
-                && holder.key_str().unwrap_or_default() != key
-            {
-                return Ok(TryAcquire::Held {
-                    remaining_ttl: self.lease_left(holder.lease()).await,
-                });
+            // Already in line: our key and the name's first key, in one read (no write,
+            // so nothing to sync on etcd's log).
+            if self.is_in_line(&key) {
+                let first_key = self.in_line(name, 1);
+                let read = async {
+                    self.txn(Txn::new().and_then([TxnOp::get(key.as_str(), None), first_key]))
+                        .await
+                        .map_err(failed("cannot read the lock key"))
+                };
+                let (_, answer) = tokio::try_join!(self.session(ttl, sent + ttl), read)?;
+                let (mine, first) = mine_and_first(&answer);
+                if let Some(mine) = mine {
+                    return Ok(self.placed(key, &mine, first.as_ref(), sent + ttl));
+                }
+                // Our key went (its lease expired, or it was broken): join again.
+                self.left_line(&key);
             }
-            let lease = session.id;
-            // Our key, unless we hold one already (an acquire repeated by its owner), and
-            // the name's first key, in one round trip.
-            let first_key = self.in_line(name, 1);
+            let session = self.session(ttl, sent + ttl).await?;
+            // Our key at the back of the line, unless it is there already (an acquire
+            // repeated by its owner), then our key and the first key, in one round trip.
+            let read_back = [TxnOp::get(key.as_str(), None), self.in_line(name, 1)];
             let txn = Txn::new()
                 .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
-                .and_then([
-                    TxnOp::put(
+                .and_then(
+                    std::iter::once(TxnOp::put(
                         key.as_str(),
                         owner.to_string(),
-                        Some(PutOptions::new().with_lease(lease)),
-                    ),
-                    first_key.clone(),
-                ])
-                .or_else([first_key]);
+                        Some(PutOptions::new().with_lease(session.id)),
+                    ))
+                    .chain(read_back.clone())
+                    .collect::<Vec<_>>(),
+                )
+                .or_else(read_back);
             let answer = self
                 .txn(txn)
                 .await
                 .map_err(failed("cannot write the lock key"))?;
-            let created = answer.succeeded();
-            let first = answer
-                .op_responses()
-                .into_iter()
-                .find_map(|response| match response {
-                    TxnOpResponse::Get(got) => Some(got.kvs().first().cloned()),
-                    _ => None,
-                });
-            let first = match first {
-                Some(first) => first,
-                None => self.first(name).await?,
+            let (mine, first) = mine_and_first(&answer);
+            let Some(mine) = mine else {
+                return Err(Error::new(
+                    ErrorKind::Store,
+                    format!("etcd did not keep the lock key {key} just written"),
+                ));
             };
-            match first {
-                Some(kv) if kv.key_str().unwrap_or_default() == key => {
-                    self.deadlines().insert(key, sent + ttl);
-                    Ok(TryAcquire::Acquired {
-                        token: token(kv.create_revision()),
-                    })
-                }
-                holder => {
-                    // Not first: take our key back out of the line.
-                    if created {
-                        self.delete(&key).await;
-                    }
-                    let remaining_ttl = match holder {
-                        Some(kv) => self.lease_left(kv.lease()).await,
-                        None => None,
-                    };
-                    Ok(TryAcquire::Held { remaining_ttl })
-                }
-            }
+            Ok(self.placed(key, &mine, first.as_ref(), sent + ttl))
         })
     }
 
@@ -560,7 +590,7 @@ impl LockBackend for EtcdLockStore {
             if self.overdue(&key) {
                 // Past this client's TTL: the lock is not ours to renew any more.
                 self.delete(&key).await;
-                self.deadlines().remove(&key);
+                self.left_line(&key);
                 return Ok(ExtendOutcome::Lost(LossReason::Expired));
             }
             // Our key and the name's first key in one read, while the session lease is
@@ -574,6 +604,7 @@ impl LockBackend for EtcdLockStore {
             let (session, answer) = tokio::try_join!(self.session(ttl, sent + ttl), read)?;
             let (mine, first) = mine_and_first(&answer);
             let Some(kv) = mine else {
+                self.left_line(&key);
                 return Ok(ExtendOutcome::Lost(if first.is_some() {
                     LossReason::TakenOver
                 } else {
@@ -619,7 +650,7 @@ impl LockBackend for EtcdLockStore {
         Box::pin(async move {
             let key = self.key(name, owner);
             let overdue = self.overdue(&key);
-            self.deadlines().remove(&key);
+            self.left_line(&key);
             // In one round trip: our key, the name's first key (before the delete), and
             // the delete of ours.
             let first_key = self.in_line(name, 1);
@@ -704,6 +735,68 @@ impl LockBackend for EtcdLockStore {
             Ok(ReleaseWatch::new(receiver, WatchTask(task))
                 .with_poll(Duration::from_millis(50), Duration::from_millis(500)))
         })
+    }
+
+    fn hand_over<'a>(
+        &'a self,
+        name: &'a LockName,
+        from: &'a OwnerId,
+        to: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            let (from_key, to_key) = (self.key(name, from), self.key(name, to));
+            if self.overdue(&from_key) || !self.is_in_line(&from_key) {
+                let released = self.release(name, from).await?;
+                return Ok((released, self.try_acquire(name, to, ttl).await?));
+            }
+            // One write: our key goes, and the next owner's joins the line at the back
+            // (unless it waits there already), then its key and the first key are read.
+            // A waiter elsewhere that was in line before comes first: the line, not a
+            // pause, gives it its turn. Our key was first (no key can come before the
+            // first later), provided it was still there: the transaction checks that.
+            let session = self.session(ttl, sent + ttl).await?;
+            let read_back = [TxnOp::get(to_key.as_str(), None), self.in_line(name, 1)];
+            let mut writes = vec![TxnOp::delete(from_key.as_str(), None)];
+            if !self.is_in_line(&to_key) {
+                writes.push(TxnOp::put(
+                    to_key.as_str(),
+                    to.to_string(),
+                    Some(PutOptions::new().with_lease(session.id)),
+                ));
+            }
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    from_key.as_str(),
+                    CompareOp::Greater,
+                    0,
+                )])
+                .and_then(writes.into_iter().chain(read_back).collect::<Vec<_>>());
+            let answer = self
+                .txn(txn)
+                .await
+                .map_err(failed("cannot hand the lock over"))?;
+            if !answer.succeeded() {
+                // Our key was gone (broken, or its lease expired): not a hand-over.
+                let released = self.release(name, from).await?;
+                return Ok((released, self.try_acquire(name, to, ttl).await?));
+            }
+            self.left_line(&from_key);
+            let (mine, first) = mine_and_first(&answer);
+            let acquired = match mine {
+                Some(mine) => self.placed(to_key, &mine, first.as_ref(), sent + ttl),
+                None => {
+                    self.left_line(&to_key);
+                    self.try_acquire(name, to, ttl).await?
+                }
+            };
+            Ok((ReleaseOutcome::Released, acquired))
+        })
+    }
+
+    fn keeps_waiters_in_line(&self) -> bool {
+        true
     }
 
     fn describe(&self) -> String {
