@@ -10,6 +10,10 @@ use turnstile::{Error, ErrorKind};
 pub(crate) enum RawSql {
     #[cfg(feature = "postgres")]
     Postgres(sqlx::PgPool),
+    /// Session advisory locks (`pg_try_advisory_lock`), the floor of session mode: chosen
+    /// by `turnstile_mode=session` in the URL.
+    #[cfg(feature = "postgres")]
+    PostgresAdvisory(sqlx::PgPool),
     #[cfg(feature = "mysql")]
     Mysql(sqlx::MySqlPool),
 }
@@ -18,11 +22,32 @@ pub(crate) enum RawSql {
 pub(crate) enum RawSqlHeld {
     #[cfg(feature = "postgres")]
     Postgres { name: String, owner: String },
+    #[cfg(feature = "postgres")]
+    PostgresAdvisory {
+        connection: sqlx::pool::PoolConnection<sqlx::Postgres>,
+        name: String,
+    },
     #[cfg(feature = "mysql")]
     Mysql {
         connection: sqlx::pool::PoolConnection<sqlx::MySql>,
         key: String,
     },
+}
+
+/// `url` without its `turnstile_*` query options.
+fn without_turnstile_options(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| !pair.starts_with("turnstile_"))
+        .collect();
+    if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    }
 }
 
 /// A counter row incremented with two separate statements (read, then write).
@@ -57,6 +82,8 @@ fn unreachable_store(error: sqlx::Error) -> Error {
 impl SqlCounter {
     /// A counter for the library peer or the raw peer, in the store's database.
     pub(crate) async fn open(url: &str, run: &str) -> Result<SqlCounter, Error> {
+        // The library's `turnstile_*` options are not the driver's.
+        let url = &without_turnstile_options(url);
         let scheme = url
             .split("://")
             .next()
@@ -161,12 +188,25 @@ impl RawSql {
             #[cfg(feature = "postgres")]
             "postgres" | "postgresql" => {
                 use std::str::FromStr;
-                // The same durability as the library's connections.
-                let options = sqlx::postgres::PgConnectOptions::from_str(url)
+                let (base, query) = url.split_once('?').unwrap_or((url, ""));
+                let advisory = query
+                    .split('&')
+                    .any(|pair| pair == "turnstile_mode=session");
+                // Durable commits: the floor pays for them (session advisory locks write
+                // nothing, so there it makes no difference).
+                let options = sqlx::postgres::PgConnectOptions::from_str(base)
                     .map_err(|e| {
                         Error::new(ErrorKind::InvalidUrl, "bad PostgreSQL URL").with_source(e)
                     })?
                     .options([("synchronous_commit", "on")]);
+                if advisory {
+                    let pool = sqlx::postgres::PgPoolOptions::new()
+                        .max_connections(16)
+                        .connect_with(options)
+                        .await
+                        .map_err(unreachable_store)?;
+                    return Ok(RawSql::PostgresAdvisory(pool));
+                }
                 let pool = sqlx::postgres::PgPoolOptions::new()
                     .max_connections(8)
                     .connect_with(options)
@@ -234,6 +274,27 @@ impl RawSql {
                     return Ok(None);
                 }
             },
+            #[cfg(feature = "postgres")]
+            RawSql::PostgresAdvisory(pool) => {
+                let mut connection = pool.acquire().await.map_err(|e| e.to_string())?;
+                loop {
+                    let got: bool =
+                        sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
+                            .bind(name)
+                            .fetch_one(&mut *connection)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    if got {
+                        return Ok(Some(RawSqlHeld::PostgresAdvisory {
+                            connection,
+                            name: name.to_owned(),
+                        }));
+                    }
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                }
+            }
             #[cfg(feature = "mysql")]
             RawSql::Mysql(pool) => {
                 let mut connection = pool.acquire().await.map_err(|e| e.to_string())?;
@@ -276,6 +337,19 @@ impl RawSql {
             .await
             .map(|_| ())
             .map_err(|e| e.to_string()),
+            #[cfg(feature = "postgres")]
+            (
+                RawSql::PostgresAdvisory(_),
+                RawSqlHeld::PostgresAdvisory {
+                    mut connection,
+                    name,
+                },
+            ) => sqlx::query("SELECT pg_advisory_unlock(hashtextextended($1, 0))")
+                .bind(name)
+                .execute(&mut *connection)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
             #[cfg(feature = "mysql")]
             (
                 RawSql::Mysql(_),

@@ -685,12 +685,13 @@ async fn refusals_are_configuration_errors_that_say_why() {
 
 /// Token durability with the clock floor out of the way: the stored token is far ahead
 /// of the clock, so only the committed counter can keep the next token larger. The test
-/// server runs with `synchronous_commit = off`; the store forces it on for its own
-/// connections, or the crash would lose the last token and issue it again.
+/// server runs with `synchronous_commit = off`; with `turnstile_sync_commit=on` the
+/// store forces it on for its own connections, or the crash would lose the last token
+/// and issue it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_token_ahead_of_the_clock_survives_a_crash() {
+async fn with_sync_commit_a_token_ahead_of_the_clock_survives_a_crash() {
     let server = PostgresServer::spawn();
-    let url = server.url();
+    let url = format!("{}?turnstile_sync_commit=on", server.url());
     let store = PostgresLockStore::connect(&url).await.unwrap();
     let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
         .fetch_one(store.pool())
@@ -732,6 +733,63 @@ async fn a_token_ahead_of_the_clock_survives_a_crash() {
         .unwrap();
     assert_eq!(second.fencing_token(), FencingToken::new(ahead as u64 + 2));
     second.release().await.unwrap();
+}
+
+/// The default: the store's commits do not wait for the disk, and a crash loses the
+/// last ones, yet every token issued before the crash is below the first one after it,
+/// because tokens are floored by the database clock (which did not step back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_sync_commit_tokens_still_grow_across_a_crash() {
+    let server = PostgresServer::spawn();
+    let url = server.url();
+    let store = PostgresLockStore::connect(&url).await.unwrap();
+    let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(setting, "on", "the application's pool is left alone");
+    let locker = Locker::new(store.clone());
+    let options = LockOptions::new()
+        .ttl(Duration::from_secs(1))
+        .watchdog(false);
+    let mut before = Vec::new();
+    for _ in 0..200 {
+        let guard = locker.acquire("crash", &options).await.unwrap();
+        before.push(guard.fencing_token());
+        guard.release().await.unwrap();
+    }
+    // The last one is held through the crash.
+    let held = locker.acquire("crash", &options).await.unwrap();
+    before.push(held.fencing_token());
+    std::mem::forget(held);
+    drop(locker);
+    drop(store);
+    server.crash_and_restart();
+    let store = PostgresLockStore::connect(&url).await.unwrap();
+    let kept: i64 = sqlx::query_scalar("SELECT token FROM turnstile_tokens WHERE name = 'crash'")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    eprintln!(
+        "the crash lost {} of the last {} tokens' commits",
+        before
+            .iter()
+            .filter(|token| token.get() > kept as u64)
+            .count(),
+        before.len()
+    );
+    let after = Locker::new(store);
+    let guard = after
+        .acquire("crash", &LockOptions::new().wait(Duration::from_secs(40)))
+        .await
+        .unwrap();
+    let largest = before.iter().max().copied().unwrap();
+    assert!(
+        guard.fencing_token() > largest,
+        "token {} after the crash, {largest} before",
+        guard.fencing_token()
+    );
+    guard.release().await.unwrap();
 }
 
 /// Transaction-scoped holders waiting for one name fill the application's pool; the

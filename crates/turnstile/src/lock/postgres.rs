@@ -18,14 +18,29 @@
 //!   moment the request was sent, minus a drift allowance.
 //! - **Fencing tokens** are `max(last + 1, database clock in µs since the Unix epoch)`,
 //!   kept per name in `{prefix}_tokens` (until [pruned](super::Locker::prune)) and
-//!   issued in the same statement that takes the lock. The store's connections run with
-//!   `synchronous_commit = on` whatever the server's default, so every issued token is
-//!   on disk (in the WAL) before the holder learns it: tokens survive restarts and
-//!   crashes (tested with a stored token ahead of the clock, so that only the commit can
-//!   keep the next one larger), and a failover to a synchronous replica. After a
-//!   failover to an *asynchronous* replica the last acquisitions may be lost; the clock
-//!   floor still keeps new tokens larger as long as the new primary's clock is not behind
-//!   the old one's by more than the failover took.
+//!   issued in the same statement that takes the lock.
+//! - **Commits** of the store's own statements do **not** wait for the disk by default
+//!   (`synchronous_commit = off` on its connections; the application's pool is left
+//!   alone). A crash of the database server can then lose the last ~0.6 s of them
+//!   (three times `wal_writer_delay`). What that costs:
+//!   - *Tokens* keep growing all the same, **provided the database server's clock never
+//!     steps back**: a lost token was at most the clock when it was issued (a token
+//!     only runs ahead of the clock with more than one acquisition of a name per
+//!     microsecond, or after the clock stepped back), and the first token after the
+//!     restart is at least the clock then. Tested: tokens issued just before a crash
+//!     (`kill -9`) are all below the first one after the restart.
+//!   - A *lost acquisition* is a lost lock: after the restart another owner can take
+//!     it; the first holder's next renewal finds it gone and its lost signal fires
+//!     (within TTL/3), and its token is the smaller one, so fenced writes refuse it.
+//!   - A *lost release* brings the lock back until its lease runs out.
+//!   - With [`synchronous_commit(true)`](PostgresLockConfig::synchronous_commit)
+//!     (`turnstile_sync_commit=on`), every token is on disk (in the WAL) before the
+//!     holder learns it, whatever the clock does: tokens survive restarts and crashes
+//!     (tested with a stored token ahead of the clock, so that only the commit can keep
+//!     the next one larger), and a failover to a synchronous replica.
+//!   - Either way, after a failover to an *asynchronous* replica the last acquisitions
+//!     may be lost; the clock floor still keeps new tokens larger as long as the new
+//!     primary's clock is not behind the old one's by more than the failover took.
 //! - **Bounded statements**: the store's own statements run with `lock_timeout = 250ms`
 //!   and `statement_timeout = 10s`; an acquire that meets a transaction-scoped holder's
 //!   row lock answers "held" instead of waiting for the transaction.
@@ -76,6 +91,7 @@ pub struct PostgresLockConfig {
     migrate: bool,
     max_connections: u32,
     connect_timeout: Duration,
+    synchronous_commit: bool,
 }
 
 impl Default for PostgresLockConfig {
@@ -87,6 +103,7 @@ impl Default for PostgresLockConfig {
             migrate: true,
             max_connections: 8,
             connect_timeout: Duration::from_secs(3),
+            synchronous_commit: false,
         }
     }
 }
@@ -135,6 +152,22 @@ impl PostgresLockConfig {
         self
     }
 
+    /// Whether the store's own statements (acquire, renew, release, and the tokens they
+    /// issue) wait for their commit to reach the disk (`synchronous_commit = on`). Off
+    /// by default: tokens are floored by the database clock, so they keep growing across
+    /// a crash that loses the last commits, provided that clock never steps back (see
+    /// the module's guarantees). On: every token is on disk before its holder learns
+    /// it, whatever the clock does, at the price of a disk flush per acquisition. In a
+    /// URL: `turnstile_sync_commit=on`.
+    pub fn synchronous_commit(mut self, on: bool) -> Self {
+        self.synchronous_commit = on;
+        self
+    }
+
+    pub(crate) fn is_synchronous_commit(&self) -> bool {
+        self.synchronous_commit
+    }
+
     pub(crate) fn apply_url_options(mut self, options: &[(String, String)]) -> Result<Self> {
         for (key, value) in options {
             let on = || match value.as_str() {
@@ -150,13 +183,14 @@ impl PostgresLockConfig {
                 "prefix" => self.table_prefix(value.clone()),
                 "notify" => self.notifications(on()?),
                 "migrate" => self.migrate_on_first_use(on()?),
+                "sync_commit" => self.synchronous_commit(on()?),
                 // Chosen by `store::connect` / `PostgresSessionLockStore::connect`.
                 "mode" if value == "lease" => self,
                 other => {
                     return Err(Error::new(
                         ErrorKind::InvalidUrl,
                         format!(
-                            "unknown option turnstile_{other}; known: turnstile_mode, turnstile_schema, turnstile_prefix, turnstile_notify, turnstile_migrate"
+                            "unknown option turnstile_{other}; known: turnstile_mode, turnstile_schema, turnstile_prefix, turnstile_notify, turnstile_migrate, turnstile_sync_commit"
                         ),
                     ));
                 }
@@ -380,8 +414,15 @@ impl PostgresLockStore {
             config.max_connections,
             config.connect_timeout,
         );
+        // The application's pool keeps `synchronous_commit` on; the store's own
+        // statements follow the configuration.
+        let store_options = if config.synchronous_commit {
+            options
+        } else {
+            options.options([("synchronous_commit", "off")])
+        };
         let pool = crate::engine::postgres::open_bounded_pool(
-            options,
+            store_options,
             config.max_connections,
             config.connect_timeout,
             &redacted,
@@ -392,10 +433,11 @@ impl PostgresLockStore {
 
     /// Uses the application's own pool. Migrates on first use unless configured not to.
     ///
-    /// Token durability then depends on the pool's settings: keep `synchronous_commit`
-    /// on (the server's default) for its connections, or a crash can lose the last
-    /// acquisitions and issue their tokens again. [`connect`](Self::connect) sets it on
-    /// its own connections whatever the server's default.
+    /// Token durability then depends on the pool's settings, not on
+    /// [`synchronous_commit`](PostgresLockConfig::synchronous_commit): with
+    /// `synchronous_commit` on (the server's default), every token is on disk before its
+    /// holder learns it; with it off, tokens depend on the database clock never stepping
+    /// back, as with [`connect`](Self::connect)'s default.
     ///
     /// The pool needs at least two connections: renewals must find one while the
     /// application holds another (say, in a transaction). Notifications use a connection

@@ -19,8 +19,12 @@
 //!   hash of the name (`hashtextextended`); two names that hash alike exclude each other,
 //!   which is safe (never two holders of one name), merely stricter.
 //! - **Fencing tokens**: the per-name counter shared with lease mode
-//!   (`{prefix}_tokens`), incremented in the same statement that takes the lock, with
-//!   `synchronous_commit = on`: durable across restarts and crashes.
+//!   (`{prefix}_tokens`), floored by the database clock and incremented in the same
+//!   statement that takes the lock. Its commit does not wait for the disk by default
+//!   (the advisory lock itself writes nothing): tokens keep growing across a crash
+//!   provided the database server's clock never steps back, as in lease mode (see
+//!   [the lease mode's guarantees](super::postgres)); `turnstile_sync_commit=on` puts
+//!   every token on disk before its holder learns it.
 //! - **Restart / failover**: a restart ends every session and frees every lock; holders
 //!   learn it at their next renewal. Advisory locks are not replicated: after a
 //!   failover the lock is free at once, and fencing tokens keep the old holder's late
@@ -120,12 +124,17 @@ impl PostgresSessionLockStore {
         config: PostgresLockConfig,
         max_held: u32,
     ) -> Result<Self> {
+        let synchronous_commit = if config.is_synchronous_commit() {
+            "on"
+        } else {
+            "off"
+        };
         let tables = PostgresLockStore::connect_with(url, config.notifications(false)).await?;
         let options = PgConnectOptions::from_str(url)
             .map_err(|error| {
                 Error::new(ErrorKind::InvalidUrl, "not a valid PostgreSQL URL").with_source(error)
             })?
-            .options([("synchronous_commit", "on")]);
+            .options([("synchronous_commit", synchronous_commit)]);
         let sessions = PgPoolOptions::new()
             .max_connections(max_held.max(1))
             .min_connections(0)
