@@ -775,6 +775,26 @@ fn mysql_stores_work_from_the_command_line() {
     exec_status_break_round_trip(&turnstile_test_support::shared_mariadb().fresh_database("cli"));
 }
 
+#[cfg(feature = "zookeeper")]
+#[test]
+fn zookeeper_stores_work_from_the_command_line() {
+    exec_status_break_round_trip(&format!(
+        "{}/{}",
+        turnstile_test_support::shared_zookeeper().url(),
+        turnstile_test_support::unique_name("cli")
+    ));
+}
+
+#[cfg(feature = "etcd")]
+#[test]
+fn etcd_stores_work_from_the_command_line() {
+    exec_status_break_round_trip(&format!(
+        "{}?turnstile_prefix={}",
+        turnstile_test_support::shared_etcd().url(),
+        turnstile_test_support::unique_name("cli")
+    ));
+}
+
 #[test]
 fn prune_forgets_names_unused_long_enough() {
     let sandbox = Sandbox::new();

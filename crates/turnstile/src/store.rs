@@ -213,6 +213,15 @@ pub async fn connect_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
         "postgres" | "postgresql" => open_postgres_idempotency(url).await,
         "redis" | "rediss" => open_redis_idempotency(url).await,
         "mysql" | "mariadb" => open_mysql_idempotency(url).await,
+        // Lock stores only, so far.
+        "redlock" | "etcd" | "zk" | "zookeeper" => Err(Error::new(
+            ErrorKind::UnsupportedStore,
+            format!(
+                "{}: there is no idempotency store for {scheme}:// (there are for SQLite, \
+                 Redis, PostgreSQL and MySQL)",
+                redact(url)
+            ),
+        )),
         _ => Err(Error::new(
             ErrorKind::InvalidUrl,
             format!(
