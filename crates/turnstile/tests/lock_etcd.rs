@@ -3,6 +3,7 @@
 //! so that its three servers do not load the machine under the timing checks here.)
 
 mod conformance;
+mod faults;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -98,4 +99,42 @@ async fn a_crashed_clients_lock_frees_when_its_session_lease_ends() {
         "the lock came free only {freed_after:?} after the crash (session lease: 2 s)"
     );
     guard.release().await.unwrap();
+}
+
+/// A holder cut off by a partition stops before the next holder starts: its lost
+/// signal fires at its local deadline, and a client talking to etcd directly gets
+/// the lock only after that (when the holder's session has ended on the server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_holder_stops_before_the_next_holder_starts() {
+    let server = shared_etcd();
+    let base = unique_name("partition");
+    let proxy = turnstile_test_support::TcpProxy::start(server.port());
+    let url = format!("{}?turnstile_prefix={}", server.url(), base);
+    let holder = Locker::new(EtcdLockStore::connect(&proxy.url_for(&url)).await.unwrap());
+    let direct = Locker::new(EtcdLockStore::connect(&url).await.unwrap());
+    faults::a_partitioned_holder_stops_before_the_next_holder_starts(
+        &proxy,
+        &holder,
+        &direct,
+        Duration::from_secs(2),
+        Duration::from_millis(1_500) + Duration::from_secs(2) / 3,
+    )
+    .await;
+}
+
+/// The notes' paused-holder scenario: the holder pauses past its lease, the next holder
+/// gets a larger token, and the paused one's late write is refused by a fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_holders_late_write_is_rejected() {
+    let server = shared_etcd();
+    let locker = Locker::new(
+        EtcdLockStore::connect(&format!(
+            "{}?turnstile_prefix={}",
+            server.url(),
+            unique_name("fenced")
+        ))
+        .await
+        .unwrap(),
+    );
+    conformance::a_paused_holders_late_write_is_rejected_by_an_sqlite_fence(&locker).await;
 }

@@ -882,6 +882,7 @@ async fn a_partitioned_holder_stops_before_the_next_holder_starts() {
         &holder,
         &direct,
         Duration::from_secs(3),
+        Duration::from_secs(3) / 3,
     )
     .await;
 }

@@ -2,6 +2,7 @@
 //! restart, a server down past the holder's deadline, and a crashed client.
 
 mod conformance;
+mod faults;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -179,4 +180,42 @@ async fn bad_urls_and_a_missing_server_get_clear_errors() {
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
     assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+/// A holder cut off by a partition stops before the next holder starts: its lost
+/// signal fires at its local deadline, and a client talking to ZooKeeper directly gets
+/// the lock only after that (when the holder's session has ended on the server).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_holder_stops_before_the_next_holder_starts() {
+    let server = shared_zookeeper();
+    let base = unique_name("partition");
+    let proxy = turnstile_test_support::TcpProxy::start(server.port());
+    let url = format!("{}/{}", server.url(), base);
+    let holder = Locker::new(
+        ZooKeeperLockStore::connect(&proxy.url_for(&url))
+            .await
+            .unwrap(),
+    );
+    let direct = Locker::new(ZooKeeperLockStore::connect(&url).await.unwrap());
+    faults::a_partitioned_holder_stops_before_the_next_holder_starts(
+        &proxy,
+        &holder,
+        &direct,
+        Duration::from_secs(2),
+        Duration::from_millis(300) + Duration::from_secs(2) / 3,
+    )
+    .await;
+}
+
+/// The notes' paused-holder scenario: the holder pauses past its lease, the next holder
+/// gets a larger token, and the paused one's late write is refused by a fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_holders_late_write_is_rejected() {
+    let server = shared_zookeeper();
+    let locker = Locker::new(
+        ZooKeeperLockStore::connect(&format!("{}/{}", server.url(), unique_name("fenced")))
+            .await
+            .unwrap(),
+    );
+    conformance::a_paused_holders_late_write_is_rejected_by_an_sqlite_fence(&locker).await;
 }

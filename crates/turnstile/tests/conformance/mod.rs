@@ -839,6 +839,51 @@ pub async fn pruning_forgets_unused_names_and_tokens_keep_increasing(store: impl
     holding.release().await.unwrap();
 }
 
+/// The paused-holder scenario for a lock store that has no fenced store of its own
+/// (etcd, ZooKeeper): its fencing tokens guard a row in an SQLite database, written in
+/// the application's own transaction with `fence::sqlite::check_and_record`.
+#[cfg(feature = "sqlite")]
+pub async fn a_paused_holders_late_write_is_rejected_by_an_sqlite_fence(locker: &Locker) {
+    use turnstile::fence::sqlite as fence;
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.path().join("app.db").display());
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    fence::create_table(&pool).await.unwrap();
+    sqlx::query("CREATE TABLE invoices (id TEXT PRIMARY KEY, total INTEGER)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let write = |token: turnstile::FencingToken, total: i64| {
+        let pool = pool.clone();
+        async move {
+            let mut transaction = pool.begin().await.unwrap();
+            let outcome = fence::check_and_record(&mut transaction, "invoice:1", token)
+                .await
+                .unwrap();
+            if outcome.is_applied() {
+                sqlx::query("INSERT OR REPLACE INTO invoices (id, total) VALUES ('invoice:1', ?1)")
+                    .bind(total)
+                    .execute(&mut *transaction)
+                    .await
+                    .unwrap();
+                transaction.commit().await.unwrap();
+            }
+            outcome
+        }
+    };
+    let read = || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar("SELECT total FROM invoices")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let lease = LockOptions::new().ttl(Duration::from_millis(500));
+    a_paused_holders_late_write_is_rejected(locker, lease, write, read).await;
+}
+
 /// A store wrapper that counts what reaches the store: which owners asked for the lock
 /// (and when), how many release watches and hand-overs there were. Everything is passed
 /// on unchanged (a hand-over stays one atomic step where the engine has one).
