@@ -119,7 +119,7 @@ enum Counter {
     Sql(crate::bench_sql::SqlCounter),
     #[cfg(feature = "redis")]
     Redis {
-        connection: redis::aio::ConnectionManager,
+        connection: turnstile::lock::redis::RedisConnection,
         key: String,
     },
     #[cfg(feature = "sqlite")]
@@ -421,7 +421,7 @@ async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
             })
         }
         #[cfg(feature = "redis")]
-        ("redis" | "rediss", false) => {
+        ("redis" | "rediss" | "redis+cluster", false) => {
             let store = turnstile::lock::redis::RedisLockStore::connect(url).await?;
             let counter = Counter::Redis {
                 connection: store.connection().clone(),

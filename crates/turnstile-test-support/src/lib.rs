@@ -23,6 +23,7 @@ mod postgres;
 mod proxy;
 mod rabbitmq;
 mod redis;
+mod redis_cluster;
 mod zookeeper;
 
 pub use etcd::{EtcdCluster, EtcdServer, shared_etcd};
@@ -32,6 +33,7 @@ pub use postgres::{PostgresServer, shared_postgres};
 pub use proxy::TcpProxy;
 pub use rabbitmq::{RabbitMqServer, shared_rabbitmq};
 pub use redis::{RedisServer, shared_redis};
+pub use redis_cluster::RedisCluster;
 pub use zookeeper::{ZooKeeperServer, shared_zookeeper};
 
 /// A free TCP port on 127.0.0.1 (free when this returns; the server retries on a clash).

@@ -11,6 +11,7 @@ pub const SCHEMES: &[&str] = &[
     "sqlite://PATH",
     "redis://HOST[:PORT][/DB]",
     "rediss://HOST[:PORT][/DB]",
+    "redis+cluster://HOST:PORT[,HOST:PORT…]",
     "redlock://HOST:PORT,HOST:PORT,HOST:PORT[,…][/DB]",
     "etcd://HOST:PORT[,HOST:PORT…]",
     "zk://HOST:PORT[,HOST:PORT…][/PATH]",
@@ -49,7 +50,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>> {
     };
     match scheme.to_ascii_lowercase().as_str() {
         "sqlite" => open_sqlite(url).await,
-        "redis" | "rediss" | "redis+unix" | "unix" => open_redis(url).await,
+        "redis" | "rediss" | "redis+unix" | "unix" | "redis+cluster" => open_redis(url).await,
         "redlock" => open_redlock(url).await,
         "etcd" => open_etcd(url).await,
         "zk" | "zookeeper" => open_zookeeper(url).await,

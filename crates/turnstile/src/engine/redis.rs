@@ -260,3 +260,184 @@ impl Notifier {
         Ok((generation, sink))
     }
 }
+
+/// A connection to one Redis server (self-reconnecting), or to a Redis Cluster (which
+/// routes each command by its keys' slot and follows `MOVED` and failovers).
+#[derive(Clone)]
+pub enum RedisConnection {
+    /// One server.
+    Single(ConnectionManager),
+    /// A cluster.
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl std::fmt::Debug for RedisConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RedisConnection::Single(_) => "RedisConnection::Single",
+            RedisConnection::Cluster(_) => "RedisConnection::Cluster",
+        })
+    }
+}
+
+impl redis::aio::ConnectionLike for RedisConnection {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            RedisConnection::Single(connection) => connection.req_packed_command(cmd),
+            RedisConnection::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            RedisConnection::Single(connection) => {
+                connection.req_packed_commands(pipeline, offset, count)
+            }
+            RedisConnection::Cluster(connection) => {
+                connection.req_packed_commands(pipeline, offset, count)
+            }
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConnection::Single(connection) => connection.get_db(),
+            RedisConnection::Cluster(connection) => connection.get_db(),
+        }
+    }
+}
+
+/// Connects to a Redis Cluster through the seed nodes `hosts` (`host:port`, any of its
+/// nodes), on RESP3 so that sharded Pub/Sub messages arrive on `pushes`.
+pub(crate) async fn connect_cluster(
+    hosts: &[String],
+    connect_timeout: Duration,
+    response_timeout: Duration,
+    pushes: tokio::sync::mpsc::UnboundedSender<redis::PushInfo>,
+) -> Result<redis::cluster_async::ClusterConnection> {
+    let nodes: Vec<String> = hosts.iter().map(|host| format!("redis://{host}")).collect();
+    let described = hosts.join(",");
+    let client = redis::cluster::ClusterClientBuilder::new(nodes)
+        .use_protocol(redis::ProtocolVersion::RESP3)
+        .push_sender(pushes)
+        .connection_timeout(connect_timeout)
+        .response_timeout(response_timeout)
+        // Retries (after a failover or a slot move) within the response timeout: the
+        // client's default waits start at 1.28 s, past most of that budget.
+        .retries(12)
+        .min_retry_wait(10)
+        .max_retry_wait(250)
+        .build()
+        .map_err(|error| {
+            Error::new(
+                ErrorKind::InvalidUrl,
+                format!("not a usable Redis Cluster address list: {described}"),
+            )
+            .with_source(error)
+        })?;
+    match tokio::time::timeout(connect_timeout * 2, client.get_async_connection()).await {
+        Ok(Ok(connection)) => Ok(connection),
+        Ok(Err(error)) => Err(map_error(
+            error,
+            &format!("cannot connect to the Redis Cluster at {described}"),
+        )),
+        Err(_) => Err(Error::new(
+            ErrorKind::StoreUnavailable,
+            format!("cannot reach the Redis Cluster at {described} within {connect_timeout:?}"),
+        )),
+    }
+}
+
+/// Release notifications on a Redis Cluster: sharded Pub/Sub (`SSUBSCRIBE`), whose
+/// channels live in their hash slot like keys, so a lock's channel follows its keys
+/// across resharding and failovers (the client subscribes again after a reconnection).
+pub(crate) struct ClusterNotifier {
+    connection: tokio::sync::Mutex<redis::cluster_async::ClusterConnection>,
+    response_timeout: Duration,
+    signals: ReleaseSignals,
+}
+
+impl ClusterNotifier {
+    /// Feeds release messages from `pushes` (the cluster connection's push channel)
+    /// to waiters.
+    pub(crate) fn new(
+        connection: redis::cluster_async::ClusterConnection,
+        response_timeout: Duration,
+        mut pushes: tokio::sync::mpsc::UnboundedReceiver<redis::PushInfo>,
+    ) -> Arc<ClusterNotifier> {
+        let notifier = Arc::new_cyclic(|weak: &Weak<ClusterNotifier>| {
+            let weak = weak.clone();
+            ClusterNotifier {
+                connection: tokio::sync::Mutex::new(connection),
+                response_timeout,
+                signals: ReleaseSignals::with_idle_hook(move |channel| {
+                    if let (Some(notifier), Ok(runtime)) =
+                        (weak.upgrade(), tokio::runtime::Handle::try_current())
+                    {
+                        let channel = channel.to_owned();
+                        runtime.spawn(async move { notifier.unsubscribe(channel).await });
+                    }
+                }),
+            }
+        });
+        let signals = notifier.signals.clone();
+        tokio::spawn(async move {
+            while let Some(push) = pushes.recv().await {
+                match push.kind {
+                    redis::PushKind::SMessage | redis::PushKind::Message => {
+                        if let Some(redis::Value::BulkString(channel)) = push.data.first() {
+                            signals.notify(&String::from_utf8_lossy(channel));
+                        }
+                    }
+                    // A connection to a node dropped: its messages meanwhile are lost,
+                    // so every waiter checks again now.
+                    redis::PushKind::Disconnection => signals.notify_all(),
+                    _ => {}
+                }
+            }
+        });
+        notifier
+    }
+
+    pub(crate) async fn watch(&self, channel: String) -> Result<ReleaseWatch> {
+        let (watch, first) = self.signals.watch(&channel);
+        if first {
+            let mut connection = self.connection.lock().await;
+            match tokio::time::timeout(self.response_timeout, connection.ssubscribe(&channel)).await
+            {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    return Err(map_error(error, "cannot subscribe to lock releases"));
+                }
+                Err(_) => {
+                    return Err(Error::new(
+                        ErrorKind::StoreUnavailable,
+                        format!(
+                            "Redis did not confirm the subscription to lock releases within {:?}",
+                            self.response_timeout
+                        ),
+                    ));
+                }
+            }
+        }
+        // A safety net for messages lost during a failover or a slot migration.
+        Ok(watch.with_poll(Duration::from_millis(50), Duration::from_millis(500)))
+    }
+
+    async fn unsubscribe(&self, channel: String) {
+        if self.signals.is_watched(&channel) {
+            return;
+        }
+        let mut connection = self.connection.lock().await;
+        let _ =
+            tokio::time::timeout(self.response_timeout, connection.sunsubscribe(&channel)).await;
+    }
+}

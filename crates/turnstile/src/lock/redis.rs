@@ -10,6 +10,22 @@
 //! The `{NAME}` hash tag puts all keys of one lock in one Redis Cluster slot, so every
 //! script touches a single slot.
 //!
+//! # Redis Cluster (`redis+cluster://host:port[,host:port…]`)
+//! The same scripts run on a cluster client, which routes each call by its keys' slot
+//! and follows `MOVED` redirections and failovers (it retries within the response
+//! timeout). Release announcements use **sharded Pub/Sub** (`SPUBLISH` from the
+//! scripts, `SSUBSCRIBE` by waiters, on RESP3), whose channels live in the lock's slot
+//! and so follow it; waiters also re-check every 50–500 ms, since messages can be lost
+//! while a node fails over. Tested on three masters and three replicas: the whole
+//! conformance suite, a held lock whose slot moves to another master (`redis-cli
+//! --cluster reshard`: renewals follow the move, a second client stays out), and a
+//! master killed under a held lock (the replica takes over; the store answers again at
+//! once, and the next token is larger). Replication is asynchronous, so a failover can
+//! lose a lock that its master had not yet sent to the replica: the holder's next
+//! renewal finds it gone and its lost signal fires (within TTL/3), and tokens keep
+//! growing by the clock floor, as after a single server's restart. (In the failover
+//! test here the replica had the lock each time; the loss path is the restart test's.)
+//!
 //! # Guarantees
 //! - **Atomicity**: acquire, extend, release, inspect and break are each one Lua script
 //!   (called by SHA, reloaded on `NOSCRIPT`); Redis runs a script alone.
@@ -42,14 +58,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
 use redis::{Script, Value};
 
 use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
     ReleaseWatch, TryAcquire, ceil_millis,
 };
-use crate::engine::redis::{Notifier, connect_manager, map_error, open_client};
+pub use crate::engine::redis::RedisConnection;
+use crate::engine::redis::{
+    ClusterNotifier, Notifier, connect_cluster, connect_manager, map_error, open_client,
+};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Lua: `issue(owner, ttl_ms, retention_ms, only_if_free)` takes the lock in KEYS[1]
@@ -137,7 +155,7 @@ if string.sub(value, 1, 33) ~= ARGV[1] .. ':' then
   return -1
 end
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], 'released')
+redis.call(ARGV[3], ARGV[2], 'released')
 return 1
 ";
 
@@ -156,7 +174,7 @@ if not value then
 end
 local pttl = redis.call('PTTL', KEYS[1])
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[1], 'broken')
+redis.call(ARGV[2], ARGV[1], 'broken')
 return {value, pttl}
 ";
 
@@ -267,11 +285,29 @@ impl RedisLockConfig {
 /// Locks in Redis (single node; the key layout is Cluster-ready).
 #[derive(Clone)]
 pub struct RedisLockStore {
-    connection: ConnectionManager,
+    connection: RedisConnection,
     config: RedisLockConfig,
     scripts: Arc<Scripts>,
-    notifier: Arc<Notifier>,
+    notifier: Notifications,
     url: String,
+}
+
+/// Where release notifications come from: Pub/Sub on one server, sharded Pub/Sub on a
+/// cluster.
+#[derive(Clone)]
+enum Notifications {
+    Single(Arc<Notifier>),
+    Cluster(Arc<ClusterNotifier>),
+}
+
+impl Notifications {
+    /// The command the release scripts announce with.
+    fn publish_command(&self) -> &'static str {
+        match self {
+            Notifications::Single(_) => "PUBLISH",
+            Notifications::Cluster(_) => "SPUBLISH",
+        }
+    }
 }
 
 struct Scripts {
@@ -305,6 +341,9 @@ impl RedisLockStore {
     /// reachable.
     pub async fn connect_with(url: &str, config: RedisLockConfig) -> Result<Self> {
         config.validate()?;
+        if let Some(hosts) = cluster_hosts(url)? {
+            return RedisLockStore::connect_cluster(&hosts, config).await;
+        }
         let client = open_client(url, config.tls_root_certificate.as_deref())?;
         let connection = connect_manager(
             client.clone(),
@@ -313,27 +352,47 @@ impl RedisLockStore {
             config.response_timeout,
         )
         .await?;
-        let scripts = Scripts {
-            acquire: Script::new(ACQUIRE),
-            hand_over: Script::new(HAND_OVER),
-            extend: Script::new(EXTEND),
-            release: Script::new(RELEASE),
-            inspect: Script::new(INSPECT),
-            force: Script::new(BREAK),
-        };
         let mut store = RedisLockStore {
-            connection,
-            notifier: Notifier::new(client, config.connect_timeout, config.response_timeout),
+            connection: RedisConnection::Single(connection),
+            notifier: Notifications::Single(Notifier::new(
+                client,
+                config.connect_timeout,
+                config.response_timeout,
+            )),
             config,
-            scripts: Arc::new(scripts),
+            scripts: Arc::new(scripts()),
             url: crate::store::redact(url),
         };
         store.load_scripts().await?;
         Ok(store)
     }
 
+    /// Connects to a Redis Cluster through its seed nodes (`host:port`).
+    async fn connect_cluster(hosts: &[String], config: RedisLockConfig) -> Result<Self> {
+        let (pushes, received) = tokio::sync::mpsc::unbounded_channel();
+        let connection = connect_cluster(
+            hosts,
+            config.connect_timeout,
+            config.response_timeout,
+            pushes,
+        )
+        .await?;
+        let notifier = ClusterNotifier::new(connection.clone(), config.response_timeout, received);
+        // Scripts load on each node at their first use there (`NOSCRIPT`, then `EVAL`).
+        Ok(RedisLockStore {
+            connection: RedisConnection::Cluster(connection),
+            notifier: Notifications::Cluster(notifier),
+            config,
+            scripts: Arc::new(scripts()),
+            url: format!("redis+cluster://{}", hosts.join(",")),
+        })
+    }
+
     /// Loads every script once so the first calls go straight to `EVALSHA`.
     async fn load_scripts(&mut self) -> Result<()> {
+        if matches!(self.connection, RedisConnection::Cluster(_)) {
+            return Ok(());
+        }
         let scripts = Arc::clone(&self.scripts);
         for script in [
             &scripts.acquire,
@@ -350,8 +409,9 @@ impl RedisLockStore {
         Ok(())
     }
 
-    /// The multiplexed connection, to share with the application.
-    pub fn connection(&self) -> &ConnectionManager {
+    /// The connection (multiplexed; to one server or a cluster), to share with the
+    /// application.
+    pub fn connection(&self) -> &RedisConnection {
         &self.connection
     }
 
@@ -374,6 +434,46 @@ impl RedisLockStore {
     pub fn release_channel(&self, name: &LockName) -> String {
         format!("{}:{{{}}}:released", self.config.prefix, name)
     }
+}
+
+fn scripts() -> Scripts {
+    Scripts {
+        acquire: Script::new(ACQUIRE),
+        hand_over: Script::new(HAND_OVER),
+        extend: Script::new(EXTEND),
+        release: Script::new(RELEASE),
+        inspect: Script::new(INSPECT),
+        force: Script::new(BREAK),
+    }
+}
+
+/// The seed nodes of a `redis+cluster://host:port[,host:port…]` URL (`None` for any
+/// other URL).
+fn cluster_hosts(url: &str) -> Result<Option<Vec<String>>> {
+    let Some(rest) = url.strip_prefix("redis+cluster://") else {
+        return Ok(None);
+    };
+    let hosts: Vec<String> = rest
+        .trim_end_matches('/')
+        .split(',')
+        .map(str::to_owned)
+        .collect();
+    let valid = hosts.iter().all(|host| {
+        !host.contains(['/', '@'])
+            && host
+                .rsplit_once(':')
+                .is_some_and(|(name, port)| !name.is_empty() && port.parse::<u16>().is_ok())
+    });
+    if !valid {
+        return Err(Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "{} is not a Redis Cluster URL (redis+cluster://host:port[,host:port…])",
+                crate::store::redact(url)
+            ),
+        ));
+    }
+    Ok(Some(hosts))
 }
 
 /// Reads `{1, token}` / `{0, pttl}` from the acquire and hand-over scripts.
@@ -480,6 +580,7 @@ impl LockBackend for RedisLockStore {
                 .key(self.lock_key(name))
                 .arg(owner.as_str())
                 .arg(self.release_channel(name))
+                .arg(self.notifier.publish_command())
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot release the lock"))?;
@@ -509,6 +610,7 @@ impl LockBackend for RedisLockStore {
                 .force
                 .key(self.lock_key(name))
                 .arg(self.release_channel(name))
+                .arg(self.notifier.publish_command())
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot break the lock"))?;
@@ -517,7 +619,14 @@ impl LockBackend for RedisLockStore {
     }
 
     fn watch_releases<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<ReleaseWatch>> {
-        Box::pin(async move { self.notifier.watch(self.release_channel(name)).await })
+        Box::pin(async move {
+            match &self.notifier {
+                Notifications::Single(notifier) => notifier.watch(self.release_channel(name)).await,
+                Notifications::Cluster(notifier) => {
+                    notifier.watch(self.release_channel(name)).await
+                }
+            }
+        })
     }
 
     fn describe(&self) -> String {
