@@ -24,6 +24,7 @@ mod proxy;
 mod rabbitmq;
 mod redis;
 mod redis_cluster;
+mod redis_sentinel;
 mod zookeeper;
 
 pub use etcd::{EtcdCluster, EtcdServer, shared_etcd};
@@ -34,6 +35,7 @@ pub use proxy::TcpProxy;
 pub use rabbitmq::{RabbitMqServer, shared_rabbitmq};
 pub use redis::{RedisServer, shared_redis};
 pub use redis_cluster::RedisCluster;
+pub use redis_sentinel::{RedisSentinelGroup, SENTINEL_MASTER};
 pub use zookeeper::{ZooKeeperServer, shared_zookeeper};
 
 /// A free TCP port on 127.0.0.1 (free when this returns; the server retries on a clash).

@@ -12,6 +12,7 @@ pub const SCHEMES: &[&str] = &[
     "redis://HOST[:PORT][/DB]",
     "rediss://HOST[:PORT][/DB]",
     "redis+cluster://HOST:PORT[,HOST:PORT…]",
+    "redis+sentinel://HOST:PORT[,HOST:PORT…]/MASTER",
     "redlock://HOST:PORT,HOST:PORT,HOST:PORT[,…][/DB]",
     "etcd://HOST:PORT[,HOST:PORT…]",
     "zk://HOST:PORT[,HOST:PORT…][/PATH]",
@@ -50,7 +51,9 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>> {
     };
     match scheme.to_ascii_lowercase().as_str() {
         "sqlite" => open_sqlite(url).await,
-        "redis" | "rediss" | "redis+unix" | "unix" | "redis+cluster" => open_redis(url).await,
+        "redis" | "rediss" | "redis+unix" | "unix" | "redis+cluster" | "redis+sentinel" => {
+            open_redis(url).await
+        }
         "redlock" => open_redlock(url).await,
         "etcd" => open_etcd(url).await,
         "zk" | "zookeeper" => open_zookeeper(url).await,

@@ -1,5 +1,6 @@
-//! The Redis engine on a Redis Cluster (three masters, three replicas): the conformance
-//! suite, and a master failover under a held lock.
+//! The Redis engine at scale: on a Redis Cluster (three masters, three replicas) the
+//! conformance suite, a slot moving under a held lock and a master failover; behind
+//! Redis Sentinel (a master, a replica, three sentinels) a failover under a held lock.
 
 mod conformance;
 
@@ -11,7 +12,7 @@ use std::time::Duration;
 use conformance::TestStore;
 use turnstile::lock::redis::RedisLockStore;
 use turnstile::lock::{LockOptions, Locker, LossReason};
-use turnstile_test_support::{RedisCluster, unique_name};
+use turnstile_test_support::{RedisCluster, RedisSentinelGroup, unique_name};
 
 /// One cluster for the whole binary (six servers).
 fn shared_cluster() -> &'static RedisCluster {
@@ -40,6 +41,29 @@ async fn shared() -> Shared {
 }
 
 conformance_tests!(super::shared);
+
+/// The conformance suite again, behind Sentinel.
+mod behind_sentinel {
+    use super::*;
+
+    /// One group for the whole binary (two servers, three sentinels).
+    fn shared_group() -> &'static RedisSentinelGroup {
+        static GROUP: OnceLock<RedisSentinelGroup> = OnceLock::new();
+        GROUP.get_or_init(RedisSentinelGroup::spawn)
+    }
+
+    pub(super) async fn shared() -> Shared {
+        Shared {
+            url: format!(
+                "{}?turnstile_prefix={}",
+                shared_group().url(),
+                unique_name("s")
+            ),
+        }
+    }
+
+    conformance_tests!(super::shared);
+}
 
 /// Locks on many names land on every master (the `{name}` hash tag spreads them over
 /// the slots), and each works.
@@ -176,4 +200,92 @@ async fn a_held_lock_survives_its_slot_moving_to_another_master() {
         .unwrap();
     assert!(next.fencing_token() > token);
     next.release().await.unwrap();
+}
+
+/// Behind Sentinel, the master dies under a held lock and the replica is promoted: the
+/// store asks the sentinels again and works on the new master (the lock kept or lost as
+/// replication had it, the next token larger), and release notifications come from the
+/// new master: a waiter gets the lock promptly after a release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_store_follows_the_master_across_a_failover() {
+    let group = RedisSentinelGroup::spawn();
+    let url = format!("{}?turnstile_prefix=sentinel", group.url());
+    let locker = Locker::new(RedisLockStore::connect(&url).await.unwrap());
+    // Longer than a failover takes here (a second or two), so renewals can resume on
+    // the new master before the holder's deadline.
+    let ttl = Duration::from_secs(10);
+    let guard = locker
+        .acquire("job", &LockOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    let token = guard.fencing_token();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The group comes back from the blocking task: dropping it would stop every server.
+    let _group = tokio::task::spawn_blocking(move || {
+        group.fail_over(Duration::from_secs(30));
+        group
+    })
+    .await
+    .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match locker.status("job").await {
+                Ok(status) => return status,
+                Err(error) => eprintln!("after the failover: {error}"),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+    .expect("the store did not answer within 20 s of the failover");
+    match status {
+        Some(info) => {
+            eprintln!("the promoted replica had the lock");
+            assert_eq!(info.fencing_token, token);
+            // Renewals reach the new master: still held a TTL later.
+            tokio::time::sleep(ttl / 2).await;
+            assert!(!guard.is_lost(), "{:?}", guard.loss_reason());
+            guard.release().await.unwrap();
+        }
+        None => {
+            let reason = tokio::time::timeout(ttl, guard.lost())
+                .await
+                .expect("the holder's lost signal did not fire");
+            eprintln!("the lock was lost in the failover ({reason:?})");
+            assert!(
+                matches!(
+                    reason,
+                    LossReason::Expired | LossReason::TakenOver | LossReason::RenewalFailed
+                ),
+                "{reason:?}"
+            );
+        }
+    }
+    // Notifications from the new master: a waiter in another client gets the lock
+    // promptly after the holder's release.
+    let other = Locker::new(RedisLockStore::connect(&url).await.unwrap());
+    let holder = locker
+        .acquire("job", &LockOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    assert!(holder.fencing_token() > token);
+    let waiter = tokio::spawn(async move {
+        let guard = other
+            .acquire("job", &LockOptions::new().wait(Duration::from_secs(10)))
+            .await
+            .unwrap();
+        (tokio::time::Instant::now(), guard)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let released_at = tokio::time::Instant::now();
+    let last_token = holder.fencing_token();
+    holder.release().await.unwrap();
+    let (got_at, guard) = waiter.await.unwrap();
+    assert!(
+        got_at - released_at < Duration::from_millis(500),
+        "the waiter got the lock {:?} after the release",
+        got_at - released_at
+    );
+    assert!(guard.fencing_token() > last_token);
+    guard.release().await.unwrap();
 }

@@ -136,7 +136,7 @@ fn is_untrusted_certificate(error: &redis::RedisError) -> bool {
 
 /// One Pub/Sub connection per store, shared by every waiter, reconnected on demand.
 pub(crate) struct Notifier {
-    client: Client,
+    client: std::sync::Mutex<Client>,
     connect_timeout: Duration,
     response_timeout: Duration,
     signals: ReleaseSignals,
@@ -153,7 +153,7 @@ impl Notifier {
         Arc::new_cyclic(|weak: &Weak<Notifier>| {
             let weak = weak.clone();
             Notifier {
-                client,
+                client: std::sync::Mutex::new(client),
                 connect_timeout,
                 response_timeout,
                 signals: ReleaseSignals::with_idle_hook(move |channel| {
@@ -224,8 +224,24 @@ impl Notifier {
         self.signals.close_all();
     }
 
+    /// Listens on `client`'s server from now on (a new master after a failover): the
+    /// current connection goes, and every watch closes so that waiters subscribe again.
+    pub(crate) async fn move_to(&self, client: Client) {
+        *self
+            .client
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = client;
+        let mut sink = self.sink.lock().await;
+        self.discard(&mut sink);
+    }
+
     async fn connect(self: &Arc<Self>) -> Result<(u64, PubSubSink)> {
-        let pubsub = tokio::time::timeout(self.connect_timeout, self.client.get_async_pubsub())
+        let client = self
+            .client
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let pubsub = tokio::time::timeout(self.connect_timeout, client.get_async_pubsub())
             .await
             .map_err(|_| {
                 Error::new(
@@ -269,6 +285,8 @@ pub enum RedisConnection {
     Single(ConnectionManager),
     /// A cluster.
     Cluster(redis::cluster_async::ClusterConnection),
+    /// The master that Redis Sentinel names, found again after a failover.
+    Sentinel(Arc<SentinelConnection>),
 }
 
 impl std::fmt::Debug for RedisConnection {
@@ -276,6 +294,7 @@ impl std::fmt::Debug for RedisConnection {
         f.write_str(match self {
             RedisConnection::Single(_) => "RedisConnection::Single",
             RedisConnection::Cluster(_) => "RedisConnection::Cluster",
+            RedisConnection::Sentinel(_) => "RedisConnection::Sentinel",
         })
     }
 }
@@ -288,6 +307,10 @@ impl redis::aio::ConnectionLike for RedisConnection {
         match self {
             RedisConnection::Single(connection) => connection.req_packed_command(cmd),
             RedisConnection::Cluster(connection) => connection.req_packed_command(cmd),
+            RedisConnection::Sentinel(connection) => {
+                let connection = Arc::clone(connection);
+                Box::pin(async move { connection.send(cmd).await })
+            }
         }
     }
 
@@ -304,6 +327,10 @@ impl redis::aio::ConnectionLike for RedisConnection {
             RedisConnection::Cluster(connection) => {
                 connection.req_packed_commands(pipeline, offset, count)
             }
+            RedisConnection::Sentinel(connection) => {
+                let mut current = connection.current();
+                Box::pin(async move { current.req_packed_commands(pipeline, offset, count).await })
+            }
         }
     }
 
@@ -311,7 +338,185 @@ impl redis::aio::ConnectionLike for RedisConnection {
         match self {
             RedisConnection::Single(connection) => connection.get_db(),
             RedisConnection::Cluster(connection) => connection.get_db(),
+            RedisConnection::Sentinel(connection) => connection.current().get_db(),
         }
+    }
+}
+
+/// A connection to the master that Redis Sentinel names. A command that fails because
+/// that server is gone or no longer a master (`READONLY` after a failover) makes it ask
+/// the sentinels again, connect to the master they name now, and send the command once
+/// more there; the Pub/Sub notifier follows too.
+pub struct SentinelConnection {
+    sentinels: Vec<String>,
+    master_name: String,
+    /// One discovery at a time.
+    discovering: tokio::sync::Mutex<()>,
+    current: std::sync::Mutex<(u64, ConnectionManager)>,
+    notifier: std::sync::Mutex<Option<Weak<Notifier>>>,
+    described: String,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+}
+
+/// Sentinel's client protocol: the first sentinel that answers names the master
+/// (`SENTINEL get-master-addr-by-name`), and that server must say it is a master
+/// (`ROLE`) — during a failover the named one may still be the old master, or gone.
+async fn discover_master(
+    sentinels: &[String],
+    master_name: &str,
+    described: &str,
+    connect_timeout: Duration,
+) -> Result<Client> {
+    let mut last_error = None;
+    for sentinel in sentinels {
+        let attempt = async {
+            let client = Client::open(format!("redis://{sentinel}"))?;
+            let mut connection = client.get_multiplexed_async_connection().await?;
+            let address: Option<(String, u16)> = redis::cmd("SENTINEL")
+                .arg("get-master-addr-by-name")
+                .arg(master_name)
+                .query_async(&mut connection)
+                .await?;
+            let Some((host, port)) = address else {
+                return Ok(None);
+            };
+            let master = Client::open(format!("redis://{host}:{port}"))?;
+            let mut connection = master.get_multiplexed_async_connection().await?;
+            let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(&mut connection).await?;
+            let is_master = matches!(role.first(), Some(redis::Value::BulkString(role)) if role == b"master")
+                || matches!(role.first(), Some(redis::Value::SimpleString(role)) if role == "master");
+            Ok::<_, redis::RedisError>(is_master.then_some(master))
+        };
+        match tokio::time::timeout(connect_timeout, attempt).await {
+            Ok(Ok(Some(master))) => return Ok(master),
+            Ok(Ok(None)) => {}
+            Ok(Err(error)) => last_error = Some(error),
+            Err(_) => {}
+        }
+    }
+    let message = format!("the sentinels at {described} named no reachable master");
+    Err(match last_error {
+        Some(error) => Error::new(ErrorKind::StoreUnavailable, message).with_source(error),
+        None => Error::new(ErrorKind::StoreUnavailable, message),
+    })
+}
+
+/// Whether a failed command should make a Sentinel client look for the master again.
+fn master_may_have_moved(error: &redis::RedisError) -> bool {
+    error.is_io_error()
+        || error.is_connection_refusal()
+        || error.is_connection_dropped()
+        || error.is_timeout()
+        || matches!(error.code(), Some("READONLY" | "MASTERDOWN"))
+}
+
+impl SentinelConnection {
+    /// Asks the sentinels `sentinels` (`host:port`) for the master `master_name` and
+    /// connects to it.
+    pub(crate) async fn connect(
+        sentinels: &[String],
+        master_name: &str,
+        connect_timeout: Duration,
+        response_timeout: Duration,
+    ) -> Result<(Arc<SentinelConnection>, Client)> {
+        let described = format!("{} (master {master_name})", sentinels.join(","));
+        let client = discover_master(sentinels, master_name, &described, connect_timeout).await?;
+        let manager = connect_manager(
+            client.clone(),
+            &described,
+            connect_timeout,
+            response_timeout,
+        )
+        .await?;
+        let connection = Arc::new(SentinelConnection {
+            sentinels: sentinels.to_vec(),
+            master_name: master_name.to_owned(),
+            discovering: tokio::sync::Mutex::new(()),
+            current: std::sync::Mutex::new((0, manager)),
+            notifier: std::sync::Mutex::new(None),
+            described,
+            connect_timeout,
+            response_timeout,
+        });
+        Ok((connection, client))
+    }
+
+    /// The notifier to move to the new master after a failover.
+    pub(crate) fn follow_with(&self, notifier: &Arc<Notifier>) {
+        *self
+            .notifier
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::downgrade(notifier));
+    }
+
+    fn current(&self) -> ConnectionManager {
+        self.current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .1
+            .clone()
+    }
+
+    async fn send(&self, cmd: &redis::Cmd) -> redis::RedisResult<redis::Value> {
+        use redis::aio::ConnectionLike;
+        let (generation, mut connection) = self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        match connection.req_packed_command(cmd).await {
+            Err(error) if master_may_have_moved(&error) => {
+                if self.rediscover(generation).await.is_err() {
+                    return Err(error);
+                }
+                self.current().req_packed_command(cmd).await
+            }
+            answer => answer,
+        }
+    }
+
+    /// Connects to the master the sentinels name now, unless another command did so
+    /// since `seen` (the generation its failed command used).
+    async fn rediscover(&self, seen: u64) -> Result<()> {
+        let _one_at_a_time = self.discovering.lock().await;
+        if self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0
+            != seen
+        {
+            return Ok(());
+        }
+        let client = discover_master(
+            &self.sentinels,
+            &self.master_name,
+            &self.described,
+            self.connect_timeout,
+        )
+        .await?;
+        let manager = connect_manager(
+            client.clone(),
+            &self.described,
+            self.connect_timeout,
+            self.response_timeout,
+        )
+        .await?;
+        *self
+            .current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = (seen + 1, manager);
+        let notifier = self
+            .notifier
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .and_then(Weak::upgrade);
+        if let Some(notifier) = notifier {
+            notifier.move_to(client).await;
+        }
+        Ok(())
     }
 }
 

@@ -26,6 +26,17 @@
 //! growing by the clock floor, as after a single server's restart. (In the failover
 //! test here the replica had the lock each time; the loss path is the restart test's.)
 //!
+//! # Redis Sentinel (`redis+sentinel://host:port[,host:port…]/MASTER`)
+//! The store asks the sentinels which server is `MASTER` (`SENTINEL
+//! get-master-addr-by-name`, then `ROLE` on that server, since during a failover the
+//! named one may still be the old master), and asks again whenever a command finds the
+//! server gone or read-only (`READONLY`), resending that command once on the new
+//! master; the Pub/Sub connection for release notifications follows. A failover
+//! behaves as on a cluster: locks the replica had survive, others are lost (the holder
+//! learns at its next renewal), and tokens keep growing by the clock floor. Tested with
+//! a master, a replica and three sentinels: the conformance suite, and the master
+//! killed under a held lock.
+//!
 //! # Guarantees
 //! - **Atomicity**: acquire, extend, release, inspect and break are each one Lua script
 //!   (called by SHA, reloaded on `NOSCRIPT`); Redis runs a script alone.
@@ -66,7 +77,8 @@ use super::{
 };
 pub use crate::engine::redis::RedisConnection;
 use crate::engine::redis::{
-    ClusterNotifier, Notifier, connect_cluster, connect_manager, map_error, open_client,
+    ClusterNotifier, Notifier, SentinelConnection, connect_cluster, connect_manager, map_error,
+    open_client,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -344,6 +356,9 @@ impl RedisLockStore {
         if let Some(hosts) = cluster_hosts(url)? {
             return RedisLockStore::connect_cluster(&hosts, config).await;
         }
+        if let Some((sentinels, master)) = sentinel_target(url)? {
+            return RedisLockStore::connect_sentinel(&sentinels, &master, config).await;
+        }
         let client = open_client(url, config.tls_root_certificate.as_deref())?;
         let connection = connect_manager(
             client.clone(),
@@ -362,6 +377,33 @@ impl RedisLockStore {
             config,
             scripts: Arc::new(scripts()),
             url: crate::store::redact(url),
+        };
+        store.load_scripts().await?;
+        Ok(store)
+    }
+
+    /// Connects to the master that the sentinels `sentinels` (`host:port`) name for
+    /// `master`, and follows it across failovers.
+    async fn connect_sentinel(
+        sentinels: &[String],
+        master: &str,
+        config: RedisLockConfig,
+    ) -> Result<Self> {
+        let (connection, client) = SentinelConnection::connect(
+            sentinels,
+            master,
+            config.connect_timeout,
+            config.response_timeout,
+        )
+        .await?;
+        let notifier = Notifier::new(client, config.connect_timeout, config.response_timeout);
+        connection.follow_with(&notifier);
+        let mut store = RedisLockStore {
+            connection: RedisConnection::Sentinel(connection),
+            notifier: Notifications::Single(notifier),
+            config,
+            scripts: Arc::new(scripts()),
+            url: format!("redis+sentinel://{}/{master}", sentinels.join(",")),
         };
         store.load_scripts().await?;
         Ok(store)
@@ -474,6 +516,39 @@ fn cluster_hosts(url: &str) -> Result<Option<Vec<String>>> {
         ));
     }
     Ok(Some(hosts))
+}
+
+/// The sentinels and the master name of a `redis+sentinel://host:port[,…]/MASTER` URL
+/// (`None` for any other URL).
+fn sentinel_target(url: &str) -> Result<Option<(Vec<String>, String)>> {
+    let Some(rest) = url.strip_prefix("redis+sentinel://") else {
+        return Ok(None);
+    };
+    let invalid = || {
+        Error::new(
+            ErrorKind::InvalidUrl,
+            format!(
+                "{} is not a Redis Sentinel URL (redis+sentinel://host:port[,host:port…]/MASTER)",
+                crate::store::redact(url)
+            ),
+        )
+    };
+    let (hosts, master) = rest.split_once('/').ok_or_else(invalid)?;
+    let master = master.trim_end_matches('/');
+    if master.is_empty() || master.contains('/') {
+        return Err(invalid());
+    }
+    let sentinels: Vec<String> = hosts.split(',').map(str::to_owned).collect();
+    let valid = sentinels.iter().all(|host| {
+        !host.contains('@')
+            && host
+                .rsplit_once(':')
+                .is_some_and(|(name, port)| !name.is_empty() && port.parse::<u16>().is_ok())
+    });
+    if !valid {
+        return Err(invalid());
+    }
+    Ok(Some((sentinels, master.to_owned())))
 }
 
 /// Reads `{1, token}` / `{0, pttl}` from the acquire and hand-over scripts.
