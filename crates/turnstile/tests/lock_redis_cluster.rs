@@ -92,7 +92,9 @@ async fn a_master_failover_keeps_tokens_growing_and_the_store_working() {
     let cluster = RedisCluster::spawn();
     let url = format!("{}?turnstile_prefix=failover", cluster.url());
     let locker = Locker::new(RedisLockStore::connect(&url).await.unwrap());
-    let ttl = Duration::from_secs(3);
+    // Longer than a failover takes (detection after the 1 s node timeout, then the
+    // election), so that renewals can resume on the new master before the deadline.
+    let ttl = Duration::from_secs(10);
     let guard = locker
         .acquire("job", &LockOptions::new().ttl(ttl))
         .await
@@ -127,8 +129,13 @@ async fn a_master_failover_keeps_tokens_growing_and_the_store_working() {
             let reason = tokio::time::timeout(ttl, guard.lost())
                 .await
                 .expect("the holder's lost signal did not fire");
+            // Found gone by a renewal, or (a failover slower than the TTL on a loaded
+            // machine) renewals failing until the deadline.
             assert!(
-                matches!(reason, LossReason::Expired | LossReason::TakenOver),
+                matches!(
+                    reason,
+                    LossReason::Expired | LossReason::TakenOver | LossReason::RenewalFailed
+                ),
                 "{reason:?}"
             );
         }
