@@ -402,6 +402,20 @@ async fn discover_master(
     })
 }
 
+/// Finds the master the sentinels name and opens a self-reconnecting connection to it.
+async fn open_master(
+    sentinels: &[String],
+    master_name: &str,
+    described: &str,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+) -> Result<(Client, ConnectionManager)> {
+    let client = discover_master(sentinels, master_name, described, connect_timeout).await?;
+    let manager =
+        connect_manager(client.clone(), described, connect_timeout, response_timeout).await?;
+    Ok((client, manager))
+}
+
 /// Whether a failed command should make a Sentinel client look for the master again.
 fn master_may_have_moved(error: &redis::RedisError) -> bool {
     error.is_io_error()
@@ -421,9 +435,9 @@ impl SentinelConnection {
         response_timeout: Duration,
     ) -> Result<(Arc<SentinelConnection>, Client)> {
         let described = format!("{} (master {master_name})", sentinels.join(","));
-        let client = discover_master(sentinels, master_name, &described, connect_timeout).await?;
-        let manager = connect_manager(
-            client.clone(),
+        let (client, manager) = open_master(
+            sentinels,
+            master_name,
             &described,
             connect_timeout,
             response_timeout,
@@ -489,15 +503,9 @@ impl SentinelConnection {
         {
             return Ok(());
         }
-        let client = discover_master(
+        let (client, manager) = open_master(
             &self.sentinels,
             &self.master_name,
-            &self.described,
-            self.connect_timeout,
-        )
-        .await?;
-        let manager = connect_manager(
-            client.clone(),
             &self.described,
             self.connect_timeout,
             self.response_timeout,

@@ -111,11 +111,7 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         to: &'a OwnerId,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
-        Box::pin(async move {
-            let released = self.release(name, from).await?;
-            let acquired = self.try_acquire(name, to, ttl).await?;
-            Ok((released, acquired))
-        })
+        Box::pin(release_then_acquire(self, name, from, to, ttl))
     }
 }
 
@@ -178,11 +174,22 @@ pub(crate) async fn moved_or_released<B: LockBackend + ?Sized>(
                 token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
             },
         )),
-        None => {
-            let released = backend.release(name, from).await?;
-            Ok((released, backend.try_acquire(name, to, ttl).await?))
-        }
+        None => release_then_acquire(backend, name, from, to, ttl).await,
     }
+}
+
+/// A hand-over in two steps: `from` releases, then `to` tries to acquire. What
+/// [`LockBackend::hand_over`] does by default, and what an engine with a one-step
+/// hand-over falls back to when `from` no longer held the lock.
+pub(crate) async fn release_then_acquire<B: LockBackend + ?Sized>(
+    backend: &B,
+    name: &LockName,
+    from: &OwnerId,
+    to: &OwnerId,
+    ttl: Duration,
+) -> Result<(ReleaseOutcome, TryAcquire)> {
+    let released = backend.release(name, from).await?;
+    Ok((released, backend.try_acquire(name, to, ttl).await?))
 }
 
 /// What a release found.

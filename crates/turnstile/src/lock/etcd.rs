@@ -748,8 +748,7 @@ impl LockBackend for EtcdLockStore {
             let sent = Instant::now();
             let (from_key, to_key) = (self.key(name, from), self.key(name, to));
             if self.overdue(&from_key) || !self.is_in_line(&from_key) {
-                let released = self.release(name, from).await?;
-                return Ok((released, self.try_acquire(name, to, ttl).await?));
+                return super::backend::release_then_acquire(self, name, from, to, ttl).await;
             }
             // One write: our key goes, and the next owner's joins the line at the back
             // (unless it waits there already), then its key and the first key are read.
@@ -779,8 +778,7 @@ impl LockBackend for EtcdLockStore {
                 .map_err(failed("cannot hand the lock over"))?;
             if !answer.succeeded() {
                 // Our key was gone (broken, or its lease expired): not a hand-over.
-                let released = self.release(name, from).await?;
-                return Ok((released, self.try_acquire(name, to, ttl).await?));
+                return super::backend::release_then_acquire(self, name, from, to, ttl).await;
             }
             self.left_line(&from_key);
             let (mine, first) = mine_and_first(&answer);

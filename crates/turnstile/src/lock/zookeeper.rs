@@ -763,8 +763,7 @@ impl LockBackend for ZooKeeperLockStore {
                 .placed(&dir, &from_hex)
                 .filter(|ours| !self.inner.overdue(&ours.path))
             else {
-                let released = self.release(name, from).await?;
-                return Ok((released, self.try_acquire(name, to, ttl).await?));
+                return super::backend::release_then_acquire(self, name, from, to, ttl).await;
             };
             // Our node was first (we were first when we took it, and no node can come
             // before it later), so deleting it is a release. The next owner's node, if it
@@ -799,8 +798,7 @@ impl LockBackend for ZooKeeperLockStore {
                     source: zk::Error::NoNode,
                     ..
                 }) => {
-                    let released = self.release(name, from).await?;
-                    return Ok((released, self.try_acquire(name, to, ttl).await?));
+                    return super::backend::release_then_acquire(self, name, from, to, ttl).await;
                 }
                 Err(error) => return Err(failed("cannot hand the lock over")(error.into())),
             };
