@@ -104,6 +104,27 @@ async fn a_master_failover_keeps_tokens_growing_and_the_store_working() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     cluster.fail_over("failover:{job}:lock", Duration::from_secs(30));
     // Whatever the failover kept, the store answers again.
+    held_or_lost_after_failover(&locker, guard, token, ttl).await;
+    let next = locker
+        .acquire("job", &LockOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    assert!(next.fencing_token() > token);
+    next.release().await.unwrap();
+}
+
+/// After a failover under `guard` (a lock on `job` with `token` and `ttl`): the store
+/// answers again within 20 s, and either the promoted replica had the lock (same
+/// token; renewals reach the new master, so it is still held half a TTL later) or the
+/// lock was lost and the holder's lost signal fires within the TTL — found gone by a
+/// renewal, or (a failover slower than the TTL on a loaded machine) renewals failing
+/// until the deadline. Releases the lock if it survived.
+async fn held_or_lost_after_failover(
+    locker: &Locker,
+    guard: turnstile::LockGuard,
+    token: turnstile::FencingToken,
+    ttl: Duration,
+) {
     let status = tokio::time::timeout(Duration::from_secs(20), async {
         loop {
             match locker.status("job").await {
@@ -116,21 +137,18 @@ async fn a_master_failover_keeps_tokens_growing_and_the_store_working() {
     .await
     .expect("the store did not answer within 20 s of the failover");
     match status {
-        // The replica had the lock: it is still held, by the same acquisition.
         Some(info) => {
             eprintln!("the promoted replica had the lock");
             assert_eq!(info.fencing_token, token);
-            assert!(!guard.is_lost());
+            tokio::time::sleep(ttl / 2).await;
+            assert!(!guard.is_lost(), "{:?}", guard.loss_reason());
             guard.release().await.unwrap();
         }
-        // Lost with the master: the holder learns it at its next renewal.
         None => {
-            eprintln!("the lock was lost with the master");
             let reason = tokio::time::timeout(ttl, guard.lost())
                 .await
                 .expect("the holder's lost signal did not fire");
-            // Found gone by a renewal, or (a failover slower than the TTL on a loaded
-            // machine) renewals failing until the deadline.
+            eprintln!("the lock was lost in the failover ({reason:?})");
             assert!(
                 matches!(
                     reason,
@@ -140,12 +158,6 @@ async fn a_master_failover_keeps_tokens_growing_and_the_store_working() {
             );
         }
     }
-    let next = locker
-        .acquire("job", &LockOptions::new().wait(Duration::from_secs(10)))
-        .await
-        .unwrap();
-    assert!(next.fencing_token() > token);
-    next.release().await.unwrap();
 }
 
 /// CRC16 (XMODEM), as Redis Cluster hashes keys into slots.
@@ -234,40 +246,7 @@ async fn a_sentinel_store_follows_the_master_across_a_failover() {
     })
     .await
     .unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            match locker.status("job").await {
-                Ok(status) => return status,
-                Err(error) => eprintln!("after the failover: {error}"),
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    })
-    .await
-    .expect("the store did not answer within 20 s of the failover");
-    match status {
-        Some(info) => {
-            eprintln!("the promoted replica had the lock");
-            assert_eq!(info.fencing_token, token);
-            // Renewals reach the new master: still held a TTL later.
-            tokio::time::sleep(ttl / 2).await;
-            assert!(!guard.is_lost(), "{:?}", guard.loss_reason());
-            guard.release().await.unwrap();
-        }
-        None => {
-            let reason = tokio::time::timeout(ttl, guard.lost())
-                .await
-                .expect("the holder's lost signal did not fire");
-            eprintln!("the lock was lost in the failover ({reason:?})");
-            assert!(
-                matches!(
-                    reason,
-                    LossReason::Expired | LossReason::TakenOver | LossReason::RenewalFailed
-                ),
-                "{reason:?}"
-            );
-        }
-    }
+    held_or_lost_after_failover(&locker, guard, token, ttl).await;
     // Notifications from the new master: a waiter in another client gets the lock
     // promptly after the holder's release.
     let other = Locker::new(RedisLockStore::connect(&url).await.unwrap());

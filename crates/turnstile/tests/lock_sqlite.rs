@@ -5,10 +5,9 @@ mod conformance;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::time::Duration;
 
 use conformance::TestStore;
-use turnstile::fence::{FencingToken, sqlite as fence};
+use turnstile::fence::FencingToken;
 use turnstile::lock::sqlite::SqliteLockStore;
 use turnstile::lock::{LockOptions, Locker};
 
@@ -76,40 +75,11 @@ async fn a_paused_holders_late_write_is_rejected() {
     let file = sqlite_file().await;
     let store = SqliteLockStore::open(file.path()).await.unwrap();
     let pool = store.pool().clone();
-    sqlx::query("CREATE TABLE invoices (id TEXT PRIMARY KEY, total INTEGER)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let write = |token: FencingToken, total: i64| {
-        let pool = pool.clone();
-        async move {
-            let mut transaction = pool.begin().await.unwrap();
-            let outcome = fence::check_and_record(&mut transaction, "invoice:1", token)
-                .await
-                .unwrap();
-            if outcome.is_applied() {
-                sqlx::query("INSERT OR REPLACE INTO invoices (id, total) VALUES ('invoice:1', ?1)")
-                    .bind(total)
-                    .execute(&mut *transaction)
-                    .await
-                    .unwrap();
-                transaction.commit().await.unwrap();
-            }
-            outcome
-        }
-    };
-    let read = || {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar("SELECT total FROM invoices")
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
-    let lease = LockOptions::new().ttl(Duration::from_millis(500));
-    conformance::a_paused_holders_late_write_is_rejected(&Locker::new(store), lease, write, read)
-        .await;
+    conformance::a_paused_holders_late_write_is_rejected_by_an_sqlite_fence(
+        &Locker::new(store),
+        &pool,
+    )
+    .await;
 }
 
 /// Tokens count up from the stored one when it is ahead of the clock (the `last + 1`

@@ -14,6 +14,7 @@ use turnstile::lock::zookeeper::ZooKeeperLockStore;
 use turnstile::lock::{LockOptions, Locker, LossReason};
 use turnstile_test_support::{ZooKeeperServer, shared_zookeeper, unique_name};
 
+#[derive(Clone)]
 struct Shared {
     url: String,
 }
@@ -103,45 +104,13 @@ async fn a_server_down_past_the_deadline_fires_the_lost_signal_there() {
 /// its last ping — and not before the TTL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crashed_clients_lock_frees_when_its_session_expires() {
-    let store = shared().await;
-    let url = store.url.clone();
-    let ttl = Duration::from_secs(1);
-    let crashed_at = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let locker = Locker::new(ZooKeeperLockStore::connect(&url).await.unwrap());
-            let guard = locker
-                .acquire("crash", &LockOptions::new().ttl(ttl))
-                .await
-                .unwrap();
-            // Neither released nor dropped: the process is about to vanish.
-            std::mem::forget(guard);
-            std::mem::forget(locker);
-        });
-        runtime.shutdown_background();
-        Instant::now()
-    })
-    .join()
-    .unwrap();
-    let other = store.locker().await;
-    let guard = other
-        .acquire("crash", &LockOptions::new().wait(Duration::from_secs(10)))
-        .await
-        .unwrap();
-    let freed_after = crashed_at.elapsed();
-    assert!(
-        freed_after >= ttl,
-        "the lock came free {freed_after:?} after the crash, before its TTL"
-    );
-    assert!(
-        freed_after < Duration::from_secs(4),
-        "the lock came free only {freed_after:?} after the crash (session timeout: 1 s)"
-    );
-    guard.release().await.unwrap();
+    // Session timeout 1 s.
+    conformance::a_crashed_clients_lock_frees_within(
+        shared().await,
+        Duration::from_secs(1),
+        Duration::from_secs(4),
+    )
+    .await;
 }
 
 /// A TTL longer than the server grants sessions for is refused with a clear error,
@@ -217,5 +186,12 @@ async fn a_paused_holders_late_write_is_rejected() {
             .await
             .unwrap(),
     );
-    conformance::a_paused_holders_late_write_is_rejected_by_an_sqlite_fence(&locker).await;
+    let dir = tempfile::tempdir().unwrap();
+    let app = sqlx::SqlitePool::connect(&format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("app.db").display()
+    ))
+    .await
+    .unwrap();
+    conformance::a_paused_holders_late_write_is_rejected_by_an_sqlite_fence(&locker, &app).await;
 }

@@ -145,7 +145,16 @@ pub enum ExtendOutcome {
 impl ExtendOutcome {
     /// From a store's two answers: whether the renewal applied, and whether another
     /// owner holds the lock (or claim) now.
-    #[cfg_attr(not(any(feature = "sqlite", feature = "postgres")), allow(dead_code))]
+    #[cfg_attr(
+        not(any(
+            feature = "sqlite",
+            feature = "postgres",
+            feature = "redis",
+            feature = "etcd",
+            feature = "zookeeper"
+        )),
+        allow(dead_code)
+    )]
     pub(crate) fn from_answers(renewed: bool, taken_by_another: bool) -> Self {
         match (renewed, taken_by_another) {
             (true, _) => ExtendOutcome::Extended,

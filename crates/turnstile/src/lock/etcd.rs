@@ -605,11 +605,7 @@ impl LockBackend for EtcdLockStore {
             let (mine, first) = mine_and_first(&answer);
             let Some(kv) = mine else {
                 self.left_line(&key);
-                return Ok(ExtendOutcome::Lost(if first.is_some() {
-                    LossReason::TakenOver
-                } else {
-                    LossReason::Expired
-                }));
+                return Ok(ExtendOutcome::from_answers(false, first.is_some()));
             };
             if kv.lease() != session.id {
                 // A key on a lease that is not this client's session now (written by an

@@ -285,11 +285,7 @@ impl LockBackend for RedLockStore {
                 .iter()
                 .flatten()
                 .any(|answer| *answer == ExtendOutcome::Lost(LossReason::TakenOver));
-            Ok(ExtendOutcome::Lost(if taken {
-                LossReason::TakenOver
-            } else {
-                LossReason::Expired
-            }))
+            Ok(ExtendOutcome::from_answers(false, taken))
         })
     }
 

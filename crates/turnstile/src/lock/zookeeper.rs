@@ -590,11 +590,7 @@ impl LockBackend for ZooKeeperLockStore {
                 }
                 first => {
                     self.forget(&dir, &owner_hex);
-                    Ok(ExtendOutcome::Lost(if first.is_some() {
-                        LossReason::TakenOver
-                    } else {
-                        LossReason::Expired
-                    }))
+                    Ok(ExtendOutcome::from_answers(false, first.is_some()))
                 }
             }
         })

@@ -839,18 +839,67 @@ pub async fn pruning_forgets_unused_names_and_tokens_keep_increasing(store: impl
     holding.release().await.unwrap();
 }
 
-/// The paused-holder scenario for a lock store that has no fenced store of its own
-/// (etcd, ZooKeeper): its fencing tokens guard a row in an SQLite database, written in
-/// the application's own transaction with `fence::sqlite::check_and_record`.
+/// A client whose runtime dies while it holds a lock (no release, no renewal, no
+/// keep-alive: its process is gone) frees the lock when the store ends its session:
+/// not before the TTL, and within `within` of the crash.
+pub async fn a_crashed_clients_lock_frees_within<S>(store: S, ttl: Duration, within: Duration)
+where
+    S: TestStore + Clone + Send + 'static,
+{
+    let lock = name("crash");
+    let crashed = (store.clone(), lock.clone());
+    let crashed_at = std::thread::spawn(move || {
+        let (store, lock) = crashed;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let locker = store.locker().await;
+            let guard = locker
+                .acquire(&lock, &LockOptions::new().ttl(ttl))
+                .await
+                .unwrap();
+            // Neither released nor dropped: the process is about to vanish.
+            std::mem::forget(guard);
+            std::mem::forget(locker);
+        });
+        runtime.shutdown_background();
+        std::time::Instant::now()
+    })
+    .join()
+    .unwrap();
+    let other = store.locker().await;
+    let guard = other
+        .acquire(&lock, &LockOptions::new().wait(Duration::from_secs(10)))
+        .await
+        .unwrap();
+    let freed_after = crashed_at.elapsed();
+    assert!(
+        freed_after >= ttl,
+        "the lock came free {freed_after:?} after the crash, before its TTL"
+    );
+    assert!(
+        freed_after < within,
+        "the lock came free only {freed_after:?} after the crash (bound {within:?})"
+    );
+    guard.release().await.unwrap();
+}
+
+/// The paused-holder scenario with the protected row in an SQLite database reached by
+/// `pool` (the lock store's own, or, for a lock store without a fenced store of its own
+/// such as etcd or ZooKeeper, any application database): the write is fenced in the
+/// application's own transaction with `fence::sqlite::check_and_record`.
 #[cfg(feature = "sqlite")]
-pub async fn a_paused_holders_late_write_is_rejected_by_an_sqlite_fence(locker: &Locker) {
+pub async fn a_paused_holders_late_write_is_rejected_by_an_sqlite_fence(
+    locker: &Locker,
+    pool: &sqlx::SqlitePool,
+) {
     use turnstile::fence::sqlite as fence;
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}?mode=rwc", dir.path().join("app.db").display());
-    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
-    fence::create_table(&pool).await.unwrap();
+    fence::create_table(pool).await.unwrap();
     sqlx::query("CREATE TABLE invoices (id TEXT PRIMARY KEY, total INTEGER)")
-        .execute(&pool)
+        .execute(pool)
         .await
         .unwrap();
     let write = |token: turnstile::FencingToken, total: i64| {
