@@ -16,6 +16,7 @@ mod bench_zookeeper;
 mod exec;
 mod idempotency;
 mod outbox;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -68,6 +69,9 @@ enum Command {
     /// The transactional outbox: run a relay, show status, redrive a parked key.
     #[command(subcommand)]
     Outbox(outbox::OutboxCommand),
+    /// Serve the locks, idempotency keys and outbox status over HTTP, with metrics and a
+    /// live dashboard (default: the SQLite store, on 127.0.0.1:7070).
+    Serve(serve::ServeArgs),
     /// Create the store's tables (locks, fences, idempotency records) if they are
     /// missing (SQL stores); harmless to repeat.
     Migrate(StoreOnlyArgs),
@@ -499,6 +503,10 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    let cli = match cli.command {
+        Command::Serve(args) => return serve::run(args),
+        command => Cli { command },
+    };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -525,6 +533,7 @@ fn main() -> ExitCode {
             Command::Migrate(args) => migrate(args).await,
             Command::Idempotency(command) => idempotency::run(command).await,
             Command::Outbox(command) => outbox::run(command).await,
+            Command::Serve(_) => unreachable!("served on its own runtime above"),
         }
     })
 }

@@ -52,7 +52,7 @@ impl Held {
         let held_for = self.lease.started.elapsed();
         let Some(offer) = self.queue.take_offer() else {
             let outcome = self.backend.release(&self.name, &self.owner).await?;
-            telemetry::released(&self.name, outcome, false, held_for);
+            telemetry::released(&self.name, outcome, false, Some(held_for));
             return Ok(outcome);
         };
         let sent = Instant::now();
@@ -61,7 +61,7 @@ impl Held {
             .hand_over(&self.name, &self.owner, &offer.owner, offer.ttl)
             .await?;
         // On error above, dropping the offer wakes the waiter, which retries on its own.
-        telemetry::released(&self.name, released, true, held_for);
+        telemetry::released(&self.name, released, true, Some(held_for));
         let handoff = Handoff {
             sent,
             outcome: Ok(acquired),
@@ -258,6 +258,54 @@ impl LockGuard {
                     self.held.backend.describe()
                 ),
             )),
+        }
+    }
+}
+
+/// A lock taken by [`LockGuard::detach`]: held in the store with nobody in this process
+/// renewing it. Whoever holds these facts (a remote client of a lock service) keeps it
+/// with [`Locker::extend_detached`](super::Locker::extend_detached) before the lease
+/// runs out and gives it back with
+/// [`Locker::release_detached`](super::Locker::release_detached).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DetachedLock {
+    /// The lock's name.
+    pub name: LockName,
+    /// The acquisition's owner id: what extending and releasing need.
+    pub owner: OwnerId,
+    /// The acquisition's fencing token.
+    pub fencing_token: FencingToken,
+    /// The lease's length: the store frees the lock this long after the acquire (or
+    /// the last extension) unless it is extended.
+    pub ttl: Duration,
+}
+
+impl LockGuard {
+    /// Stops keeping the lock in this process without releasing it: no more renewals,
+    /// no release on drop, no lost signal. The lock stays held in the store until its
+    /// lease runs out or someone releases it with the returned owner id.
+    ///
+    /// This is for handing a lease to someone who is not this process (the HTTP lock
+    /// service gives it to its client); code that does the work itself keeps the guard.
+    ///
+    /// ```
+    /// # async fn demo(locker: turnstile::lock::Locker) -> turnstile::Result<()> {
+    /// use turnstile::lock::LockOptions;
+    /// let lease = locker.acquire("report", &LockOptions::new()).await?.detach();
+    /// // … later, perhaps from another process on the same store:
+    /// locker.release_detached(&lease.name, &lease.owner).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn detach(mut self) -> DetachedLock {
+        self.released = true;
+        self.keeper.stop();
+        self.held.finish();
+        DetachedLock {
+            name: self.held.name.clone(),
+            owner: self.held.owner.clone(),
+            fencing_token: self.held.token,
+            ttl: self.held.lease.ttl,
         }
     }
 }

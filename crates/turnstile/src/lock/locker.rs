@@ -13,8 +13,8 @@ use super::queue::{Handoff, HandoffOffer, LocalQueue};
 use super::telemetry;
 
 use super::{
-    IntoLockName, LockBackend, LockGuard, LockInfo, LockName, LockOptions, OwnerId, ReleaseWatch,
-    TryAcquire,
+    ExtendOutcome, IntoLockName, LockBackend, LockGuard, LockInfo, LockName, LockOptions, OwnerId,
+    ReleaseOutcome, ReleaseWatch, TryAcquire,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
@@ -639,6 +639,45 @@ impl Locker {
         let removed = self.inner.backend.prune(unused_for).await?;
         tracing::info!(removed, unused_for = ?unused_for, "pruned unused lock names");
         Ok(removed)
+    }
+
+    /// Renews a lock taken by [`LockGuard::detach`] for `ttl` from now, if `owner` still
+    /// holds it. A lease that ran out, or that another owner holds now, comes back as
+    /// [`ExtendOutcome::Lost`]: the holder must stop, as a guard's lost signal would
+    /// tell it to.
+    ///
+    /// On stores whose locks live in a connection or session of the process that took
+    /// them (PostgreSQL and MySQL session locks, etcd, ZooKeeper), extending and
+    /// releasing must happen through the same [`Locker`]; on lease stores (SQLite,
+    /// Redis, PostgreSQL lease mode) any locker on the same store will do.
+    ///
+    /// Errors: [`ErrorKind::InvalidOptions`] for a TTL out of range.
+    pub async fn extend_detached<N>(
+        &self,
+        name: N,
+        owner: &OwnerId,
+        ttl: Duration,
+    ) -> Result<ExtendOutcome>
+    where
+        N: IntoLockName,
+    {
+        LockOptions::new().ttl(ttl).validate()?;
+        let name = name.into_lock_name()?;
+        let outcome = self.inner.backend.extend(&name, owner, ttl).await?;
+        telemetry::extended_detached(&name, outcome);
+        Ok(outcome)
+    }
+
+    /// Releases a lock taken by [`LockGuard::detach`], reporting what the store found
+    /// (see [`extend_detached`](Self::extend_detached) for which locker may do it).
+    pub async fn release_detached<N>(&self, name: N, owner: &OwnerId) -> Result<ReleaseOutcome>
+    where
+        N: IntoLockName,
+    {
+        let name = name.into_lock_name()?;
+        let outcome = self.inner.backend.release(&name, owner).await?;
+        telemetry::released(&name, outcome, false, None);
+        Ok(outcome)
     }
 
     /// The current holder of `name`, if any.

@@ -40,7 +40,7 @@ pub mod zookeeper;
 pub use backend::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, ReleaseOutcome, ReleaseWatch, TryAcquire,
 };
-pub use guard::LockGuard;
+pub use guard::{DetachedLock, LockGuard};
 pub use lease::LostSignal;
 pub(crate) use locker::describe_wait;
 pub use locker::{Locker, MIN_ATTEMPT_TIME};
@@ -174,6 +174,31 @@ impl OwnerId {
         OwnerId {
             hex: format!("{:032x}", rand::random::<u128>()),
         }
+    }
+
+    /// Parses an id handed out before ([`to_hex`](Self::to_hex)): exactly 32 lowercase
+    /// hex digits. This is how a service that gives leases to remote clients
+    /// ([`LockGuard::detach`]) takes the owner id back.
+    ///
+    /// ```
+    /// use turnstile::lock::OwnerId;
+    /// let owner = OwnerId::random();
+    /// assert_eq!(OwnerId::parse(owner.as_str()).unwrap(), owner);
+    /// assert!(OwnerId::parse("not-an-owner").is_err());
+    /// ```
+    pub fn parse(hex: &str) -> Result<Self> {
+        if hex.len() != 32 || !hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "an owner id is 32 lowercase hex digits, as the acquire returned it; got {:?}",
+                    hex.chars().take(40).collect::<String>()
+                ),
+            ));
+        }
+        Ok(OwnerId {
+            hex: hex.to_owned(),
+        })
     }
 
     /// The id as 32 lowercase hex digits, the form stores keep.

@@ -9,7 +9,8 @@
 //! | `turnstile_lock_acquire_wait_seconds` | histogram | — (from the call to the lock) |
 //! | `turnstile_lock_not_acquired_total` | counter | `reason` = `timeout` or `error` |
 //! | `turnstile_lock_released_total` | counter | `outcome` = `released`, `expired`, `held_by_other`, `handed_over` |
-//! | `turnstile_lock_held_seconds` | histogram | — (from acquiring to releasing) |
+//! | `turnstile_lock_held_seconds` | histogram | — (from acquiring to releasing; not for detached locks) |
+//! | `turnstile_lock_detached_extended_total` | counter | `outcome` = `extended` or `lost` (a [`Locker::extend_detached`](super::Locker::extend_detached)) |
 //! | `turnstile_lock_renewal_failures_total` | counter | — (a renewal that could not reach the store) |
 //! | `turnstile_lease_suspensions_total` | counter | `kind` = `lock` or `idempotency claim` (a renewal unanswered for a sixth of the TTL; see [`LockGuard::is_suspended`](super::LockGuard::is_suspended)) |
 //! | `turnstile_lock_lost_total` | counter | `reason` = see [`LossReason`] |
@@ -17,7 +18,7 @@
 use std::time::Duration;
 
 use super::lease::LeaseKind;
-use super::{LockName, LossReason, ReleaseOutcome};
+use super::{ExtendOutcome, LockName, LossReason, ReleaseOutcome};
 use crate::error::Error;
 
 pub(crate) fn acquired(name: &LockName, token: u64, waited: Duration, handed_over: bool) {
@@ -41,7 +42,7 @@ pub(crate) fn released(
     name: &LockName,
     outcome: ReleaseOutcome,
     handed_over: bool,
-    held: Duration,
+    held: Option<Duration>,
 ) {
     let label = match (handed_over, outcome) {
         (true, _) => "handed_over",
@@ -50,11 +51,28 @@ pub(crate) fn released(
         (false, ReleaseOutcome::HeldByOther) => "held_by_other",
     };
     metrics::counter!("turnstile_lock_released_total", "outcome" => label).increment(1);
-    metrics::histogram!("turnstile_lock_held_seconds").record(held.as_secs_f64());
+    // A detached lock's holding time is its client's to know.
+    if let Some(held) = held {
+        metrics::histogram!("turnstile_lock_held_seconds").record(held.as_secs_f64());
+    }
     if matches!(outcome, ReleaseOutcome::Released) {
         tracing::debug!(lock = %name, held = ?held, outcome = label, "lock released");
     } else {
         tracing::warn!(lock = %name, held = ?held, outcome = label, "lock released after its lease had ended");
+    }
+}
+
+/// A detached lock's holder asked for more time.
+pub(crate) fn extended_detached(name: &LockName, outcome: ExtendOutcome) {
+    let label = match outcome {
+        ExtendOutcome::Extended => "extended",
+        ExtendOutcome::Lost(_) => "lost",
+    };
+    metrics::counter!("turnstile_lock_detached_extended_total", "outcome" => label).increment(1);
+    if let ExtendOutcome::Lost(reason) = outcome {
+        lost(LeaseKind::Lock, name.as_str(), reason, Duration::ZERO);
+    } else {
+        tracing::debug!(lock = %name, "detached lock extended");
     }
 }
 

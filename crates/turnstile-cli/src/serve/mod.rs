@@ -1,0 +1,459 @@
+//! `turnstile serve`: the locks, idempotency keys and outbox status over HTTP/JSON for
+//! services in any language, with Prometheus metrics and a live dashboard.
+//!
+//! The service keeps no state that matters: every lease, token and record lives in the
+//! store, so several instances behind a load balancer share everything through it (on
+//! lease stores: SQLite, Redis, PostgreSQL lease mode; a session-bound lock — MySQL,
+//! PostgreSQL session mode, etcd, ZooKeeper — lives in the instance that took it, whose
+//! extend and release must reach that instance). What an instance remembers is only its
+//! dashboard's window on its own traffic.
+
+mod activity;
+mod api;
+mod auth;
+mod problem;
+mod tls;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use clap::{Args, ValueEnum};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio_util::sync::CancellationToken;
+use turnstile::idempotency::IdempotencyStore;
+use turnstile::lock::Locker;
+use turnstile::outbox::OutboxStore;
+use turnstile::{Error, ErrorKind};
+
+use crate::{StoreArgs, exit};
+use activity::{Activity, IdempotencyOutcome};
+use auth::Auth;
+use problem::Problem;
+
+/// `turnstile serve`.
+#[derive(Args, Debug)]
+pub(crate) struct ServeArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+    /// Where to listen. Without TLS the default is loopback only; serving other hosts
+    /// needs an address such as 0.0.0.0:7070, and tokens (or --no-auth).
+    #[arg(long, default_value = "127.0.0.1:7070", value_name = "ADDR")]
+    listen: SocketAddr,
+    /// A JSON document of bearer tokens with scopes and tenants (see the README); the
+    /// TURNSTILE_TOKENS environment variable may hold the document itself instead.
+    #[arg(long, value_name = "FILE")]
+    tokens: Option<PathBuf>,
+    /// Serve a non-loopback address without tokens: every caller is an admin.
+    #[arg(long)]
+    no_auth: bool,
+    /// TLS certificate chain (PEM); with --tls-key, the service speaks HTTPS only.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// The longest long-poll an acquire may ask for (`wait_ms`).
+    #[arg(long, default_value = "30s", value_parser = crate::parse_ttl, value_name = "DURATION")]
+    max_wait: Duration,
+    /// The largest request body, in bytes (idempotency outcomes included).
+    #[arg(long, default_value_t = 1024 * 1024, value_name = "BYTES")]
+    max_body: usize,
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Everything a request handler needs.
+pub(crate) struct Service {
+    locker: Locker,
+    /// The idempotency store, or why this store has none.
+    idempotency: Result<Arc<dyn IdempotencyStore>, String>,
+    /// The outbox, or why this store has none.
+    outbox: Result<Arc<dyn OutboxStore>, String>,
+    auth: Auth,
+    activity: Activity,
+    engine: &'static str,
+    max_wait: Duration,
+    metrics: PrometheusHandle,
+    /// Cancelled at SIGTERM/SIGINT: long-polls end at once with a 503.
+    shutdown: CancellationToken,
+}
+
+impl Service {
+    fn idempotency(&self) -> Result<&Arc<dyn IdempotencyStore>, Problem> {
+        self.idempotency.as_ref().map_err(unsupported)
+    }
+
+    fn outbox(&self) -> Result<&Arc<dyn OutboxStore>, Problem> {
+        self.outbox.as_ref().map_err(unsupported)
+    }
+
+    /// Records how long one store operation took, for `/metrics` and the dashboard.
+    fn observe_store(&self, operation: &'static str, took: Duration) {
+        metrics::histogram!(
+            "turnstile_serve_store_seconds",
+            "engine" => self.engine,
+            "operation" => operation
+        )
+        .record(took.as_secs_f64());
+        self.activity.latency(operation, took);
+    }
+
+    fn idempotency_outcome(&self, outcome: IdempotencyOutcome) {
+        let label = match outcome {
+            IdempotencyOutcome::Started => "started",
+            IdempotencyOutcome::Replayed => "replayed",
+            IdempotencyOutcome::InProgress => "in_progress",
+            IdempotencyOutcome::Mismatched => "mismatched",
+            IdempotencyOutcome::Completed => "completed",
+            IdempotencyOutcome::Fenced => "fenced",
+        };
+        metrics::counter!("turnstile_serve_idempotency_total", "outcome" => label).increment(1);
+        self.activity.idempotency(outcome);
+    }
+}
+
+fn unsupported(why: &String) -> Problem {
+    Problem::from(Error::new(ErrorKind::UnsupportedStore, why.clone()))
+}
+
+/// The engine's name, a metric label.
+fn engine_of(url: &str) -> &'static str {
+    let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
+    match scheme.to_ascii_lowercase().as_str() {
+        "sqlite" => "sqlite",
+        "redis" | "rediss" | "redis+cluster" | "redis+sentinel" => "redis",
+        "postgres" | "postgresql" => "postgres",
+        "mysql" | "mariadb" => "mysql",
+        "etcd" => "etcd",
+        "zk" | "zookeeper" => "zookeeper",
+        "redlock" => "redlock",
+        _ => "other",
+    }
+}
+
+/// Histogram buckets (seconds): store round trips from 50 µs, waits up to a minute.
+const BUCKETS: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+pub(crate) fn run(args: ServeArgs) -> ExitCode {
+    init_logging(args.log_format);
+    // Two cores serve better than one: the service runs on a multi-threaded runtime.
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("turnstile: cannot start the async runtime: {error}");
+            return ExitCode::from(exit::SOFTWARE);
+        }
+    };
+    runtime.block_on(serve(args))
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.with_ansi(false).try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+fn usage(message: impl std::fmt::Display) -> ExitCode {
+    eprintln!("turnstile serve: {message}");
+    ExitCode::from(exit::USAGE)
+}
+
+async fn serve(args: ServeArgs) -> ExitCode {
+    let auth = match load_tokens(args.tokens.as_deref()) {
+        Ok(auth) => auth,
+        Err(message) => return usage(message),
+    };
+    let loopback = args.listen.ip().is_loopback();
+    if auth.is_open() && !loopback && !args.no_auth {
+        return usage(format!(
+            "{} is not a loopback address and no tokens are configured: anyone who reaches \
+             it could take and break every lock. Give --tokens FILE (or TURNSTILE_TOKENS), \
+             or --no-auth if that is really meant",
+            args.listen
+        ));
+    }
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => match tls::acceptor(cert, key) {
+            Ok(acceptor) => Some(acceptor),
+            Err(message) => return usage(message),
+        },
+        _ => None,
+    };
+    let metrics = match PrometheusBuilder::new()
+        .set_buckets(BUCKETS)
+        .map(PrometheusBuilder::install_recorder)
+    {
+        Ok(Ok(handle)) => handle,
+        Ok(Err(error)) | Err(error) => {
+            eprintln!("turnstile serve: cannot set up metrics: {error}");
+            return ExitCode::from(exit::SOFTWARE);
+        }
+    };
+    let url = match args.store.url() {
+        Ok(url) => url,
+        Err(error) => return crate::fail(&error),
+    };
+    let locker = match Locker::connect(&url).await {
+        Ok(locker) => locker,
+        Err(error) => return crate::fail(&error),
+    };
+    let idempotency = match optional(
+        "idempotency records",
+        turnstile::store::connect_idempotency(&url).await,
+    ) {
+        Ok(store) => store,
+        Err(code) => return code,
+    };
+    let outbox = match optional("the outbox", turnstile::store::connect_outbox(&url).await) {
+        Ok(store) => store,
+        Err(code) => return code,
+    };
+    let listener = match tokio::net::TcpListener::bind(args.listen).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            eprintln!("turnstile serve: cannot listen on {}: {error}", args.listen);
+            return ExitCode::from(exit::UNAVAILABLE);
+        }
+    };
+    let address = listener.local_addr().unwrap_or(args.listen);
+    let shutdown = CancellationToken::new();
+    let service = Arc::new(Service {
+        engine: engine_of(&url),
+        locker,
+        idempotency,
+        outbox,
+        auth,
+        activity: Activity::default(),
+        max_wait: args.max_wait,
+        metrics,
+        shutdown: shutdown.clone(),
+    });
+    tokio::spawn(sample(Arc::clone(&service)));
+    let app = app(Arc::clone(&service), args.max_body);
+    announce(&service, address, tls.is_some(), loopback);
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let served = match tls {
+        Some(acceptor) => {
+            let listener = tls::TlsListener::start(listener, acceptor, shutdown.clone());
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+                .await
+        }
+        None => {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+                .await
+        }
+    };
+    match served {
+        Ok(()) => {
+            tracing::info!("stopped");
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("turnstile serve: {error}");
+            ExitCode::from(exit::SOFTWARE)
+        }
+    }
+}
+
+/// A part of the store this engine may not have: its endpoints then answer 501.
+fn optional<T>(what: &str, opened: Result<T, Error>) -> Result<Result<T, String>, ExitCode> {
+    match opened {
+        Ok(store) => Ok(Ok(store)),
+        Err(error) if error.kind() == ErrorKind::UnsupportedStore => {
+            eprintln!("turnstile serve: no {what} on this store; its endpoints answer 501");
+            Ok(Err(error.to_string()))
+        }
+        Err(error) => Err(crate::fail(&error)),
+    }
+}
+
+fn load_tokens(path: Option<&std::path::Path>) -> Result<Auth, String> {
+    let text = match path {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|error| format!("cannot read {}: {error}", path.display()))?,
+        None => match std::env::var("TURNSTILE_TOKENS") {
+            Ok(text) if !text.trim().is_empty() => text,
+            _ => return Ok(Auth::open()),
+        },
+    };
+    Auth::from_json(&text)
+}
+
+fn announce(service: &Service, address: SocketAddr, tls: bool, loopback: bool) {
+    let scheme = if tls { "https" } else { "http" };
+    let base = format!("{scheme}://{address}");
+    println!("turnstile serve: store {}", service.locker.backend().describe());
+    println!(
+        "listening on {base}{}",
+        if loopback {
+            " (loopback only; --listen 0.0.0.0:7070 serves other hosts)"
+        } else if tls {
+            ""
+        } else {
+            " (plain HTTP on a non-loopback address: tokens cross the network unencrypted; \
+             give --tls-cert and --tls-key)"
+        }
+    );
+    if service.auth.is_open() {
+        println!("auth: none (no tokens configured: every caller is an admin)");
+    } else {
+        println!("auth: {} bearer token(s)", service.auth.token_count());
+    }
+    println!("dashboard: {base}/");
+    println!(
+        "try: curl -s -X POST {base}/v1/locks/hello/acquire -H 'content-type: application/json' -d '{{\"ttl_ms\":30000}}'"
+    );
+    tracing::info!(%address, tls, "listening");
+}
+
+async fn stop_on_signal(shutdown: CancellationToken) {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutting down: finishing requests in flight, ending long-polls");
+    shutdown.cancel();
+}
+
+/// Every two seconds: the outbox's lag (for the dashboard and `/metrics`) and the
+/// Prometheus recorder's upkeep.
+async fn sample(service: Arc<Service>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = service.shutdown.cancelled() => return,
+        }
+        service.metrics.run_upkeep();
+        let Ok(outbox) = &service.outbox else {
+            continue;
+        };
+        match outbox.status(1000).await {
+            Ok(status) => {
+                let oldest = status.oldest_pending.map_or(0.0, |age| age.as_secs_f64());
+                metrics::gauge!("turnstile_outbox_pending").set(status.pending as f64);
+                metrics::gauge!("turnstile_outbox_oldest_pending_seconds").set(oldest);
+                metrics::gauge!("turnstile_outbox_parked_keys").set(status.parked.len() as f64);
+                service.activity.outbox(
+                    status.pending,
+                    status.oldest_pending,
+                    status.parked.len() as u64,
+                );
+            }
+            Err(error) => tracing::warn!(%error, "cannot read the outbox's status"),
+        }
+    }
+}
+
+/// The whole application: the API, its OpenAPI document, metrics, the dashboard.
+fn app(service: Arc<Service>, max_body: usize) -> Router {
+    let (api, openapi) = api::router().split_for_parts();
+    let openapi = Arc::new(openapi.to_json().unwrap_or_default());
+    api.route(
+        "/openapi.json",
+        get(move || {
+            let openapi = Arc::clone(&openapi);
+            async move {
+                (
+                    [(header::CONTENT_TYPE, "application/json")],
+                    openapi.as_ref().clone(),
+                )
+            }
+        }),
+    )
+    .route("/metrics", get(prometheus))
+    .route("/healthz", get(|| async { "ok\n" }))
+    .route("/", get(|| async { Html(DASHBOARD) }))
+    .fallback(|| async {
+        Problem::new(
+            StatusCode::NOT_FOUND,
+            "not-found",
+            "Not found",
+            "no such route; the API is described at /openapi.json",
+        )
+    })
+    .method_not_allowed_fallback(|| async {
+        Problem::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method-not-allowed",
+            "Method not allowed",
+            "this route does not take that method; see /openapi.json",
+        )
+    })
+    .layer(DefaultBodyLimit::max(max_body))
+    .layer(middleware::from_fn(observe))
+    .with_state(service)
+}
+
+/// The dashboard: one page, its script and styles inline, nothing fetched from elsewhere.
+const DASHBOARD: &str = include_str!("dashboard.html");
+
+async fn prometheus(State(service): State<Arc<Service>>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4"),
+        )],
+        service.metrics.render(),
+    )
+}
+
+/// Counts and times every request by route (never by name or key) and status.
+async fn observe(request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |path| path.as_str().to_owned());
+    let method = request.method().as_str().to_owned();
+    let started = std::time::Instant::now();
+    let response = next.run(request).await;
+    let status = response.status().as_u16().to_string();
+    metrics::counter!(
+        "turnstile_http_requests_total",
+        "method" => method.clone(),
+        "route" => route.clone(),
+        "status" => status
+    )
+    .increment(1);
+    metrics::histogram!("turnstile_http_request_seconds", "method" => method, "route" => route)
+        .record(started.elapsed().as_secs_f64());
+    response
+}
