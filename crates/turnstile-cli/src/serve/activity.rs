@@ -131,7 +131,9 @@ fn unix_ms() -> u64 {
 
 impl Activity {
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     pub(crate) fn held(
@@ -180,7 +182,13 @@ impl Activity {
         }
     }
 
-    pub(crate) fn event(&self, kind: &'static str, tenant: Option<&str>, name: &str, detail: String) {
+    pub(crate) fn event(
+        &self,
+        kind: &'static str,
+        tenant: Option<&str>,
+        name: &str,
+        detail: String,
+    ) {
         let mut state = self.state();
         if state.events.len() == EVENTS {
             state.events.pop_front();
@@ -197,7 +205,11 @@ impl Activity {
     pub(crate) fn idempotency(&self, outcome: IdempotencyOutcome) {
         let at_s = unix_ms() / 1000;
         let mut state = self.state();
-        if state.idempotency.back().is_none_or(|last| last.at_s != at_s) {
+        if state
+            .idempotency
+            .back()
+            .is_none_or(|last| last.at_s != at_s)
+        {
             if state.idempotency.len() == SECONDS {
                 state.idempotency.pop_front();
             }

@@ -4,25 +4,27 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::Json;
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request, State};
 use axum::http::request::Parts;
-use axum::Json;
 use base64::Engine as _;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+use turnstile::ErrorKind;
 use turnstile::idempotency::{
-    ClaimAnswer, Finish, Fingerprint, IdempotencyKey, IdempotencyOptions, RecordState,
+    ClaimAnswer, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions, RecordState,
     Scope as KeyScope,
 };
 use turnstile::lock::{ExtendOutcome, LockName, LockOptions, OwnerId, ReleaseOutcome};
-use turnstile::ErrorKind;
 use utoipa::{IntoParams, OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::Service;
-use super::activity::{Event, HeldLock, IdempotencyOutcome, IdempotencySecond, Latency, OutboxSample};
+use super::activity::{
+    Event, HeldLock, IdempotencyOutcome, IdempotencySecond, Latency, OutboxSample,
+};
 use super::auth::{Principal, Scope};
 use super::problem::{Problem, ProblemDocument};
 
@@ -107,7 +109,13 @@ fn json_problem(rejection: &JsonRejection) -> Problem {
             "Unsupported media type",
             "send the body as JSON with `Content-Type: application/json` (`{}` for all defaults)",
         ),
-        _ => Problem::invalid(rejection.body_text()),
+        // 400 for malformed JSON, 422 for JSON of the wrong shape.
+        _ => Problem::new(
+            status,
+            "invalid-request",
+            "Invalid request",
+            rejection.body_text(),
+        ),
     }
 }
 
@@ -256,7 +264,11 @@ async fn acquire(
     let guard = acquired.map_err(|error| {
         let held = error.kind() == ErrorKind::AcquireTimeout;
         let problem = Problem::from(error);
-        if held { problem.with("name", name.clone()) } else { problem }
+        if held {
+            problem.with("name", name.clone())
+        } else {
+            problem
+        }
     })?;
     let lease = guard.detach();
     let token = lease.fencing_token.get();
@@ -336,7 +348,9 @@ async fn extend(
                 axum::http::StatusCode::CONFLICT,
                 "lock-lost",
                 "Lock lost",
-                format!("lock {name:?} is no longer yours: {reason}; stop writing to what it protects"),
+                format!(
+                    "lock {name:?} is no longer yours: {reason}; stop writing to what it protects"
+                ),
             )
             .with("reason", reason.to_string()))
         }
@@ -578,7 +592,11 @@ async fn claim(
     let fingerprint = parse_fingerprint(&request.fingerprint)?;
     let defaults = IdempotencyOptions::new();
     let lease = millis("lease_ms", request.lease_ms, defaults.get_lease())?;
-    let retention = millis("retention_ms", request.retention_ms, defaults.get_retention())?;
+    let retention = millis(
+        "retention_ms",
+        request.retention_ms,
+        defaults.get_retention(),
+    )?;
     IdempotencyOptions::new()
         .lease(lease)
         .retention(retention)
@@ -613,7 +631,10 @@ async fn claim(
                 axum::http::StatusCode::CONFLICT,
                 "in-progress",
                 "Request in progress",
-                format!("another claim is at work on key {:?}; retry after its lease", key.as_str()),
+                format!(
+                    "another claim is at work on key {:?}; retry after its lease",
+                    key.as_str()
+                ),
             );
             if let Some(left) = lease_left {
                 problem = problem
@@ -694,7 +715,11 @@ fn claim_parts(
     ))
 }
 
-fn finished(service: &Service, key: &IdempotencyKey, finish: Finish) -> Result<Json<Done>, Problem> {
+fn finished(
+    service: &Service,
+    key: &IdempotencyKey,
+    finish: Finish,
+) -> Result<Json<Done>, Problem> {
     match finish {
         Finish::Done => Ok(Json(Done { state: "done" })),
         _ => {
@@ -730,7 +755,11 @@ async fn heartbeat(
     principal.require(Scope::IdempotencyWrite)?;
     let store = service.idempotency()?;
     let (scope, key, token) = claim_parts(&principal, &request.claim)?;
-    let lease = millis("lease_ms", request.lease_ms, IdempotencyOptions::new().get_lease())?;
+    let lease = millis(
+        "lease_ms",
+        request.lease_ms,
+        IdempotencyOptions::new().get_lease(),
+    )?;
     IdempotencyOptions::new().lease(lease).validate()?;
     let started = Instant::now();
     let outcome = store.heartbeat(&scope, &key, token, lease).await?;
@@ -887,7 +916,9 @@ async fn record(
             .outcome
             .as_ref()
             .map(|bytes| base64::engine::general_purpose::STANDARD.encode(bytes)),
-        outcome: record.outcome.and_then(|bytes| String::from_utf8(bytes).ok()),
+        outcome: record
+            .outcome
+            .and_then(|bytes| String::from_utf8(bytes).ok()),
     }))
 }
 

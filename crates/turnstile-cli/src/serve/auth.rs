@@ -187,7 +187,9 @@ impl Auth {
         for (index, entry) in file.tokens.into_iter().enumerate() {
             let at = format!("token #{} ({:?})", index + 1, entry.name);
             if entry.name.is_empty() || entry.name.chars().any(char::is_control) {
-                return Err(format!("{at}: a name is required, without control characters"));
+                return Err(format!(
+                    "{at}: a name is required, without control characters"
+                ));
             }
             let hash = match (entry.token, entry.token_sha256) {
                 (Some(token), None) => {
@@ -336,7 +338,10 @@ mod tests {
         assert_eq!(a.tenant.as_deref(), Some("acme"));
         assert!(a.allows(Scope::LocksRead));
         assert!(!a.allows(Scope::LocksBreak));
-        assert!(auth.authenticate(Some(b"Bearer nope-nope-nope-nope")).is_err());
+        assert!(
+            auth.authenticate(Some(b"Bearer nope-nope-nope-nope"))
+                .is_err()
+        );
         assert!(auth.authenticate(None).is_err());
         assert!(auth.authenticate(Some(b"Basic xyz")).is_err());
     }
@@ -345,7 +350,8 @@ mod tests {
     fn bad_documents_are_refused_with_the_entry_named() {
         let weak = r#"{"tokens":[{"name":"w","token":"short","scopes":["admin"]}]}"#;
         assert!(Auth::from_json(weak).unwrap_err().contains("\"w\""));
-        let scope = r#"{"tokens":[{"name":"s","token":"aaaaaaaaaaaaaaaaaaaa","scopes":["locks:steal"]}]}"#;
+        let scope =
+            r#"{"tokens":[{"name":"s","token":"aaaaaaaaaaaaaaaaaaaa","scopes":["locks:steal"]}]}"#;
         assert!(Auth::from_json(scope).unwrap_err().contains("locks:steal"));
         let tenant = r#"{"tokens":[{"name":"t","token":"aaaaaaaaaaaaaaaaaaaa","scopes":["locks:read"],"tenant":"a/b"}]}"#;
         assert!(Auth::from_json(tenant).unwrap_err().contains("tenant"));

@@ -149,8 +149,8 @@ fn engine_of(url: &str) -> &'static str {
 
 /// Histogram buckets (seconds): store round trips from 50 µs, waits up to a minute.
 const BUCKETS: &[f64] = &[
-    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
 pub(crate) fn run(args: ServeArgs) -> ExitCode {
@@ -312,7 +312,10 @@ fn load_tokens(path: Option<&std::path::Path>) -> Result<Auth, String> {
 fn announce(service: &Service, address: SocketAddr, tls: bool, loopback: bool) {
     let scheme = if tls { "https" } else { "http" };
     let base = format!("{scheme}://{address}");
-    println!("turnstile serve: store {}", service.locker.backend().describe());
+    println!(
+        "turnstile serve: store {}",
+        service.locker.backend().describe()
+    );
     println!(
         "listening on {base}{}",
         if loopback {

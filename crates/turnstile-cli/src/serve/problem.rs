@@ -115,12 +115,9 @@ impl From<turnstile::Error> for Problem {
             ErrorKind::InvalidName | ErrorKind::InvalidOptions | ErrorKind::InvalidUrl => {
                 Problem::invalid(detail)
             }
-            ErrorKind::AcquireTimeout | ErrorKind::Held => Problem::new(
-                StatusCode::CONFLICT,
-                "lock-held",
-                "Lock held",
-                detail,
-            ),
+            ErrorKind::AcquireTimeout | ErrorKind::Held => {
+                Problem::new(StatusCode::CONFLICT, "lock-held", "Lock held", detail)
+            }
             ErrorKind::InProgress => Problem::new(
                 StatusCode::CONFLICT,
                 "in-progress",
@@ -172,10 +169,7 @@ impl IntoResponse for Problem {
         body.extend(self.extra);
         let mut response = (self.status, Value::Object(body).to_string()).into_response();
         let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static(PROBLEM_JSON),
-        );
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         if let Some(secs) = self.retry_after_secs {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }

@@ -1,0 +1,942 @@
+//! `turnstile serve`, driven as its users drive it: the real binary on a free loopback
+//! port, a real HTTP client, a real SQLite file or redis-server behind it.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use turnstile_test_support::{shared_redis, spawn_tied_to_process, unique_name};
+
+/// A running `turnstile serve`, killed when dropped.
+struct Service {
+    child: Child,
+    base: String,
+    http: reqwest::Client,
+    token: Option<String>,
+    _dir: Arc<tempfile::TempDir>,
+}
+
+const ADMIN: &str = "admin-token-0123456789abcdef";
+const ACME: &str = "acme-token-0123456789abcdef";
+const GLOBEX: &str = "globex-token-0123456789abcdef";
+const READER: &str = "reader-token-0123456789abcdef";
+
+/// Tokens: an admin, two tenants that may take locks but not break them, and a reader.
+fn tokens_document() -> String {
+    json!({"tokens": [
+        {"name": "ops", "token": ADMIN, "scopes": ["admin"]},
+        {"name": "acme-worker", "token": ACME, "scopes": ["locks:write", "idempotency:*"], "tenant": "acme"},
+        {"name": "globex-worker", "token": GLOBEX, "scopes": ["locks:write", "locks:break"], "tenant": "globex"},
+        {"name": "reader", "token": READER, "scopes": ["locks:read"]},
+    ]})
+    .to_string()
+}
+
+impl Service {
+    fn sqlite() -> Service {
+        let dir = Arc::new(tempfile::tempdir().unwrap());
+        let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+        Service::start(&store, &[], dir)
+    }
+
+    fn start(store: &str, extra: &[&str], dir: Arc<tempfile::TempDir>) -> Service {
+        Service::start_with(store, extra, dir, None)
+    }
+
+    fn start_with(
+        store: &str,
+        extra: &[&str],
+        dir: Arc<tempfile::TempDir>,
+        tokens: Option<&str>,
+    ) -> Service {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_turnstile"));
+        command
+            .args(["serve", "--store", store, "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .env_remove("TURNSTILE_TOKENS")
+            .env("XDG_STATE_HOME", dir.path().join("state"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.path().join(format!("serve-{}.log", unique_name("s"))))
+                    .unwrap(),
+            ));
+        if let Some(tokens) = tokens {
+            command.env("TURNSTILE_TOKENS", tokens);
+        }
+        let mut child = spawn_tied_to_process(command).unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let base = loop {
+            let line = lines
+                .next()
+                .expect("turnstile serve exited before listening")
+                .unwrap();
+            if let Some(rest) = line.strip_prefix("listening on ") {
+                break rest.split_whitespace().next().unwrap().to_owned();
+            }
+        };
+        // Keep reading stdout so the service never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Service {
+            child,
+            base,
+            http: reqwest::Client::new(),
+            token: None,
+            _dir: dir,
+        }
+    }
+
+    /// The same service, called with `token`.
+    fn as_token(&self, token: &str) -> Caller<'_> {
+        Caller {
+            service: self,
+            token: Some(token.to_owned()),
+        }
+    }
+
+    fn anonymous(&self) -> Caller<'_> {
+        Caller {
+            service: self,
+            token: self.token.clone(),
+        }
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Requests to a service with one token (or none).
+struct Caller<'a> {
+    service: &'a Service,
+    token: Option<String>,
+}
+
+/// A response: status, content type, and the JSON body.
+#[derive(Debug)]
+struct Answer {
+    status: StatusCode,
+    content_type: String,
+    body: Value,
+    headers: reqwest::header::HeaderMap,
+}
+
+impl Answer {
+    fn problem_type(&self) -> &str {
+        assert_eq!(
+            self.content_type, "application/problem+json",
+            "an error must be a problem document: {self:?}"
+        );
+        self.body["type"].as_str().unwrap_or("")
+    }
+}
+
+impl Caller<'_> {
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let url = format!("{}{path}", self.service.base);
+        let request = self.service.http.request(method, url);
+        match &self.token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+    }
+
+    async fn send(&self, request: reqwest::RequestBuilder) -> Answer {
+        let response = request.send().await.unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let content_type = headers
+            .get(reqwest::header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default();
+        let text = response.text().await.unwrap();
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Answer {
+            status,
+            content_type,
+            body,
+            headers,
+        }
+    }
+
+    async fn post(&self, path: &str, body: Value) -> Answer {
+        self.send(self.request(reqwest::Method::POST, path).json(&body))
+            .await
+    }
+
+    async fn get(&self, path: &str) -> Answer {
+        self.send(self.request(reqwest::Method::GET, path)).await
+    }
+
+    async fn delete(&self, path: &str) -> Answer {
+        self.send(self.request(reqwest::Method::DELETE, path)).await
+    }
+
+    async fn acquire(&self, name: &str, body: Value) -> Answer {
+        self.post(&format!("/v1/locks/{name}/acquire"), body).await
+    }
+}
+
+/// Every lock endpoint and its errors, on one store.
+async fn lock_lifecycle(service: &Service) {
+    let api = service.anonymous();
+    let name = unique_name("orders:42");
+
+    // Acquire, then a second acquire that may not wait is refused with lock-held.
+    let first = api.acquire(&name, json!({"ttl_ms": 5000})).await;
+    assert_eq!(first.status, StatusCode::OK, "{first:?}");
+    let owner = first.body["owner"].as_str().unwrap().to_owned();
+    let token = first.body["fencing_token"].as_u64().unwrap();
+    assert_eq!(owner.len(), 32);
+    let refused = api.acquire(&name, json!({})).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT);
+    assert_eq!(refused.problem_type(), "/problems/lock-held");
+
+    // Status shows the holder (only a prefix of its owner id) and token.
+    let status = api.get(&format!("/v1/locks/{name}")).await;
+    assert_eq!(status.body["held"], true);
+    assert_eq!(status.body["fencing_token"], token);
+    assert_eq!(status.body["holder"], owner[..8]);
+
+    // Extend, then a waiter long-polls and gets the lock as soon as it is released.
+    let extended = api
+        .post(
+            &format!("/v1/locks/{name}/extend"),
+            json!({"owner": owner, "ttl_ms": 5000}),
+        )
+        .await;
+    assert_eq!(extended.status, StatusCode::OK, "{extended:?}");
+    let waiter = async {
+        let started = Instant::now();
+        let answer = api
+            .acquire(&name, json!({"ttl_ms": 5000, "wait_ms": 10000}))
+            .await;
+        (answer, started.elapsed())
+    };
+    let releaser = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        api.post(
+            &format!("/v1/locks/{name}/release"),
+            json!({"owner": owner}),
+        )
+        .await
+    };
+    let ((second, waited), released) = tokio::join!(waiter, releaser);
+    assert_eq!(released.body["outcome"], "released", "{released:?}");
+    assert_eq!(second.status, StatusCode::OK, "{second:?}");
+    assert!(waited < Duration::from_secs(5), "waited {waited:?}");
+    let second_token = second.body["fencing_token"].as_u64().unwrap();
+    assert!(
+        second_token > token,
+        "tokens grow: {second_token} after {token}"
+    );
+    let second_owner = second.body["owner"].as_str().unwrap().to_owned();
+
+    // The first holder's lease is gone: extending it is lock-lost, releasing it says
+    // someone else holds the lock, and leaves that holder alone.
+    let lost = api
+        .post(&format!("/v1/locks/{name}/extend"), json!({"owner": owner}))
+        .await;
+    assert_eq!(lost.status, StatusCode::CONFLICT);
+    assert_eq!(lost.problem_type(), "/problems/lock-lost");
+    let late = api
+        .post(
+            &format!("/v1/locks/{name}/release"),
+            json!({"owner": owner}),
+        )
+        .await;
+    assert_eq!(late.body["outcome"], "held_by_other");
+    assert_eq!(
+        api.get(&format!("/v1/locks/{name}")).await.body["fencing_token"],
+        second_token
+    );
+
+    // Break: what was held comes back; then the lock is free and the holder's release
+    // finds its lease gone.
+    let broken = api.delete(&format!("/v1/locks/{name}")).await;
+    assert_eq!(broken.status, StatusCode::OK);
+    assert_eq!(broken.body["held"], true);
+    assert_eq!(broken.body["fencing_token"], second_token);
+    assert_eq!(
+        api.get(&format!("/v1/locks/{name}")).await.body["held"],
+        false
+    );
+    let after_break = api
+        .post(
+            &format!("/v1/locks/{name}/release"),
+            json!({"owner": second_owner}),
+        )
+        .await;
+    assert_eq!(after_break.body["outcome"], "already_expired");
+
+    // A lease that is not extended runs out on its own.
+    let short = api.acquire(&name, json!({"ttl_ms": 300})).await;
+    assert_eq!(short.status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let next = api.acquire(&name, json!({"ttl_ms": 1000})).await;
+    assert_eq!(
+        next.status,
+        StatusCode::OK,
+        "an expired lease frees the lock"
+    );
+}
+
+#[tokio::test]
+async fn locks_over_http_on_sqlite() {
+    lock_lifecycle(&Service::sqlite()).await;
+}
+
+#[tokio::test]
+async fn locks_over_http_on_redis() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let service = Service::start(&shared_redis().url(), &[], dir);
+    lock_lifecycle(&service).await;
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_problem_document_and_changes_nothing() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    // A small body limit, so that the oversized body below is sent whole before the
+    // service answers (a larger one is cut off mid-send, which the client reports as a
+    // broken connection instead of the 413).
+    let service = Service::start(&store, &["--max-body", "4096"], dir);
+    let api = service.anonymous();
+    let cases: Vec<(Answer, StatusCode, &str)> = vec![
+        (
+            api.acquire("bad%07name", json!({})).await,
+            StatusCode::BAD_REQUEST,
+            "control characters",
+        ),
+        (
+            api.acquire("n", json!({"ttl_ms": 0})).await,
+            StatusCode::BAD_REQUEST,
+            "TTL",
+        ),
+        (
+            api.acquire("n", json!({"ttl_ms": 99_999_999_999_999u64}))
+                .await,
+            StatusCode::BAD_REQUEST,
+            "365 days",
+        ),
+        (
+            api.acquire("n", json!({"wait_ms": 3_600_000})).await,
+            StatusCode::BAD_REQUEST,
+            "--max-wait",
+        ),
+        (
+            api.acquire("n", json!({"ttl": 5})).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown field",
+        ),
+        (
+            api.post("/v1/locks/n/release", json!({"owner": "me"}))
+                .await,
+            StatusCode::BAD_REQUEST,
+            "32 lowercase hex",
+        ),
+        (
+            api.send(
+                api.request(reqwest::Method::POST, "/v1/locks/n/acquire")
+                    .header("content-type", "application/json")
+                    .body("{not json"),
+            )
+            .await,
+            StatusCode::BAD_REQUEST,
+            "JSON",
+        ),
+        (
+            api.send(
+                api.request(reqwest::Method::POST, "/v1/locks/n/acquire")
+                    .body("{}"),
+            )
+            .await,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "Content-Type",
+        ),
+        (
+            api.post(
+                "/v1/idempotency/claim",
+                json!({"key": "k", "fingerprint": "x".repeat(8 * 1024)}),
+            )
+            .await,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "--max-body",
+        ),
+        (
+            api.post(
+                "/v1/idempotency/claim",
+                json!({"key": "k", "fingerprint": "abc"}),
+            )
+            .await,
+            StatusCode::BAD_REQUEST,
+            "64 hex digits",
+        ),
+        (
+            api.post(
+                "/v1/idempotency/claim",
+                json!({"key": "é", "fingerprint": "a".repeat(64)}),
+            )
+            .await,
+            StatusCode::BAD_REQUEST,
+            "visible ASCII",
+        ),
+        (
+            api.get("/v1/outbox?parked_limit=5000").await,
+            StatusCode::BAD_REQUEST,
+            "at most 1000",
+        ),
+        (
+            api.get("/v1/nowhere").await,
+            StatusCode::NOT_FOUND,
+            "openapi.json",
+        ),
+        (
+            api.send(api.request(reqwest::Method::PUT, "/v1/locks/n/acquire"))
+                .await,
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method",
+        ),
+    ];
+    for (answer, status, says) in cases {
+        assert_eq!(answer.status, status, "{answer:?}");
+        answer.problem_type();
+        let detail = answer.body["detail"].as_str().unwrap();
+        assert!(detail.contains(says), "{detail:?} should say {says:?}");
+    }
+    // None of it took a lock.
+    let status = api.get("/v1/locks/n").await;
+    assert_eq!(status.body["held"], false);
+}
+
+#[tokio::test]
+async fn tokens_confine_callers_to_their_scopes_and_tenant() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    let service = Service::start_with(&store, &[], dir, Some(&tokens_document()));
+    let (admin, acme, globex, reader) = (
+        service.as_token(ADMIN),
+        service.as_token(ACME),
+        service.as_token(GLOBEX),
+        service.as_token(READER),
+    );
+
+    // No token, or an unknown one: 401 with a Bearer challenge.
+    for caller in [
+        service.anonymous(),
+        service.as_token("wrong-token-0123456789"),
+    ] {
+        let answer = caller.acquire("job", json!({})).await;
+        assert_eq!(answer.status, StatusCode::UNAUTHORIZED);
+        assert_eq!(answer.problem_type(), "/problems/unauthenticated");
+        assert!(answer.headers.contains_key("www-authenticate"));
+    }
+
+    // acme takes "job"; globex's "job" is another lock, and globex cannot see or
+    // release acme's even with acme's owner id.
+    let taken = acme.acquire("job", json!({"ttl_ms": 10000})).await;
+    assert_eq!(taken.status, StatusCode::OK);
+    let owner = taken.body["owner"].as_str().unwrap().to_owned();
+    assert_eq!(globex.get("/v1/locks/job").await.body["held"], false);
+    let stolen = globex
+        .post("/v1/locks/job/release", json!({"owner": owner}))
+        .await;
+    assert_eq!(stolen.body["outcome"], "already_expired");
+    assert_eq!(globex.delete("/v1/locks/job").await.body["held"], false);
+    assert_eq!(acme.get("/v1/locks/job").await.body["held"], true);
+    let other = globex.acquire("job", json!({})).await;
+    assert_eq!(other.status, StatusCode::OK, "globex's job is its own lock");
+
+    // The admin sees every tenant's names as the store keeps them.
+    assert_eq!(admin.get("/v1/locks/acme%2Fjob").await.body["held"], true);
+
+    // Scopes: acme cannot break; the reader can look but not take; the outbox is not
+    // for tenant tokens.
+    let refused = acme.delete("/v1/locks/job").await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    assert_eq!(refused.body["required_scope"], "locks:break");
+    assert_eq!(reader.get("/v1/locks/job").await.status, StatusCode::OK);
+    assert_eq!(
+        reader.acquire("job", json!({})).await.status,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(acme.get("/v1/outbox").await.status, StatusCode::FORBIDDEN);
+    assert_eq!(
+        globex
+            .post(
+                "/v1/idempotency/claim",
+                json!({"key": "k", "fingerprint": "a".repeat(64)})
+            )
+            .await
+            .status,
+        StatusCode::FORBIDDEN
+    );
+
+    // The dashboard shows a tenant only its own locks.
+    let seen = acme.get("/v1/dashboard").await;
+    let names: Vec<&str> = seen.body["held"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|lock| lock["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["job"]);
+    assert_eq!(seen.body["held"][0]["tenant"], "acme");
+    assert_eq!(seen.body["may_break"], false);
+    let everything = admin.get("/v1/dashboard").await;
+    assert_eq!(everything.body["held"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn idempotency_keys_over_http() {
+    let service = Service::sqlite();
+    let api = service.anonymous();
+    let key = unique_name("payment");
+    let fingerprint = "ab".repeat(32);
+
+    let first = api
+        .post(
+            "/v1/idempotency/claim",
+            json!({"key": key, "scope": "shop", "fingerprint": fingerprint, "lease_ms": 10000}),
+        )
+        .await;
+    assert_eq!(first.body["state"], "started", "{first:?}");
+    let token = first.body["token"].as_u64().unwrap();
+
+    let busy = api
+        .post(
+            "/v1/idempotency/claim",
+            json!({"key": key, "scope": "shop", "fingerprint": fingerprint}),
+        )
+        .await;
+    assert_eq!(busy.status, StatusCode::CONFLICT);
+    assert_eq!(busy.problem_type(), "/problems/in-progress");
+    assert!(busy.body["lease_left_ms"].as_u64().unwrap() > 0);
+    assert!(busy.headers.contains_key("retry-after"));
+
+    let other = api
+        .post(
+            "/v1/idempotency/claim",
+            json!({"key": key, "scope": "shop", "fingerprint": "cd".repeat(32)}),
+        )
+        .await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(other.problem_type(), "/problems/key-mismatch");
+
+    // The same key in another scope is another record.
+    let elsewhere = api
+        .post(
+            "/v1/idempotency/claim",
+            json!({"key": key, "scope": "other-shop", "fingerprint": fingerprint}),
+        )
+        .await;
+    assert_eq!(elsewhere.body["state"], "started");
+
+    let beat = api
+        .post(
+            "/v1/idempotency/heartbeat",
+            json!({"key": key, "scope": "shop", "token": token, "lease_ms": 10000}),
+        )
+        .await;
+    assert_eq!(beat.status, StatusCode::OK, "{beat:?}");
+    let wrong = api
+        .post(
+            "/v1/idempotency/complete",
+            json!({"key": key, "scope": "shop", "token": token - 1, "outcome": "nope"}),
+        )
+        .await;
+    assert_eq!(wrong.status, StatusCode::CONFLICT);
+    assert_eq!(wrong.problem_type(), "/problems/fenced");
+    let done = api
+        .post(
+            "/v1/idempotency/complete",
+            json!({"key": key, "scope": "shop", "token": token, "outcome": "{\"charged\":true}"}),
+        )
+        .await;
+    assert_eq!(done.body["state"], "done", "{done:?}");
+
+    let replay = api
+        .post(
+            "/v1/idempotency/claim",
+            json!({"key": key, "scope": "shop", "fingerprint": fingerprint}),
+        )
+        .await;
+    assert_eq!(replay.body["state"], "replay");
+    assert_eq!(replay.body["outcome"], "{\"charged\":true}");
+    assert_eq!(replay.body["outcome_base64"], "eyJjaGFyZ2VkIjp0cnVlfQ==");
+
+    let record = api
+        .get(&format!("/v1/idempotency/record?key={key}&scope=shop"))
+        .await;
+    assert_eq!(record.body["state"], "completed");
+    assert_eq!(record.body["fingerprint"], fingerprint);
+    assert_eq!(record.body["token"], token);
+    let missing = api.get("/v1/idempotency/record?key=never-used").await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    assert_eq!(missing.problem_type(), "/problems/no-record");
+
+    // A released claim lets the next claim start, with a larger token.
+    let other_key = unique_name("refund");
+    let claimed = api
+        .post(
+            "/v1/idempotency/claim",
+            json!({"key": other_key, "fingerprint": fingerprint}),
+        )
+        .await;
+    let first_token = claimed.body["token"].as_u64().unwrap();
+    let given_back = api
+        .post(
+            "/v1/idempotency/release",
+            json!({"key": other_key, "token": first_token}),
+        )
+        .await;
+    assert_eq!(given_back.body["state"], "done");
+    let again = api
+        .post(
+            "/v1/idempotency/claim",
+            json!({"key": other_key, "fingerprint": fingerprint}),
+        )
+        .await;
+    assert_eq!(again.body["state"], "started");
+    assert!(again.body["token"].as_u64().unwrap() > first_token);
+
+    // The outcomes are counted for /metrics and the dashboard.
+    let metrics = api.get("/metrics").await;
+    let text = metrics.body.as_str().unwrap();
+    for expected in [
+        "turnstile_serve_idempotency_total{outcome=\"replayed\"} 1",
+        "turnstile_serve_idempotency_total{outcome=\"mismatched\"} 1",
+        "turnstile_serve_store_seconds_bucket{engine=\"sqlite\",operation=\"claim\"",
+    ] {
+        assert!(text.contains(expected), "/metrics lacks {expected:?}");
+    }
+}
+
+/// Two instances on one store: a critical section guarded through either of them is
+/// never entered twice at once.
+async fn two_instances_keep_exclusion(store: &str) {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let services = [
+        Service::start(store, &[], Arc::clone(&dir)),
+        Service::start(store, &[], dir),
+    ];
+    let name = unique_name("shared");
+    let inside = AtomicBool::new(false);
+    let entered = AtomicU32::new(0);
+    let worker = |index: usize| {
+        let (services, inside, entered, name) = (&services, &inside, &entered, &name);
+        async move {
+            for round in 0..15 {
+                let api = services[(index + round) % 2].anonymous();
+                let lease = api
+                    .acquire(name, json!({"ttl_ms": 10000, "wait_ms": 20000}))
+                    .await;
+                assert_eq!(lease.status, StatusCode::OK, "{lease:?}");
+                assert!(!inside.swap(true, Ordering::SeqCst), "two holders at once");
+                entered.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                inside.store(false, Ordering::SeqCst);
+                let owner = lease.body["owner"].as_str().unwrap();
+                // Release through the other instance: the service keeps no state.
+                let other = services[(index + round + 1) % 2].anonymous();
+                let released = other
+                    .post(
+                        &format!("/v1/locks/{name}/release"),
+                        json!({"owner": owner}),
+                    )
+                    .await;
+                assert_eq!(released.body["outcome"], "released");
+            }
+        }
+    };
+    futures_join_all((0..4).map(worker).collect()).await;
+    assert_eq!(entered.load(Ordering::SeqCst), 60);
+}
+
+async fn futures_join_all<F: std::future::Future<Output = ()>>(futures: Vec<F>) {
+    let mut set = Vec::new();
+    for future in futures {
+        set.push(Box::pin(future));
+    }
+    for future in set {
+        future.await;
+    }
+}
+
+#[tokio::test]
+async fn two_instances_on_one_sqlite_file_keep_exclusion() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("shared.sqlite3").display());
+    two_instances_keep_exclusion(&store).await;
+}
+
+#[tokio::test]
+async fn two_instances_on_one_redis_keep_exclusion() {
+    two_instances_keep_exclusion(&shared_redis().url()).await;
+}
+
+#[tokio::test]
+async fn the_openapi_document_describes_every_route_it_serves() {
+    let service = Service::sqlite();
+    let api = service.anonymous();
+    let document = api.get("/openapi.json").await;
+    assert_eq!(document.status, StatusCode::OK);
+    let document = document.body;
+    assert_eq!(document["openapi"], "3.1.0");
+    assert_eq!(
+        document["components"]["securitySchemes"]["bearer"]["scheme"],
+        "bearer"
+    );
+    let paths = document["paths"].as_object().unwrap();
+    let mut operations = 0;
+    for (path, methods) in paths {
+        for (method, operation) in methods.as_object().unwrap() {
+            operations += 1;
+            assert!(
+                operation["responses"]
+                    .as_object()
+                    .is_some_and(|r| !r.is_empty()),
+                "{method} {path} documents no responses"
+            );
+            // Every documented operation is served: calling it never gets the
+            // router's not-found or method-not-allowed answer.
+            let concrete = path.replace("{name}", "probe");
+            let method = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+            let answer = api
+                .send(api.request(method.clone(), &concrete).json(&json!({})))
+                .await;
+            assert!(
+                !matches!(
+                    answer.status,
+                    StatusCode::NOT_FOUND | StatusCode::METHOD_NOT_ALLOWED
+                ) || answer.body["type"] == "/problems/no-record",
+                "{method} {concrete} is documented but not served: {answer:?}"
+            );
+        }
+    }
+    assert_eq!(
+        operations, 13,
+        "locks 5, idempotency 5, outbox 2, dashboard 1"
+    );
+}
+
+#[tokio::test]
+async fn the_dashboard_page_and_metrics_are_served() {
+    let service = Service::sqlite();
+    let api = service.anonymous();
+    let page = api.get("/").await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert!(page.content_type.starts_with("text/html"));
+    let html = page.body.as_str().unwrap();
+    assert!(html.contains("<title>Turnstile</title>"));
+    // Nothing is fetched from anywhere else: the only absolute URL is SVG's namespace.
+    let absolute = html.matches("http://").count() + html.matches("https://").count();
+    let namespaces = html.matches("\"http://www.w3.org/2000/svg\"").count();
+    assert_eq!(absolute, namespaces, "the page refers to another host");
+
+    let name = unique_name("dash");
+    let lease = api.acquire(&name, json!({"ttl_ms": 10000})).await;
+    assert_eq!(lease.status, StatusCode::OK);
+    let state = api.get("/v1/dashboard").await;
+    let held = state.body["held"].as_array().unwrap();
+    assert!(held.iter().any(|lock| lock["name"] == name.as_str()));
+    let metrics = api.get("/metrics").await.body;
+    let text = metrics.as_str().unwrap();
+    for expected in [
+        "turnstile_lock_acquired_total{via=\"store\"}",
+        "turnstile_http_requests_total{method=\"POST\",route=\"/v1/locks/{name}/acquire\",status=\"200\"}",
+        "turnstile_serve_store_seconds_bucket{engine=\"sqlite\",operation=\"acquire\"",
+    ] {
+        assert!(
+            text.contains(expected),
+            "/metrics lacks {expected:?}:\n{text}"
+        );
+    }
+    assert!(
+        !text.contains(&name),
+        "lock names must not become metric labels"
+    );
+}
+
+#[tokio::test]
+async fn sigterm_ends_long_polls_at_once_and_stops_cleanly() {
+    let mut service = Service::sqlite();
+    let api = service.anonymous();
+    let held = api.acquire("busy", json!({"ttl_ms": 30000})).await;
+    assert_eq!(held.status, StatusCode::OK);
+    let pid = service.child.id() as i32;
+    let waiter = api.acquire("busy", json!({"wait_ms": 25000}));
+    let terminate = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // SAFETY: sending a signal to our own child process.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+        Instant::now()
+    };
+    let (answer, sent) = tokio::join!(waiter, terminate);
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+    assert_eq!(answer.problem_type(), "/problems/shutting-down");
+    assert!(sent.elapsed() < Duration::from_secs(5));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(status) = service.child.try_wait().unwrap() {
+            assert!(status.success(), "exit status {status:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still running 10 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn an_open_service_refuses_a_non_loopback_address_and_bad_tokens_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = format!("sqlite://{}", dir.path().join("l.sqlite3").display());
+    let run = |args: &[&str], tokens: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_turnstile"));
+        command
+            .args(["serve", "--store", &store])
+            .args(args)
+            .env_remove("TURNSTILE_TOKENS");
+        if let Some(tokens) = tokens {
+            command.env("TURNSTILE_TOKENS", tokens);
+        }
+        command.output().unwrap()
+    };
+    let open = run(&["--listen", "0.0.0.0:0"], None);
+    assert_eq!(open.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&open.stderr).contains("--tokens"));
+    let weak = run(
+        &["--listen", "127.0.0.1:0"],
+        Some(r#"{"tokens":[{"name":"ci","token":"short","scopes":["admin"]}]}"#),
+    );
+    assert_eq!(weak.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&weak.stderr).contains("\"ci\""));
+}
+
+#[tokio::test]
+async fn https_with_a_given_certificate() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let (cert, key) = (dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    // A test CA, and a certificate for 127.0.0.1 that it signs.
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    std::fs::write(path("leaf.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let steps: [Vec<String>; 3] = [
+        [
+            "req",
+            "-x509",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=turnstile test CA",
+        ]
+        .iter()
+        .chain(&ec)
+        .map(|s| s.to_string())
+        .chain([
+            "-keyout".into(),
+            path("ca.key"),
+            "-out".into(),
+            path("ca.pem"),
+        ])
+        .collect(),
+        ["req", "-subj", "/CN=127.0.0.1"]
+            .iter()
+            .chain(&ec)
+            .map(|s| s.to_string())
+            .chain([
+                "-keyout".into(),
+                path("key.pem"),
+                "-out".into(),
+                path("leaf.csr"),
+            ])
+            .collect(),
+        ["x509", "-req", "-days", "1", "-CAcreateserial"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([
+                "-in".into(),
+                path("leaf.csr"),
+                "-CA".into(),
+                path("ca.pem"),
+                "-CAkey".into(),
+                path("ca.key"),
+                "-extfile".into(),
+                path("leaf.ext"),
+                "-out".into(),
+                path("cert.pem"),
+            ])
+            .collect(),
+    ];
+    for step in steps {
+        let made = Command::new("openssl")
+            .args(&step)
+            .output()
+            .expect("openssl is installed (scripts/test installs it)");
+        assert!(made.status.success(), "openssl {step:?}: {made:?}");
+    }
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    let service = Service::start(
+        &store,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+        Arc::clone(&dir),
+    );
+    assert!(service.base.starts_with("https://"), "{}", service.base);
+    let address = service.base.trim_start_matches("https://").to_owned();
+
+    // A TLS client that trusts only the given certificate.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls;
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(rustls::pki_types::CertificateDer::from_pem_file(path("ca.pem")).unwrap())
+        .unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let server_name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+    let mut tls = connector.connect(server_name, tcp).await.unwrap();
+    tls.write_all(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    tls.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.ends_with("ok\n"));
+
+    // Plain HTTP to the TLS port gets nowhere.
+    let plain = reqwest::Client::new()
+        .get(format!("http://{address}/healthz"))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await;
+    assert!(plain.is_err() || !plain.unwrap().status().is_success());
+}
