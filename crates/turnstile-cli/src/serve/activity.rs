@@ -254,16 +254,7 @@ impl Activity {
     }
 
     /// What the dashboard shows to a caller confined to `tenant` (all, for `None`).
-    pub(crate) fn snapshot(
-        &self,
-        tenant: Option<&str>,
-    ) -> (
-        Vec<HeldLock>,
-        Vec<Event>,
-        Vec<IdempotencySecond>,
-        Vec<OutboxSample>,
-        Vec<Latency>,
-    ) {
+    pub(crate) fn snapshot(&self, tenant: Option<&str>) -> Snapshot {
         let mut state = self.state();
         let now = Instant::now();
         state.held.retain(|_, held| held.until > now);
@@ -291,7 +282,13 @@ impl Activity {
         // Idempotency counts, outbox and latency are instance-wide: shown to callers of
         // every tenant only when they are not confined to one.
         if tenant.is_some() {
-            return (held, events, Vec::new(), Vec::new(), Vec::new());
+            return Snapshot {
+                held,
+                events,
+                idempotency: Vec::new(),
+                outbox: Vec::new(),
+                latency: Vec::new(),
+            };
         }
         let latency = state
             .latency
@@ -312,14 +309,23 @@ impl Activity {
                 }
             })
             .collect();
-        (
+        Snapshot {
             held,
             events,
-            state.idempotency.iter().cloned().collect(),
-            state.outbox.iter().cloned().collect(),
+            idempotency: state.idempotency.iter().cloned().collect(),
+            outbox: state.outbox.iter().cloned().collect(),
             latency,
-        )
+        }
     }
+}
+
+/// What the dashboard shows.
+pub(crate) struct Snapshot {
+    pub(crate) held: Vec<HeldLock>,
+    pub(crate) events: Vec<Event>,
+    pub(crate) idempotency: Vec<IdempotencySecond>,
+    pub(crate) outbox: Vec<OutboxSample>,
+    pub(crate) latency: Vec<Latency>,
 }
 
 /// A waiter counted in [`Activity`]; uncounted on drop (the long-poll ended or its

@@ -1082,8 +1082,7 @@ async fn dashboard(
     principal: Principal,
 ) -> Result<Json<DashboardState>, Problem> {
     principal.require(Scope::LocksRead)?;
-    let (held, events, idempotency, outbox, latency) =
-        service.activity.snapshot(principal.tenant.as_deref());
+    let snapshot = service.activity.snapshot(principal.tenant.as_deref());
     Ok(Json(DashboardState {
         store: service.locker.backend().describe(),
         caller: match &principal.tenant {
@@ -1091,10 +1090,10 @@ async fn dashboard(
             None => principal.name.clone(),
         },
         may_break: principal.allows(Scope::LocksBreak),
-        held,
-        events,
-        idempotency,
-        outbox,
-        latency,
+        held: snapshot.held,
+        events: snapshot.events,
+        idempotency: snapshot.idempotency,
+        outbox: snapshot.outbox,
+        latency: snapshot.latency,
     }))
 }

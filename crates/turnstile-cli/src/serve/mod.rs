@@ -96,11 +96,11 @@ pub(crate) struct Service {
 
 impl Service {
     fn idempotency(&self) -> Result<&Arc<dyn IdempotencyStore>, Problem> {
-        self.idempotency.as_ref().map_err(unsupported)
+        self.idempotency.as_ref().map_err(|why| unsupported(why))
     }
 
     fn outbox(&self) -> Result<&Arc<dyn OutboxStore>, Problem> {
-        self.outbox.as_ref().map_err(unsupported)
+        self.outbox.as_ref().map_err(|why| unsupported(why))
     }
 
     /// Records how long one store operation took, for `/metrics` and the dashboard.
@@ -128,8 +128,8 @@ impl Service {
     }
 }
 
-fn unsupported(why: &String) -> Problem {
-    Problem::from(Error::new(ErrorKind::UnsupportedStore, why.clone()))
+fn unsupported(why: &str) -> Problem {
+    Problem::from(Error::new(ErrorKind::UnsupportedStore, why.to_owned()))
 }
 
 /// The engine's name, a metric label.

@@ -12,9 +12,12 @@ use utoipa::ToSchema;
 /// The media type of every error response.
 pub(crate) const PROBLEM_JSON: &str = "application/problem+json";
 
-/// An error response.
+/// An error response (boxed: it travels in every handler's `Result`).
 #[derive(Debug)]
-pub(crate) struct Problem {
+pub(crate) struct Problem(Box<Fields>);
+
+#[derive(Debug)]
+struct Fields {
     status: StatusCode,
     kind: &'static str,
     title: &'static str,
@@ -46,7 +49,7 @@ impl Problem {
         title: &'static str,
         detail: impl Into<String>,
     ) -> Self {
-        Problem {
+        Problem(Box::new(Fields {
             status,
             kind,
             title,
@@ -54,7 +57,7 @@ impl Problem {
             extra: Map::new(),
             retry_after_secs: None,
             challenge: false,
-        }
+        }))
     }
 
     /// A 400 for a request that is malformed or out of range.
@@ -75,7 +78,7 @@ impl Problem {
             "Authentication required",
             detail,
         );
-        problem.challenge = true;
+        problem.0.challenge = true;
         problem
     }
 
@@ -97,13 +100,13 @@ impl Problem {
 
     /// Adds a member to the document.
     pub(crate) fn with(mut self, name: &str, value: impl Into<Value>) -> Self {
-        self.extra.insert(name.to_owned(), value.into());
+        self.0.extra.insert(name.to_owned(), value.into());
         self
     }
 
     /// Sets `Retry-After` (seconds).
     pub(crate) fn retry_after(mut self, secs: u64) -> Self {
-        self.retry_after_secs = Some(secs);
+        self.0.retry_after_secs = Some(secs);
         self
     }
 }
@@ -161,19 +164,20 @@ impl From<turnstile::Error> for Problem {
 
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
+        let problem = *self.0;
         let mut body = Map::new();
-        body.insert("type".into(), format!("/problems/{}", self.kind).into());
-        body.insert("title".into(), self.title.into());
-        body.insert("status".into(), self.status.as_u16().into());
-        body.insert("detail".into(), self.detail.into());
-        body.extend(self.extra);
-        let mut response = (self.status, Value::Object(body).to_string()).into_response();
+        body.insert("type".into(), format!("/problems/{}", problem.kind).into());
+        body.insert("title".into(), problem.title.into());
+        body.insert("status".into(), problem.status.as_u16().into());
+        body.insert("detail".into(), problem.detail.into());
+        body.extend(problem.extra);
+        let mut response = (problem.status, Value::Object(body).to_string()).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if let Some(secs) = self.retry_after_secs {
+        if let Some(secs) = problem.retry_after_secs {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(secs));
         }
-        if self.challenge {
+        if problem.challenge {
             headers.insert(
                 header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer realm=\"turnstile\""),
