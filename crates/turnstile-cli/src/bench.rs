@@ -29,6 +29,11 @@ pub(crate) struct BenchArgs {
     /// only): the physical floor, with no async runtime in the way.
     #[arg(long, conflicts_with = "raw")]
     raw_blocking: bool,
+    /// Take the locks through a running `turnstile serve` at this URL (http://IP:PORT)
+    /// instead; the contended phase's counter lives in --store, which should be the
+    /// store the service runs on.
+    #[arg(long, value_name = "URL", conflicts_with_all = ["raw", "raw_blocking"])]
+    service: Option<String>,
 }
 
 pub(crate) struct Workload {
@@ -65,6 +70,7 @@ impl Workload {
 /// One held lock, whichever peer took it.
 enum Held {
     Library(LockGuard),
+    Service(crate::bench_service::ServiceHeld),
     #[cfg(feature = "redis")]
     Raw {
         key: String,
@@ -92,6 +98,11 @@ enum Peer {
     },
     Library {
         locker: Locker,
+        counter: Counter,
+    },
+    /// `turnstile serve`, over HTTP.
+    Service {
+        client: crate::bench_service::ServiceClient,
         counter: Counter,
     },
     /// etcd's own lock RPC.
@@ -223,6 +234,7 @@ impl Peer {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Peer::RawSql { .. } => "raw",
             Peer::Library { .. } => "turnstile",
+            Peer::Service { .. } => "turnstile-serve",
             #[cfg(feature = "redis")]
             Peer::Raw { .. } => "raw",
             #[cfg(feature = "etcd")]
@@ -237,6 +249,7 @@ impl Peer {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Peer::RawSql { .. } => "busy-retry",
             Peer::Library { .. } => "release-notification+local-fifo-queue",
+            Peer::Service { .. } => "http-long-poll",
             #[cfg(feature = "redis")]
             Peer::Raw { .. } => "busy-retry",
             #[cfg(feature = "etcd")]
@@ -264,6 +277,13 @@ impl Peer {
                         Err(AcquireError::Timeout)
                     }
                     Err(error) => Err(AcquireError::Failed(error.to_string())),
+                }
+            }
+            Peer::Service { client, .. } => {
+                match client.acquire(name, work.ttl_ms, work.acquire_timeout_ms).await {
+                    Ok(Some(held)) => Ok(Held::Service(held)),
+                    Ok(None) => Err(AcquireError::Timeout),
+                    Err(error) => Err(AcquireError::Failed(error)),
                 }
             }
             #[cfg(feature = "etcd")]
@@ -321,6 +341,7 @@ impl Peer {
             (_, Held::Library(guard)) => {
                 guard.release().await.map(|_| ()).map_err(|e| e.to_string())
             }
+            (Peer::Service { client, .. }, Held::Service(held)) => client.release(held).await,
             #[cfg(feature = "etcd")]
             (Peer::RawEtcd { client, .. }, Held::RawEtcd(held)) => {
                 crate::bench_etcd::raw_release(client, held).await
@@ -353,7 +374,7 @@ impl Peer {
         match self {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Peer::RawSql { counter, .. } => counter.get().await,
-            Peer::Library { counter, .. } => counter.get().await,
+            Peer::Library { counter, .. } | Peer::Service { counter, .. } => counter.get().await,
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { counter, .. } => counter.get().await,
             #[cfg(feature = "zookeeper")]
@@ -371,7 +392,9 @@ impl Peer {
         match self {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Peer::RawSql { counter, .. } => counter.set(value).await,
-            Peer::Library { counter, .. } => counter.set(value).await,
+            Peer::Library { counter, .. } | Peer::Service { counter, .. } => {
+                counter.set(value).await
+            }
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { counter, .. } => counter.set(value).await,
             #[cfg(feature = "zookeeper")]
@@ -383,6 +406,19 @@ impl Peer {
                 ..
             } => redis_counter_set(connection, counter_key, value).await,
         }
+    }
+}
+
+/// The service at `service` as the peer, with the counter the library peer would use
+/// on `store`.
+async fn open_service_peer(service: &str, store: &str, run: &str) -> Result<Peer, Error> {
+    let client = crate::bench_service::ServiceClient::new(service)?;
+    match open_peer(store, false, run).await? {
+        Peer::Library { counter, .. } => Ok(Peer::Service { client, counter }),
+        _ => Err(Error::new(
+            ErrorKind::InvalidOptions,
+            "--service needs a --store the library opens, for the counter",
+        )),
     }
 }
 
@@ -655,7 +691,11 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
             return ExitCode::from(exit::USAGE);
         }
     }
-    let peer = match open_peer(&url, args.raw, &run).await {
+    let opened = match &args.service {
+        Some(service) => open_service_peer(service, &url, &run).await,
+        None => open_peer(&url, args.raw, &run).await,
+    };
+    let peer = match opened {
         Ok(peer) => Rc::new(peer),
         Err(error) => {
             eprintln!("turnstile: {error}");

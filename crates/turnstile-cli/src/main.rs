@@ -7,6 +7,7 @@ mod bench_blocking;
 #[cfg(feature = "etcd")]
 mod bench_etcd;
 mod bench_http;
+mod bench_service;
 #[cfg(all(feature = "postgres", feature = "nats"))]
 mod bench_outbox;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
