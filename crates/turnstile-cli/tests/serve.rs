@@ -940,3 +940,270 @@ async fn https_with_a_given_certificate() {
         .await;
     assert!(plain.is_err() || !plain.unwrap().status().is_success());
 }
+
+/// A headless Chromium driven through chromedriver's WebDriver protocol.
+struct Browser {
+    driver: Child,
+    http: reqwest::Client,
+    session: String,
+    _profile: tempfile::TempDir,
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        let port = turnstile_test_support::free_port();
+        let mut command = Command::new("chromedriver");
+        command
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let driver = spawn_tied_to_process(command)
+            .expect("chromedriver is installed (scripts/test installs chromium-driver)");
+        let http = reqwest::Client::new();
+        let base = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while http.get(format!("{base}/status")).send().await.is_err() {
+            assert!(Instant::now() < deadline, "chromedriver did not start");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let profile = tempfile::tempdir().unwrap();
+        let capabilities = json!({"capabilities": {"alwaysMatch": {
+            "browserName": "chrome",
+            "goog:chromeOptions": {
+                "binary": "/usr/bin/chromium",
+                "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                         "--disable-dev-shm-usage",
+                         format!("--user-data-dir={}", profile.path().display())],
+            },
+            "goog:loggingPrefs": {"browser": "ALL"},
+        }}});
+        let created: Value = http
+            .post(format!("{base}/session"))
+            .json(&capabilities)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let session = created["value"]["sessionId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no browser session: {created}"))
+            .to_owned();
+        Browser {
+            driver,
+            http,
+            session: format!("{base}/session/{session}"),
+            _profile: profile,
+        }
+    }
+
+    async fn command(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+        let request = self.http.request(method, format!("{}{path}", self.session));
+        let request = match body {
+            Some(body) => request.json(&body),
+            None => request,
+        };
+        let answer: Value = request.send().await.unwrap().json().await.unwrap();
+        answer["value"].clone()
+    }
+
+    async fn go(&self, url: &str) {
+        self.command(reqwest::Method::POST, "/url", Some(json!({"url": url})))
+            .await;
+    }
+
+    async fn script(&self, script: &str) -> Value {
+        self.command(
+            reqwest::Method::POST,
+            "/execute/sync",
+            Some(json!({"script": script, "args": []})),
+        )
+        .await
+    }
+
+    async fn element(&self, css: &str) -> String {
+        let found = self
+            .command(
+                reqwest::Method::POST,
+                "/element",
+                Some(json!({"using": "css selector", "value": css})),
+            )
+            .await;
+        found["element-6066-11e4-a52f-4f2f44d7b1b0"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no element {css:?}: {found}"))
+            .to_owned()
+    }
+
+    async fn click(&self, css: &str) {
+        let element = self.element(css).await;
+        self.command(
+            reqwest::Method::POST,
+            &format!("/element/{element}/click"),
+            Some(json!({})),
+        )
+        .await;
+    }
+
+    async fn type_into(&self, css: &str, text: &str) {
+        let element = self.element(css).await;
+        self.command(
+            reqwest::Method::POST,
+            &format!("/element/{element}/value"),
+            Some(json!({"text": text})),
+        )
+        .await;
+    }
+
+    /// Waits (up to `limit`) until `script` returns true; how long it took.
+    async fn until(&self, script: &str, limit: Duration) -> Option<Duration> {
+        let started = Instant::now();
+        while started.elapsed() < limit {
+            if self.script(script).await == Value::Bool(true) {
+                return Some(started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        None
+    }
+
+    /// The page's console messages at level SEVERE (errors).
+    async fn console_errors(&self) -> Vec<Value> {
+        let log = self
+            .command(
+                reqwest::Method::POST,
+                "/se/log",
+                Some(json!({"type": "browser"})),
+            )
+            .await;
+        log.as_array()
+            .unwrap_or_else(|| panic!("no browser log: {log}"))
+            .iter()
+            .filter(|entry| entry["level"] == "SEVERE")
+            .cloned()
+            .collect()
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+#[tokio::test]
+async fn the_dashboard_in_a_real_browser_shows_locks_live_and_breaks_them() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    let service = Service::start_with(&store, &[], dir, Some(&tokens_document()));
+    let browser = Browser::start().await;
+
+    // Without a token the page asks for one; with the admin's it shows the store.
+    browser.go(&format!("{}/", service.base)).await;
+    let asks = browser
+        .until(
+            "return getComputedStyle(document.getElementById('login')).display === 'block'",
+            Duration::from_secs(10),
+        )
+        .await;
+    assert!(asks.is_some(), "the page did not ask for a token");
+    browser.type_into("#token", ADMIN).await;
+    browser.click("#signin").await;
+    let signed_in = browser
+        .until(
+            "return document.getElementById('caller').textContent === 'as ops'",
+            Duration::from_secs(10),
+        )
+        .await;
+    assert!(signed_in.is_some(), "the page did not sign in");
+
+    // A lock taken through the API shows up within a second.
+    let name = unique_name("browser");
+    let lease = service
+        .as_token(ACME)
+        .acquire(&name, json!({"ttl_ms": 60000}))
+        .await;
+    assert_eq!(lease.status, StatusCode::OK);
+    let shown = browser
+        .until(
+            &format!(
+                "return document.querySelector('#held button[data-name=\"{name}\"]') !== null"
+            ),
+            Duration::from_secs(1),
+        )
+        .await;
+    assert!(shown.is_some(), "the lock was not shown within a second");
+
+    // Break it from the page: a confirmation, then the lock is free and the break is
+    // listed.
+    browser
+        .click(&format!("#held button[data-name=\"{name}\"]"))
+        .await;
+    let dialog = browser
+        .command(reqwest::Method::GET, "/alert/text", None)
+        .await;
+    assert!(
+        dialog.as_str().is_some_and(|text| text.contains(&name)),
+        "no confirmation naming the lock: {dialog}"
+    );
+    browser
+        .command(reqwest::Method::POST, "/alert/accept", Some(json!({})))
+        .await;
+    let admin = service.as_token(ADMIN);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while admin.get(&format!("/v1/locks/acme%2F{name}")).await.body["held"] != false {
+        assert!(Instant::now() < deadline, "the break did not free the lock");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let listed = browser
+        .until(
+            "return document.getElementById('events').textContent.includes('broken')",
+            Duration::from_secs(5),
+        )
+        .await;
+    assert!(listed.is_some(), "the break is not in the events");
+
+    // Cancelling the confirmation breaks nothing.
+    let other = unique_name("kept");
+    let kept = service
+        .as_token(ACME)
+        .acquire(&other, json!({"ttl_ms": 60000}))
+        .await;
+    assert_eq!(kept.status, StatusCode::OK);
+    let selector = format!("#held button[data-name=\"{other}\"]");
+    let shown = browser
+        .until(
+            &format!("return document.querySelector('{}') !== null", selector.replace('\'', "\\'")),
+            Duration::from_secs(5),
+        )
+        .await;
+    assert!(shown.is_some());
+    browser.click(&selector).await;
+    browser
+        .command(reqwest::Method::POST, "/alert/dismiss", Some(json!({})))
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        admin.get(&format!("/v1/locks/acme%2F{other}")).await.body["held"],
+        true
+    );
+
+    // The 401 the page met before signing in is a console error in Chromium ("Failed to
+    // load resource"); anything else is a defect.
+    let errors: Vec<Value> = browser
+        .console_errors()
+        .await
+        .into_iter()
+        .filter(|entry| {
+            !entry["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("/v1/dashboard") && m.contains("401"))
+        })
+        .collect();
+    assert!(errors.is_empty(), "console errors: {errors:?}");
+    browser
+        .command(reqwest::Method::DELETE, "", None)
+        .await;
+}
