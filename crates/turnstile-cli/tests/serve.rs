@@ -1030,7 +1030,7 @@ impl Browser {
                 Some(json!({"using": "css selector", "value": css})),
             )
             .await;
-        found["element-6066-11e4-a52f-4f2f44d7b1b0"]
+        found["element-6066-11e4-a52e-4f735466cecf"]
             .as_str()
             .unwrap_or_else(|| panic!("no element {css:?}: {found}"))
             .to_owned()
@@ -1129,7 +1129,7 @@ async fn the_dashboard_in_a_real_browser_shows_locks_live_and_breaks_them() {
     let shown = browser
         .until(
             &format!(
-                "return document.querySelector('#held button[data-name=\"{name}\"]') !== null"
+                "return document.querySelector('#held button[data-name=\"acme/{name}\"]') !== null"
             ),
             Duration::from_secs(1),
         )
@@ -1139,7 +1139,7 @@ async fn the_dashboard_in_a_real_browser_shows_locks_live_and_breaks_them() {
     // Break it from the page: a confirmation, then the lock is free and the break is
     // listed.
     browser
-        .click(&format!("#held button[data-name=\"{name}\"]"))
+        .click(&format!("#held button[data-name=\"acme/{name}\"]"))
         .await;
     let dialog = browser
         .command(reqwest::Method::GET, "/alert/text", None)
@@ -1172,7 +1172,7 @@ async fn the_dashboard_in_a_real_browser_shows_locks_live_and_breaks_them() {
         .acquire(&other, json!({"ttl_ms": 60000}))
         .await;
     assert_eq!(kept.status, StatusCode::OK);
-    let selector = format!("#held button[data-name=\"{other}\"]");
+    let selector = format!("#held button[data-name=\"acme/{other}\"]");
     let shown = browser
         .until(
             &format!("return document.querySelector('{}') !== null", selector.replace('\'', "\\'")),

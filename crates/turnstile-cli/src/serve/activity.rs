@@ -49,6 +49,9 @@ pub(crate) struct HeldLock {
     name: String,
     /// The tenant (absent for names outside any tenant).
     tenant: Option<String>,
+    /// The name to use in this caller's requests (`/v1/locks/{address}`): the name for
+    /// a caller confined to the tenant, `tenant/name` for one who sees every tenant.
+    address: String,
     /// The first 8 hex digits of the holder's owner id (the whole id is the holder's
     /// capability to release, so it is not shown).
     holder: String,
@@ -264,6 +267,11 @@ impl Activity {
             .iter()
             .filter(|(_, held)| visible(held.tenant.as_deref()))
             .map(|(key, held)| HeldLock {
+                address: if tenant.is_some() {
+                    held.name.clone()
+                } else {
+                    key.clone()
+                },
                 name: held.name.clone(),
                 tenant: held.tenant.clone(),
                 holder: held.holder.clone(),
