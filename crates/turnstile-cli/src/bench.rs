@@ -280,7 +280,10 @@ impl Peer {
                 }
             }
             Peer::Service { client, .. } => {
-                match client.acquire(name, work.ttl_ms, work.acquire_timeout_ms).await {
+                match client
+                    .acquire(name, work.ttl_ms, work.acquire_timeout_ms)
+                    .await
+                {
                     Ok(Some(held)) => Ok(Held::Service(held)),
                     Ok(None) => Err(AcquireError::Timeout),
                     Err(error) => Err(AcquireError::Failed(error)),

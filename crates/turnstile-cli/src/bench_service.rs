@@ -44,11 +44,7 @@ impl ServiceClient {
 
     /// One POST with a JSON body; the status and body of the answer.
     async fn post(&self, path: &str, body: &str) -> Result<(u16, String), String> {
-        let pooled = self
-            .idle
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop();
+        let pooled = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let mut connection = match pooled {
             Some(connection) => connection,
             None => {
@@ -74,7 +70,12 @@ impl ServiceClient {
         let mut line = String::new();
         loop {
             line.clear();
-            if connection.read_line(&mut line).await.map_err(|e| e.to_string())? == 0 {
+            if connection
+                .read_line(&mut line)
+                .await
+                .map_err(|e| e.to_string())?
+                == 0
+            {
                 return Err("the service closed the connection".to_owned());
             }
             let trimmed = line.trim_end();

@@ -7,9 +7,9 @@ mod bench_blocking;
 #[cfg(feature = "etcd")]
 mod bench_etcd;
 mod bench_http;
-mod bench_service;
 #[cfg(all(feature = "postgres", feature = "nats"))]
 mod bench_outbox;
+mod bench_service;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod bench_sql;
 #[cfg(feature = "zookeeper")]

@@ -1175,7 +1175,10 @@ async fn the_dashboard_in_a_real_browser_shows_locks_live_and_breaks_them() {
     let selector = format!("#held button[data-name=\"acme/{other}\"]");
     let shown = browser
         .until(
-            &format!("return document.querySelector('{}') !== null", selector.replace('\'', "\\'")),
+            &format!(
+                "return document.querySelector('{}') !== null",
+                selector.replace('\'', "\\'")
+            ),
             Duration::from_secs(5),
         )
         .await;
@@ -1203,7 +1206,5 @@ async fn the_dashboard_in_a_real_browser_shows_locks_live_and_breaks_them() {
         })
         .collect();
     assert!(errors.is_empty(), "console errors: {errors:?}");
-    browser
-        .command(reqwest::Method::DELETE, "", None)
-        .await;
+    browser.command(reqwest::Method::DELETE, "", None).await;
 }

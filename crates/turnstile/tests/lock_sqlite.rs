@@ -56,6 +56,51 @@ async fn tokens_survive_reopening_the_file() {
     guard.release().await.unwrap();
 }
 
+/// A store that has been answering "held" and turns slow (another process holds the
+/// database's write lock) when the wait runs out: the lock was still held, so the
+/// caller learns that it timed out, not that the store is gone.
+#[tokio::test]
+async fn a_store_that_is_slow_when_the_wait_ends_is_a_timeout_not_an_outage() {
+    let file = sqlite_file().await;
+    let holder = file.locker().await;
+    let guard = holder
+        .acquire(
+            "busy",
+            &LockOptions::new().ttl(std::time::Duration::from_secs(60)),
+        )
+        .await
+        .unwrap();
+    let waiter = file.locker().await;
+    let blocker = async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let mut connection = <sqlx::SqliteConnection as sqlx::Connection>::connect(&format!(
+            "sqlite://{}",
+            file.path().display()
+        ))
+        .await
+        .unwrap();
+        sqlx::query("BEGIN EXCLUSIVE")
+            .execute(&mut connection)
+            .await
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+        sqlx::query("ROLLBACK")
+            .execute(&mut connection)
+            .await
+            .unwrap();
+    };
+    let options = LockOptions::new().wait(std::time::Duration::from_millis(1500));
+    let waiting = waiter.acquire("busy", &options);
+    let (waited, ()) = tokio::join!(waiting, blocker);
+    let error = waited.unwrap_err();
+    assert_eq!(
+        error.kind(),
+        turnstile::ErrorKind::AcquireTimeout,
+        "{error}"
+    );
+    guard.release().await.unwrap();
+}
+
 #[tokio::test]
 async fn urls_open_the_store_and_bad_ones_say_why() {
     let file = sqlite_file().await;

@@ -155,6 +155,38 @@ fn query_problem(rejection: &QueryRejection) -> Problem {
     Problem::invalid(rejection.body_text())
 }
 
+// ---- numbers: JSON has one number type ----
+
+/// A whole number of milliseconds, written as an integer or as a float with no
+/// fraction (`2500.0`, as some JSON encoders write every number).
+fn whole_number<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u64>, D::Error> {
+    let Some(number) = Option::<serde_json::Number>::deserialize(deserializer)? else {
+        return Ok(None);
+    };
+    exact_u64(&number, 1u64 << 53).map(Some).ok_or_else(|| {
+        serde::de::Error::custom(format!("{number} is not a whole number of milliseconds"))
+    })
+}
+
+/// A token: an integer, or a float with no fraction below 2^53 (where floats stop
+/// being exact).
+fn whole_token<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    let number = serde_json::Number::deserialize(deserializer)?;
+    exact_u64(&number, 1u64 << 53).ok_or_else(|| {
+        serde::de::Error::custom(format!("{number} is not a token (a whole number)"))
+    })
+}
+
+fn exact_u64(number: &serde_json::Number, float_limit: u64) -> Option<u64> {
+    if let Some(whole) = number.as_u64() {
+        return Some(whole);
+    }
+    let float = number.as_f64()?;
+    (float >= 0.0 && float.fract() == 0.0 && float < float_limit as f64).then_some(float as u64)
+}
+
 // ---- naming: tenants see only their own names and keys ----
 
 /// The store's name for a caller's lock: `tenant/name` for a caller confined to a
@@ -198,11 +230,13 @@ fn ms(duration: Duration) -> u64 {
 pub(crate) struct AcquireRequest {
     /// The lease in milliseconds (default 30000): the lock frees itself this long after
     /// the acquire or the last extend.
-    #[schema(minimum = 1, maximum = 31536000000_u64)]
+    #[schema(minimum = 10, maximum = 31536000000_u64)]
+    #[serde(default, deserialize_with = "whole_number")]
     ttl_ms: Option<u64>,
     /// How long to wait for a held lock, in milliseconds (default 0: answer at once);
     /// at most the service's `--max-wait`. Long-poll again after a `lock-held` answer.
     #[schema(minimum = 0)]
+    #[serde(default, deserialize_with = "whole_number")]
     wait_ms: Option<u64>,
 }
 
@@ -223,7 +257,7 @@ pub(crate) struct LockLease {
 /// Takes a lock, waiting up to `wait_ms` for it.
 #[utoipa::path(
     post, path = "/v1/locks/{name}/acquire", tag = "locks",
-    params(("name" = String, Path, description = "The lock's name (percent-encoded): 1 to 512 bytes of UTF-8 without control characters")),
+    params(("name" = String, Path, description = "The lock's name (percent-encoded): 1 to 512 bytes of UTF-8 without control characters", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")),
     request_body = AcquireRequest,
     responses(
         (status = 200, description = "Acquired", body = LockLease),
@@ -293,9 +327,11 @@ async fn acquire(
 #[serde(deny_unknown_fields)]
 pub(crate) struct ExtendRequest {
     /// The owner id the acquire returned.
+    #[schema(pattern = "^[0-9a-f]{32}$")]
     owner: String,
     /// The new lease in milliseconds from now (default 30000).
-    #[schema(minimum = 1, maximum = 31536000000_u64)]
+    #[schema(minimum = 10, maximum = 31536000000_u64)]
+    #[serde(default, deserialize_with = "whole_number")]
     ttl_ms: Option<u64>,
 }
 
@@ -310,7 +346,7 @@ pub(crate) struct Extended {
 /// (409 `lock-lost`): the holder must stop writing.
 #[utoipa::path(
     post, path = "/v1/locks/{name}/extend", tag = "locks",
-    params(("name" = String, Path, description = "The lock's name")),
+    params(("name" = String, Path, description = "The lock's name", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")),
     request_body = ExtendRequest,
     responses(
         (status = 200, description = "Extended", body = Extended),
@@ -363,6 +399,7 @@ async fn extend(
 #[serde(deny_unknown_fields)]
 pub(crate) struct ReleaseRequest {
     /// The owner id the acquire returned.
+    #[schema(pattern = "^[0-9a-f]{32}$")]
     owner: String,
 }
 
@@ -378,7 +415,7 @@ pub(crate) struct Released {
 /// Releases a lease, reporting what the store found.
 #[utoipa::path(
     post, path = "/v1/locks/{name}/release", tag = "locks",
-    params(("name" = String, Path, description = "The lock's name")),
+    params(("name" = String, Path, description = "The lock's name", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")),
     request_body = ReleaseRequest,
     responses(
         (status = 200, description = "What the release found", body = Released),
@@ -436,7 +473,7 @@ pub(crate) struct LockStatus {
 /// The current holder of a lock, if any.
 #[utoipa::path(
     get, path = "/v1/locks/{name}", tag = "locks",
-    params(("name" = String, Path, description = "The lock's name")),
+    params(("name" = String, Path, description = "The lock's name", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")),
     responses(
         (status = 200, description = "The lock's state", body = LockStatus),
         (status = 400, description = "Invalid name", body = ProblemDocument, content_type = "application/problem+json"),
@@ -479,7 +516,7 @@ fn lock_status(name: String, info: Option<turnstile::lock::LockInfo>) -> LockSta
 /// held (`held: false` if nothing was).
 #[utoipa::path(
     delete, path = "/v1/locks/{name}", tag = "locks",
-    params(("name" = String, Path, description = "The lock's name")),
+    params(("name" = String, Path, description = "The lock's name", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")),
     responses(
         (status = 200, description = "What was held", body = LockStatus),
         (status = 403, description = "The token lacks locks:break", body = ProblemDocument, content_type = "application/problem+json"),
@@ -520,18 +557,28 @@ async fn force_release(
 #[serde(deny_unknown_fields)]
 pub(crate) struct ClaimRequest {
     /// The idempotency key: 1 to 255 visible ASCII characters.
+    #[schema(min_length = 1, max_length = 255, pattern = "^[ -~]+$")]
     key: String,
     /// The key's scope (default `global`); for a token confined to a tenant, inside that
     /// tenant.
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$"
+    )]
     scope: Option<String>,
     /// The request's fingerprint: 64 hex digits of a SHA-256 over what makes two
     /// requests the same request. A repeat with another fingerprint is refused.
+    #[schema(pattern = "^[0-9a-fA-F]{64}$")]
     fingerprint: String,
-    /// The claim's lease in milliseconds (default 30000): heartbeat before it passes.
-    #[schema(minimum = 1)]
+    /// The claim's lease in milliseconds, 1 s to 1 day (default 30000): heartbeat
+    /// before it passes.
+    #[schema(minimum = 1000, maximum = 86400000)]
+    #[serde(default, deserialize_with = "whole_number")]
     lease_ms: Option<u64>,
-    /// How long the record is kept, in milliseconds (default 24 hours).
-    #[schema(minimum = 1)]
+    /// How long the record is kept, in milliseconds, 1 s to a year (default 24 hours).
+    #[schema(minimum = 1000, maximum = 31536000000_u64)]
+    #[serde(default, deserialize_with = "whole_number")]
     retention_ms: Option<u64>,
 }
 
@@ -664,10 +711,18 @@ async fn claim(
 #[serde(deny_unknown_fields)]
 pub(crate) struct ClaimRef {
     /// The idempotency key.
+    #[schema(min_length = 1, max_length = 255, pattern = "^[ -~]+$")]
     key: String,
     /// The key's scope (default `global`).
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$"
+    )]
     scope: Option<String>,
     /// The claim's token, as the claim returned it.
+    #[serde(deserialize_with = "whole_token")]
+    #[schema(minimum = 0, maximum = 9223372036854775807_u64)]
     token: u64,
 }
 
@@ -677,8 +732,9 @@ pub(crate) struct ClaimRef {
 pub(crate) struct HeartbeatRequest {
     #[serde(flatten)]
     claim: ClaimRef,
-    /// The new lease in milliseconds from now (default 30000).
-    #[schema(minimum = 1)]
+    /// The new lease in milliseconds from now, 1 s to 1 day (default 30000).
+    #[schema(minimum = 1000, maximum = 86400000)]
+    #[serde(default, deserialize_with = "whole_number")]
     lease_ms: Option<u64>,
 }
 
@@ -688,12 +744,15 @@ pub(crate) struct HeartbeatRequest {
 pub(crate) struct CompleteRequest {
     #[serde(flatten)]
     claim: ClaimRef,
-    /// The outcome as text (give this or `outcome_base64`).
+    /// The outcome as text (give this or `outcome_base64`; neither stores an empty
+    /// outcome).
     outcome: Option<String>,
     /// The outcome as base64 bytes.
     outcome_base64: Option<String>,
-    /// How long the record is kept from now, in milliseconds (default 24 hours).
-    #[schema(minimum = 1)]
+    /// How long the record is kept from now, in milliseconds, 1 s to a year (default
+    /// 24 hours).
+    #[schema(minimum = 1000, maximum = 31536000000_u64)]
+    #[serde(default, deserialize_with = "whole_number")]
     retention_ms: Option<u64>,
 }
 
@@ -708,6 +767,14 @@ fn claim_parts(
     principal: &Principal,
     claim: &ClaimRef,
 ) -> Result<(KeyScope, IdempotencyKey, turnstile::fence::FencingToken), Problem> {
+    // Every store keeps tokens in a signed 64-bit column, so a larger one was never
+    // issued: a client's mistake, not a store's.
+    if claim.token > i64::MAX as u64 {
+        return Err(Problem::invalid(format!(
+            "token {} was never issued (tokens are at most 2^63 - 1)",
+            claim.token
+        )));
+    }
     Ok((
         key_scope(principal, claim.scope.as_deref())?,
         IdempotencyKey::new(claim.key.clone())?,
@@ -794,9 +861,11 @@ async fn complete(
         (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
             .decode(encoded.as_bytes())
             .map_err(|error| Problem::invalid(format!("outcome_base64 is not base64: {error}")))?,
-        _ => {
+        // Done, with nothing to replay but the fact.
+        (None, None) => Vec::new(),
+        (Some(_), Some(_)) => {
             return Err(Problem::invalid(
-                "give exactly one of outcome (text) and outcome_base64",
+                "give at most one of outcome (text) and outcome_base64",
             ));
         }
     };
@@ -842,11 +911,18 @@ async fn give_back(
 
 /// Which record to read.
 #[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RecordQuery {
     /// The idempotency key.
+    #[param(min_length = 1, max_length = 255, pattern = "^[ -~]+$")]
     key: String,
     /// The key's scope (default `global`).
+    #[param(
+        min_length = 1,
+        max_length = 200,
+        pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$"
+    )]
     scope: Option<String>,
 }
 
@@ -926,9 +1002,11 @@ async fn record(
 
 /// How many parked keys to list.
 #[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct OutboxQuery {
     /// Parked keys to list, 0 to 1000 (default 20).
+    #[param(minimum = 0, maximum = 1000)]
     parked_limit: Option<u32>,
 }
 
@@ -1010,6 +1088,7 @@ async fn outbox_status(
 #[serde(deny_unknown_fields)]
 pub(crate) struct RedriveRequest {
     /// The parked ordering key.
+    #[schema(min_length = 1, max_length = 1024)]
     key: String,
 }
 

@@ -389,7 +389,7 @@ async fn sample(service: Arc<Service>) {
 /// The whole application: the API, its OpenAPI document, metrics, the dashboard.
 fn app(service: Arc<Service>, max_body: usize) -> Router {
     let (api, openapi) = api::router().split_for_parts();
-    let openapi = Arc::new(openapi.to_json().unwrap_or_default());
+    let openapi = Arc::new(finish_document(openapi, service.max_wait));
     api.route(
         "/openapi.json",
         get(move || {
@@ -424,6 +424,63 @@ fn app(service: Arc<Service>, max_body: usize) -> Router {
     .layer(DefaultBodyLimit::max(max_body))
     .layer(middleware::from_fn(observe))
     .with_state(service)
+}
+
+/// The OpenAPI document as served: the handlers' own descriptions, plus the answers
+/// every operation can give (a bad request, authentication, a store that is down; for
+/// operations with a body, its size, media type and shape) and this instance's limits.
+fn finish_document(openapi: utoipa::openapi::OpenApi, max_wait: Duration) -> String {
+    let Ok(mut document) = serde_json::to_value(&openapi) else {
+        return String::new();
+    };
+    let problem = |description: &str| {
+        serde_json::json!({
+            "description": description,
+            "content": {"application/problem+json": {
+                "schema": {"$ref": "#/components/schemas/ProblemDocument"}
+            }}
+        })
+    };
+    let always = [
+        ("400", "Invalid name, key, option or parameter"),
+        ("401", "No token, or an unknown one"),
+        (
+            "403",
+            "The token lacks the scope, or is confined to a tenant",
+        ),
+        (
+            "503",
+            "The store is unavailable, or the service is shutting down",
+        ),
+    ];
+    let with_body = [
+        ("413", "The body is larger than --max-body"),
+        ("415", "The body is not sent as application/json"),
+        ("422", "The body is JSON of the wrong shape"),
+    ];
+    if let Some(paths) = document["paths"].as_object_mut() {
+        for operation in paths.values_mut().filter_map(|path| path.as_object_mut()) {
+            for operation in operation.values_mut() {
+                let has_body = operation.get("requestBody").is_some();
+                let Some(responses) = operation["responses"].as_object_mut() else {
+                    continue;
+                };
+                let extra = always
+                    .iter()
+                    .chain(if has_body { &with_body[..] } else { &[] });
+                for (status, description) in extra {
+                    responses
+                        .entry(status.to_string())
+                        .or_insert_with(|| problem(description));
+                }
+            }
+        }
+    }
+    let wait = &mut document["components"]["schemas"]["AcquireRequest"]["properties"]["wait_ms"];
+    if wait.is_object() {
+        wait["maximum"] = serde_json::Value::from(max_wait.as_millis() as u64);
+    }
+    document.to_string()
 }
 
 /// The dashboard: one page, its script and styles inline, nothing fetched from elsewhere.

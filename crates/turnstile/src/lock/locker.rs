@@ -359,6 +359,19 @@ impl Locker {
                         remaining_ttl
                     }
                     Err(error) => {
+                        // The wait bound cut off a request to a store that has been
+                        // answering (the lock was held at its last answer): the store
+                        // is slow, not gone, and the lock was still held when the wait
+                        // ran out. Dropping the request undid whatever it may have taken.
+                        if outage.answered
+                            && outage.failures == 0
+                            && error.kind() == ErrorKind::StoreUnavailable
+                            && bound
+                                .deadline
+                                .is_some_and(|deadline| deadline <= Instant::now())
+                        {
+                            return Err(bound.timed_out());
+                        }
                         outage.pause_or_fail(error, bound.deadline).await?;
                         continue;
                     }
