@@ -495,8 +495,20 @@ async fn tokens_confine_callers_to_their_scopes_and_tenant() {
 }
 
 #[tokio::test]
-async fn idempotency_keys_over_http() {
-    let service = Service::sqlite();
+async fn idempotency_keys_over_http_on_sqlite() {
+    idempotency_keys_over_http(&Service::sqlite(), "sqlite").await;
+}
+
+#[tokio::test]
+async fn idempotency_keys_over_http_on_redis() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let service = Service::start(&shared_redis().url(), &[], dir);
+    idempotency_keys_over_http(&service, "redis").await;
+}
+
+/// Every idempotency endpoint and its refusals, on one store (`engine` names it in the
+/// metrics).
+async fn idempotency_keys_over_http(service: &Service, engine: &str) {
     let api = service.anonymous();
     let key = unique_name("payment");
     let fingerprint = "ab".repeat(32);
@@ -613,7 +625,7 @@ async fn idempotency_keys_over_http() {
     for expected in [
         "turnstile_serve_idempotency_total{outcome=\"replayed\"} 1",
         "turnstile_serve_idempotency_total{outcome=\"mismatched\"} 1",
-        "turnstile_serve_store_seconds_bucket{engine=\"sqlite\",operation=\"claim\"",
+        &format!("turnstile_serve_store_seconds_bucket{{engine=\"{engine}\",operation=\"claim\""),
     ] {
         assert!(text.contains(expected), "/metrics lacks {expected:?}");
     }
@@ -1207,4 +1219,71 @@ async fn the_dashboard_in_a_real_browser_shows_locks_live_and_breaks_them() {
         .collect();
     assert!(errors.is_empty(), "console errors: {errors:?}");
     browser.command(reqwest::Method::DELETE, "", None).await;
+}
+
+#[tokio::test]
+async fn outbox_status_and_redrive_over_http() {
+    use turnstile::outbox::sqlite::SqliteOutbox;
+    use turnstile::outbox::{Backoff, Failure, Message, OutboxStore, Settlement};
+
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let path = dir.path().join("locks.sqlite3");
+    // Three messages for "orders", one for "refunds" whose delivery fails for good.
+    let outbox = SqliteOutbox::open(&path).await.unwrap();
+    let mut transaction = outbox.pool().begin().await.unwrap();
+    for (key, n) in [("orders", 1), ("orders", 2), ("orders", 3), ("refunds", 1)] {
+        let message = Message::new("events", key, format!("{n}").into_bytes()).unwrap();
+        outbox.enqueue(&mut transaction, &message).await.unwrap();
+    }
+    outbox.commit(transaction).await.unwrap();
+    let leased = outbox.claim(10, 10, Duration::from_secs(30)).await.unwrap();
+    let settlements: Vec<Settlement> = leased
+        .iter()
+        .map(|key| Settlement {
+            key: key.key.clone(),
+            token: key.token,
+            delivered_through: 0,
+            failure: (key.key == "refunds").then(|| Failure {
+                permanent: true,
+                reason: "the broker refused it".to_owned(),
+            }),
+        })
+        .collect();
+    outbox
+        .settle(&settlements, 1, Backoff::default())
+        .await
+        .unwrap();
+
+    let service = Service::start(&format!("sqlite://{}", path.display()), &[], dir);
+    let api = service.anonymous();
+    let status = api.get("/v1/outbox").await;
+    assert_eq!(status.status, StatusCode::OK, "{status:?}");
+    assert_eq!(status.body["pending"], 3);
+    assert_eq!(status.body["pending_keys"], 1);
+    assert!(status.body["oldest_pending_ms"].as_u64().is_some());
+    assert_eq!(status.body["parked"][0]["key"], "refunds");
+    assert_eq!(status.body["parked"][0]["attempts"], 1);
+    assert_eq!(status.body["parked"][0]["reason"], "the broker refused it");
+
+    let redriven = api
+        .post("/v1/outbox/redrive", json!({"key": "refunds"}))
+        .await;
+    assert_eq!(redriven.body["redriven"], true);
+    let again = api
+        .post("/v1/outbox/redrive", json!({"key": "refunds"}))
+        .await;
+    assert_eq!(again.body["redriven"], false);
+    let after = api.get("/v1/outbox").await;
+    assert_eq!(after.body["parked"].as_array().unwrap().len(), 0);
+    assert_eq!(after.body["pending"], 4);
+
+    // A store without an outbox answers 501 on these routes.
+    let redis = Service::start(
+        &shared_redis().url(),
+        &[],
+        Arc::new(tempfile::tempdir().unwrap()),
+    );
+    let none = redis.anonymous().get("/v1/outbox").await;
+    assert_eq!(none.status, StatusCode::NOT_IMPLEMENTED);
+    assert_eq!(none.problem_type(), "/problems/unsupported-store");
 }
