@@ -504,14 +504,13 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
-    let cli = match cli.command {
-        Command::Serve(args) => return serve::run(args),
-        command => Cli { command },
+    // The service uses both cores; every other command is one task at a time.
+    let mut builder = if matches!(cli.command, Command::Serve(_)) {
+        tokio::runtime::Builder::new_multi_thread()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
     };
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match builder.enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("turnstile: cannot start the async runtime: {error}");
@@ -534,7 +533,7 @@ fn main() -> ExitCode {
             Command::Migrate(args) => migrate(args).await,
             Command::Idempotency(command) => idempotency::run(command).await,
             Command::Outbox(command) => outbox::run(command).await,
-            Command::Serve(_) => unreachable!("served on its own runtime above"),
+            Command::Serve(args) => serve::run(args).await,
         }
     })
 }

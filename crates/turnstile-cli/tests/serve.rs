@@ -1287,3 +1287,40 @@ async fn outbox_status_and_redrive_over_http() {
     assert_eq!(none.status, StatusCode::NOT_IMPLEMENTED);
     assert_eq!(none.problem_type(), "/problems/unsupported-store");
 }
+
+#[tokio::test]
+async fn a_service_with_relay_publishes_the_outbox_and_shows_it_on_metrics() {
+    use turnstile::outbox::Message;
+    use turnstile::outbox::sqlite::SqliteOutbox;
+
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let path = dir.path().join("locks.sqlite3");
+    let outbox = SqliteOutbox::open(&path).await.unwrap();
+    let mut transaction = outbox.pool().begin().await.unwrap();
+    let topic = unique_name("relayed");
+    for n in 0..2 {
+        let message = Message::new(topic.clone(), "k", vec![n]).unwrap();
+        outbox.enqueue(&mut transaction, &message).await.unwrap();
+    }
+    outbox.commit(transaction).await.unwrap();
+
+    let broker = shared_redis().url();
+    let service = Service::start(
+        &format!("sqlite://{}", path.display()),
+        &["--relay", &broker],
+        dir,
+    );
+    let api = service.anonymous();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while api.get("/v1/outbox").await.body["pending"] != 0 {
+        assert!(Instant::now() < deadline, "the relay did not publish");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let metrics = api.get("/metrics").await.body;
+    let text = metrics.as_str().unwrap();
+    assert!(
+        text.contains("turnstile_outbox_published_total 2"),
+        "/metrics:\n{text}"
+    );
+    assert!(text.contains("turnstile_outbox_publish_seconds_bucket"));
+}

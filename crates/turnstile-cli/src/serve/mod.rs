@@ -67,6 +67,12 @@ pub(crate) struct ServeArgs {
     /// The largest request body, in bytes (idempotency outcomes included).
     #[arg(long, default_value_t = 1024 * 1024, value_name = "BYTES")]
     max_body: usize,
+    /// Also relay the store's outbox to this broker (as `turnstile outbox relay
+    /// --broker` does), so that its publish latency and outcomes are on this service's
+    /// /metrics and dashboard. Run it in one instance, or in all: relays share the work
+    /// through the store's leases.
+    #[arg(long, value_name = "BROKER_URL")]
+    relay: Option<String>,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -153,20 +159,10 @@ const BUCKETS: &[f64] = &[
     2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
-pub(crate) fn run(args: ServeArgs) -> ExitCode {
+/// Runs the service until SIGTERM or SIGINT (on a multi-threaded runtime).
+pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     init_logging(args.log_format);
-    // Two cores serve better than one: the service runs on a multi-threaded runtime.
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("turnstile: cannot start the async runtime: {error}");
-            return ExitCode::from(exit::SOFTWARE);
-        }
-    };
-    runtime.block_on(serve(args))
+    serve(args).await
 }
 
 fn init_logging(format: LogFormat) {
@@ -236,6 +232,17 @@ async fn serve(args: ServeArgs) -> ExitCode {
         Ok(store) => store,
         Err(code) => return code,
     };
+    let relay = match (&args.relay, &outbox) {
+        (None, _) => None,
+        (Some(broker), Ok(outbox)) => match turnstile::store::connect_publisher(broker).await {
+            Ok(publisher) => Some(turnstile::outbox::relay::Relay::from_arcs(
+                Arc::clone(outbox),
+                publisher,
+            )),
+            Err(error) => return crate::fail(&error),
+        },
+        (Some(_), Err(why)) => return usage(format!("--relay needs an outbox: {why}")),
+    };
     let listener = match tokio::net::TcpListener::bind(args.listen).await {
         Ok(listener) => listener,
         Err(error) => {
@@ -257,6 +264,16 @@ async fn serve(args: ServeArgs) -> ExitCode {
         shutdown: shutdown.clone(),
     });
     tokio::spawn(sample(Arc::clone(&service)));
+    if let Some(relay) = relay {
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            // A relay that cannot go on (a broker that cannot keep its promises) is
+            // reported; the locks and keys are served on regardless.
+            if let Err(error) = relay.run(stop).await {
+                tracing::error!(%error, "the outbox relay stopped");
+            }
+        });
+    }
     let app = app(Arc::clone(&service), args.max_body);
     announce(&service, address, tls.is_some(), loopback);
     tokio::spawn(stop_on_signal(shutdown.clone()));
