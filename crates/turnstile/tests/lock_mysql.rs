@@ -405,13 +405,13 @@ async fn refusals_are_configuration_errors() {
     }
 }
 
-/// Token durability with the clock floor out of the way: the stored token is far ahead
-/// of the clock, so only the committed counter keeps the next token larger across a
-/// crash of the server.
+/// With synchronous tokens (an InnoDB tokens table), token durability with the clock
+/// floor out of the way: the stored token is far ahead of the clock, so only the
+/// committed counter keeps the next token larger across a crash of the server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_token_ahead_of_the_clock_survives_a_crash() {
+async fn with_sync_commit_a_token_ahead_of_the_clock_survives_a_crash() {
     let server = MariaDbServer::spawn();
-    let url = server.url();
+    let url = format!("{}?turnstile_sync_commit=on", server.url());
     let store = MysqlLockStore::connect(&url).await.unwrap();
     let name = turnstile_test_support::unique_name("ahead");
     let locker = Locker::new(store.clone());
@@ -439,6 +439,54 @@ async fn a_token_ahead_of_the_clock_survives_a_crash() {
     let second = after.acquire(&name, &options()).await.unwrap();
     assert_eq!(second.fencing_token(), FencingToken::new(ahead + 2));
     second.release().await.unwrap();
+    server.kill();
+}
+
+/// The default tokens table is a MEMORY table (no log flush per acquisition); a crash
+/// empties it, and the clock floor keeps every token after the restart above every
+/// token before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_sync_commit_tokens_still_grow_across_a_crash() {
+    let server = MariaDbServer::spawn();
+    let url = server.url();
+    let store = MysqlLockStore::connect(&url).await.unwrap();
+    let engine: String = sqlx::query_scalar(
+        "SELECT ENGINE FROM information_schema.TABLES
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'turnstile_tokens'",
+    )
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(engine, "MEMORY");
+    let locker = Locker::new(store.clone());
+    let mut before = Vec::new();
+    for _ in 0..200 {
+        let guard = locker.acquire("crash", &options()).await.unwrap();
+        before.push(guard.fencing_token());
+        guard.release().await.unwrap();
+    }
+    let held = locker.acquire("crash", &options()).await.unwrap();
+    before.push(held.fencing_token());
+    std::mem::forget(held);
+    drop(locker);
+    drop(store);
+    server.kill();
+    server.restart();
+    let store = MysqlLockStore::connect(&url).await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM turnstile_tokens")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "the crash emptied the MEMORY table");
+    let after = Locker::new(store);
+    let guard = after.acquire("crash", &options()).await.unwrap();
+    let largest = before.iter().max().copied().unwrap();
+    assert!(
+        guard.fencing_token() > largest,
+        "token {} after the crash, {largest} before",
+        guard.fencing_token()
+    );
+    guard.release().await.unwrap();
     server.kill();
 }
 

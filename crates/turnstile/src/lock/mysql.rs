@@ -24,8 +24,31 @@
 //! - **Fencing tokens**: `max(last + 1, server clock in µs since the Unix epoch)`, kept
 //!   per name in `{prefix}_tokens` (until [pruned](super::Locker::prune)) and issued by
 //!   the holder's session in the same round trip as `GET_LOCK`, before the holder learns
-//!   it. As durable as an InnoDB commit: with `innodb_flush_log_at_trx_commit = 1` (the
-//!   default) tokens survive any crash; with `2`, a server crash but not an OS crash.
+//!   it.
+//!   - By default `{prefix}_tokens` is a **`MEMORY` table**, so issuing a token writes
+//!     nothing to disk and waits for no log flush (InnoDB has no per-session way to skip
+//!     the flush at commit). A restart empties the table; the next token of a name is
+//!     then the clock. Tokens therefore keep growing across restarts and crashes
+//!     **provided the database server's clock never steps back**: a token issued
+//!     before was at most the clock then (it only runs ahead of the clock with more than
+//!     one acquisition of a name per microsecond), and the restart takes far longer
+//!     than that. Tested: tokens issued before a `kill -9` are all below the first one
+//!     after the restart. A restart frees every named lock anyway (see below), so the
+//!     table holds nothing else worth keeping.
+//!   - The table is created with room for 1 GiB of rows (`max_heap_table_size` at
+//!     creation), about 1.7 million names; names unused for a while are forgotten by
+//!     [`prune`](super::Locker::prune), and a full table is reported as such.
+//!   - `MEMORY` tables are not replicated by Galera, and a replica's copy is emptied
+//!     when it restarts: after a failover the clock floor alone keeps new tokens larger,
+//!     as long as the new server's clock is not behind the old one's by more than the
+//!     failover took.
+//!   - With [`synchronous_tokens(true)`](MysqlLockConfig::synchronous_tokens)
+//!     (`turnstile_sync_commit=on`) the table is created as InnoDB instead: tokens are
+//!     then as durable as an InnoDB commit (with `innodb_flush_log_at_trx_commit = 1`,
+//!     the default, they survive any crash whatever the clock does), at the price of a
+//!     log flush per acquisition. The choice is made when the table is created; an
+//!     existing table keeps its engine (`ALTER TABLE {prefix}_tokens ENGINE = MEMORY`
+//!     or `= InnoDB` changes it, keeping its rows).
 //! - **Transaction-scoped locks** ([`lock_in_transaction`](MysqlLockStore::lock_in_transaction))
 //!   lock the name's row in `{prefix}_xact_locks` and only then issue their token; a
 //!   named-lock acquirer checks that row with `NOWAIT` right after `GET_LOCK` and answers
@@ -80,6 +103,7 @@ pub struct MysqlLockConfig {
     max_connections: u32,
     max_held: u32,
     connect_timeout: Duration,
+    synchronous_tokens: bool,
 }
 
 impl Default for MysqlLockConfig {
@@ -90,6 +114,7 @@ impl Default for MysqlLockConfig {
             max_connections: 8,
             max_held: 64,
             connect_timeout: Duration::from_secs(3),
+            synchronous_tokens: false,
         }
     }
 }
@@ -125,17 +150,29 @@ impl MysqlLockConfig {
         self
     }
 
+    /// Whether a new tokens table is an InnoDB table, so that every token is on disk
+    /// before its holder learns it (a log flush per acquisition), rather than a `MEMORY`
+    /// table floored by the server's clock (the default; see the module's guarantees).
+    /// It decides the engine when the table is created. In a URL:
+    /// `turnstile_sync_commit=on`.
+    pub fn synchronous_tokens(mut self, on: bool) -> Self {
+        self.synchronous_tokens = on;
+        self
+    }
+
     fn apply_url_options(mut self, options: &[(String, String)]) -> Result<Self> {
         for (key, value) in options {
             self = match (key.as_str(), value.as_str()) {
                 ("prefix", _) => self.table_prefix(value.clone()),
                 ("migrate", "on" | "true" | "1") => self.migrate_on_first_use(true),
                 ("migrate", "off" | "false" | "0") => self.migrate_on_first_use(false),
+                ("sync_commit", "on" | "true" | "1") => self.synchronous_tokens(true),
+                ("sync_commit", "off" | "false" | "0") => self.synchronous_tokens(false),
                 _ => {
                     return Err(Error::new(
                         ErrorKind::InvalidUrl,
                         format!(
-                            "unknown or invalid option turnstile_{key}={value:?}; known: turnstile_prefix, turnstile_migrate=on|off"
+                            "unknown or invalid option turnstile_{key}={value:?}; known: turnstile_prefix, turnstile_migrate=on|off, turnstile_sync_commit=on|off"
                         ),
                     ));
                 }
@@ -173,7 +210,7 @@ struct Sql {
     create_xact_row: Statement,
     take_in_transaction: Statement,
     holder: Statement,
-    create: [Statement; 3],
+    create: [Statement; 4],
     fences: String,
 }
 
@@ -287,13 +324,17 @@ impl MysqlLockStore {
                  FROM {tokens} WHERE name = ?"
             )),
             create: [
+                // A MEMORY table's size limit is the session's max_heap_table_size
+                // when it is created.
+                statement("SET SESSION max_heap_table_size = 1073741824".to_owned()),
                 statement(format!(
                     "CREATE TABLE IF NOT EXISTS {tokens} (
                         name VARBINARY(512) PRIMARY KEY,
                         token BIGINT UNSIGNED NOT NULL,
                         holder_token BIGINT UNSIGNED,
                         owner CHAR(32),
-                        connection_id BIGINT UNSIGNED) ENGINE = InnoDB"
+                        connection_id BIGINT UNSIGNED) ENGINE = {engine}",
+                    engine = if config.synchronous_tokens { "InnoDB" } else { "MEMORY" }
                 )),
                 statement(format!(
                     "CREATE TABLE IF NOT EXISTS {fences} (
@@ -539,6 +580,15 @@ fn is_lock_wait(error: &sqlx::Error) -> bool {
         .is_some_and(|my| matches!(my.number(), 1205 | 3572))
 }
 
+/// Whether a statement failed because a table is full (1114: a MEMORY table at its
+/// size limit).
+fn is_table_full(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+        .is_some_and(|my| my.number() == 1114)
+}
+
 fn wait_timeout_secs(ttl: Duration) -> u64 {
     ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0)
 }
@@ -576,6 +626,17 @@ impl LockBackend for MysqlLockStore {
                     return Ok(TryAcquire::Held {
                         remaining_ttl: None,
                     });
+                }
+                Err(error) if is_table_full(&error) => {
+                    return Err(Error::new(
+                        ErrorKind::Store,
+                        format!(
+                            "cannot acquire the lock: the tokens table {} is full (a MEMORY \
+                             table holds up to 1 GiB of names); forget unused names with \
+                             `turnstile lock prune`, or recreate it larger",
+                            self.sql.tokens
+                        ),
+                    ));
                 }
                 Err(error) => return Err(map_error(error, "cannot acquire the lock")),
             };
