@@ -14,8 +14,11 @@ pub(crate) enum RawSql {
     /// by `turnstile_mode=session` in the URL.
     #[cfg(feature = "postgres")]
     PostgresAdvisory(sqlx::PgPool),
+    /// `GET_LOCK` with a token row written per acquire (an InnoDB commit), or, with
+    /// `turnstile_tokens=off` in the URL, `GET_LOCK` alone: the primitive itself, the
+    /// floor the library's tokens are measured against.
     #[cfg(feature = "mysql")]
-    Mysql(sqlx::MySqlPool),
+    Mysql { pool: sqlx::MySqlPool, tokens: bool },
 }
 
 /// A lock the raw peer holds.
@@ -225,16 +228,18 @@ impl RawSql {
             }
             #[cfg(feature = "mysql")]
             "mysql" | "mariadb" => {
+                let (base, query) = url.split_once('?').unwrap_or((url, ""));
+                let tokens = !query.split('&').any(|pair| pair == "turnstile_tokens=off");
                 let pool = sqlx::mysql::MySqlPoolOptions::new()
                     .max_connections(16)
-                    .connect(url)
+                    .connect(base)
                     .await
                     .map_err(unreachable_store)?;
                 sqlx::query("CREATE TABLE IF NOT EXISTS turnstile_bench_raw_tokens (name VARCHAR(128) PRIMARY KEY, token BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB")
                     .execute(&pool)
                     .await
                     .map_err(setup_error)?;
-                Ok(RawSql::Mysql(pool))
+                Ok(RawSql::Mysql { pool, tokens })
             }
             other => Err(Error::new(
                 ErrorKind::UnsupportedStore,
@@ -296,7 +301,7 @@ impl RawSql {
                 }
             }
             #[cfg(feature = "mysql")]
-            RawSql::Mysql(pool) => {
+            RawSql::Mysql { pool, tokens } => {
                 let mut connection = pool.acquire().await.map_err(|e| e.to_string())?;
                 // Benchmark names are short and lower case: usable as named-lock keys.
                 let key: String = name.chars().take(64).collect();
@@ -306,6 +311,9 @@ impl RawSql {
                         .fetch_one(&mut *connection)
                         .await
                         .map_err(|e| e.to_string())?;
+                    if got == Some(1) && !tokens {
+                        return Ok(Some(RawSqlHeld::Mysql { connection, key }));
+                    }
                     if got == Some(1) {
                         sqlx::query(
                             "INSERT INTO turnstile_bench_raw_tokens (name, token) VALUES (?, LAST_INSERT_ID(1))
@@ -352,7 +360,7 @@ impl RawSql {
                 .map_err(|e| e.to_string()),
             #[cfg(feature = "mysql")]
             (
-                RawSql::Mysql(_),
+                RawSql::Mysql { .. },
                 RawSqlHeld::Mysql {
                     mut connection,
                     key,

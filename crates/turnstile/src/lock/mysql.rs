@@ -535,13 +535,16 @@ impl MysqlLockStore {
 
 /// One round trip that takes the named lock and, if it got it, records the holder and
 /// issues its token:
-/// 1. the lease (`wait_timeout`) is set before `GET_LOCK`, so it covers the lock from
-///    the first instant;
+/// 1. the lease (`wait_timeout`) is set in the statement that calls `GET_LOCK`, so it
+///    covers the lock from the first instant;
 /// 2. a transaction-scoped holder's row lock is checked with `NOWAIT` after `GET_LOCK`
 ///    (it fails the batch, and the caller closes the session and reports the lock held);
 /// 3. the token is issued only when the lock was taken, in the same autocommit
-///    statement that records the holder;
-/// 4. a session that did not get the lock goes back to the server's idle timeout.
+///    statement that records the holder.
+///
+/// A session that did not get the lock keeps the lease as its `wait_timeout` in the
+/// pool (see `recycle`). Every statement of the batch is one more response the client
+/// wakes up for, so there are as few as the steps allow (four; there were six).
 ///
 /// Sent as text, not prepared: a prepared statement per lock name would churn the
 /// statement cache. Everything spliced in is safe as it stands: the key holds only
@@ -557,15 +560,13 @@ fn acquire_batch(
     let owner = owner.as_str();
     let (tokens, xact_locks) = (&sql.tokens, &sql.xact_locks);
     format!(
-        "SET SESSION wait_timeout = {lease_secs};
-         SELECT GET_LOCK('{key}', 0) INTO @ts_got;
+        "SET SESSION wait_timeout = {lease_secs}, @ts_got = GET_LOCK('{key}', 0);
          SELECT COUNT(*) FROM {xact_locks} WHERE name = X'{name_hex}' FOR UPDATE NOWAIT;
          INSERT INTO {tokens} (name, token, holder_token, owner, connection_id)
            SELECT X'{name_hex}', LAST_INSERT_ID({CLOCK_US}), {CLOCK_US}, '{owner}', CONNECTION_ID()
              FROM DUAL WHERE @ts_got = 1
            ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US})),
              holder_token = token, owner = '{owner}', connection_id = CONNECTION_ID();
-         SET SESSION wait_timeout = IF(@ts_got = 1, {lease_secs}, @@GLOBAL.wait_timeout);
          SELECT CAST(@ts_got AS SIGNED) AS got, CAST(CONNECTION_ID() AS UNSIGNED) AS id,
            CAST(LAST_INSERT_ID() AS UNSIGNED) AS token"
     )
