@@ -965,6 +965,9 @@ impl Browser {
     async fn start() -> Browser {
         let port = turnstile_test_support::free_port();
         let mut command = Command::new("chromedriver");
+        // Its own process group, so that dropping the browser also ends the Chromium
+        // processes chromedriver started, even when a test fails before closing them.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
         command
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
@@ -1100,6 +1103,8 @@ impl Browser {
 
 impl Drop for Browser {
     fn drop(&mut self) {
+        // SAFETY: signals the process group this test started (chromedriver's own).
+        unsafe { libc::kill(-(self.driver.id() as i32), libc::SIGKILL) };
         let _ = self.driver.kill();
         let _ = self.driver.wait();
     }
