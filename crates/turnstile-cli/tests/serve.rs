@@ -276,7 +276,7 @@ async fn lock_lifecycle(service: &Service) {
         .await;
     assert_eq!(after_break.body["outcome"], "already_expired");
 
-    // A lease that is not extended runs out on its own.
+    // A lease that is not extended runs out on its own, and the dashboard says so.
     let short = api.acquire(&name, json!({"ttl_ms": 300})).await;
     assert_eq!(short.status, StatusCode::OK);
     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -286,6 +286,17 @@ async fn lock_lifecycle(service: &Service) {
         StatusCode::OK,
         "an expired lease frees the lock"
     );
+    let events = api.get("/v1/dashboard").await.body["events"].clone();
+    let kinds: Vec<&str> = events
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|event| event["name"] == name.as_str())
+        .map(|event| event["kind"].as_str().unwrap())
+        .collect();
+    for kind in ["expired", "broken", "released_late", "lost"] {
+        assert!(kinds.contains(&kind), "no {kind:?} event in {kinds:?}");
+    }
 }
 
 #[tokio::test]

@@ -1,6 +1,7 @@
 //! What this instance has seen, for the dashboard: the locks it handed out (until their
-//! lease ends or they are released), waiters in its long-polls, recent losses and
-//! breaks, idempotency outcomes per second, outbox samples and store latencies.
+//! lease ends or they are released), waiters in its long-polls, recent losses, breaks
+//! and leases that ran out, idempotency outcomes per second, outbox samples and store
+//! latencies.
 //!
 //! None of it is needed for correctness (that state lives in the store, shared by every
 //! instance); it is a window on this instance's traffic, bounded in size.
@@ -32,6 +33,38 @@ struct State {
     idempotency: VecDeque<IdempotencySecond>,
     outbox: VecDeque<OutboxSample>,
     latency: BTreeMap<&'static str, VecDeque<Duration>>,
+}
+
+impl State {
+    fn event(&mut self, kind: &'static str, tenant: Option<&str>, name: &str, detail: String) {
+        if self.events.len() == EVENTS {
+            self.events.pop_front();
+        }
+        self.events.push_back(Event {
+            at_ms: unix_ms(),
+            kind,
+            name: name.to_owned(),
+            tenant: tenant.map(str::to_owned),
+            detail,
+        });
+    }
+
+    /// Drops the locks whose lease passed without a release: their holder stopped
+    /// extending (it crashed, was cut off, or forgot), which an operator wants to see.
+    fn expire(&mut self, now: Instant) {
+        let (expired, live): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|(_, held)| held.until <= now);
+        self.held = live;
+        for held in expired.into_values() {
+            metrics::counter!("turnstile_serve_leases_expired_total").increment(1);
+            let detail = format!(
+                "lease ran out without a release (holder {}…, token {})",
+                held.holder, held.token
+            );
+            self.event("expired", held.tenant.as_deref(), &held.name, detail);
+        }
+    }
 }
 
 struct Held {
@@ -68,7 +101,8 @@ pub(crate) struct HeldLock {
 pub(crate) struct Event {
     /// Unix time in milliseconds.
     at_ms: u64,
-    /// `lost`, `broken` or `released_late`.
+    /// `lost`, `broken`, `expired` (a lease that ran out without a release) or
+    /// `released_late`.
     kind: &'static str,
     /// The name as its tenant sees it.
     name: String,
@@ -150,7 +184,7 @@ impl Activity {
     ) {
         let mut state = self.state();
         let now = Instant::now();
-        state.held.retain(|_, held| held.until > now);
+        state.expire(now);
         if state.held.len() >= HELD {
             return;
         }
@@ -192,17 +226,7 @@ impl Activity {
         name: &str,
         detail: String,
     ) {
-        let mut state = self.state();
-        if state.events.len() == EVENTS {
-            state.events.pop_front();
-        }
-        state.events.push_back(Event {
-            at_ms: unix_ms(),
-            kind,
-            name: name.to_owned(),
-            tenant: tenant.map(str::to_owned),
-            detail,
-        });
+        self.state().event(kind, tenant, name, detail);
     }
 
     pub(crate) fn idempotency(&self, outcome: IdempotencyOutcome) {
@@ -260,7 +284,7 @@ impl Activity {
     pub(crate) fn snapshot(&self, tenant: Option<&str>) -> Snapshot {
         let mut state = self.state();
         let now = Instant::now();
-        state.held.retain(|_, held| held.until > now);
+        state.expire(now);
         let visible = |owner: Option<&str>| tenant.is_none() || owner == tenant;
         let held = state
             .held
