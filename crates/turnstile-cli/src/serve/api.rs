@@ -364,9 +364,9 @@ async fn extend(
     let full = lock_name(&principal, &name)?;
     let owner = OwnerId::parse(&request.owner)?;
     let ttl = millis("ttl_ms", request.ttl_ms, Duration::from_secs(30))?;
-    let started = Instant::now();
-    let outcome = service.locker.extend_detached(&full, &owner, ttl).await?;
-    service.observe_store("extend", started.elapsed());
+    let outcome = service
+        .timed("extend", service.locker.extend_detached(&full, &owner, ttl))
+        .await?;
     match outcome {
         ExtendOutcome::Extended => {
             service.activity.extended(full.as_str(), ttl);
@@ -431,9 +431,9 @@ async fn release(
     principal.require(Scope::LocksWrite)?;
     let full = lock_name(&principal, &name)?;
     let owner = OwnerId::parse(&request.owner)?;
-    let started = Instant::now();
-    let outcome = service.locker.release_detached(&full, &owner).await?;
-    service.observe_store("release", started.elapsed());
+    let outcome = service
+        .timed("release", service.locker.release_detached(&full, &owner))
+        .await?;
     let outcome = match outcome {
         ReleaseOutcome::Released => "released",
         ReleaseOutcome::AlreadyExpired => "already_expired",
@@ -486,9 +486,9 @@ async fn status(
 ) -> Result<Json<LockStatus>, Problem> {
     principal.require(Scope::LocksRead)?;
     let full = lock_name(&principal, &name)?;
-    let started = Instant::now();
-    let info = service.locker.status(&full).await?;
-    service.observe_store("status", started.elapsed());
+    let info = service
+        .timed("status", service.locker.status(&full))
+        .await?;
     Ok(Json(lock_status(name, info)))
 }
 
@@ -529,9 +529,9 @@ async fn force_release(
 ) -> Result<Json<LockStatus>, Problem> {
     principal.require(Scope::LocksBreak)?;
     let full = lock_name(&principal, &name)?;
-    let started = Instant::now();
-    let info = service.locker.force_release(&full).await?;
-    service.observe_store("break", started.elapsed());
+    let info = service
+        .timed("break", service.locker.force_release(&full))
+        .await?;
     if let Some(info) = &info {
         service.activity.gone(full.as_str());
         service.activity.event(
@@ -648,11 +648,12 @@ async fn claim(
         .lease(lease)
         .retention(retention)
         .validate()?;
-    let started = Instant::now();
-    let answer = store
-        .claim(&scope, &key, &fingerprint, lease, retention)
+    let answer = service
+        .timed(
+            "claim",
+            store.claim(&scope, &key, &fingerprint, lease, retention),
+        )
         .await?;
-    service.observe_store("claim", started.elapsed());
     match answer {
         ClaimAnswer::Started { token } => {
             service.idempotency_outcome(IdempotencyOutcome::Started);
@@ -828,9 +829,9 @@ async fn heartbeat(
         IdempotencyOptions::new().get_lease(),
     )?;
     IdempotencyOptions::new().lease(lease).validate()?;
-    let started = Instant::now();
-    let outcome = store.heartbeat(&scope, &key, token, lease).await?;
-    service.observe_store("heartbeat", started.elapsed());
+    let outcome = service
+        .timed("heartbeat", store.heartbeat(&scope, &key, token, lease))
+        .await?;
     let finish = match outcome {
         ExtendOutcome::Extended => Finish::Done,
         _ => Finish::Fenced,
@@ -875,11 +876,12 @@ async fn complete(
         IdempotencyOptions::new().get_retention(),
     )?;
     IdempotencyOptions::new().retention(retention).validate()?;
-    let started = Instant::now();
-    let finish = store
-        .complete(&scope, &key, token, &outcome, retention)
+    let finish = service
+        .timed(
+            "complete",
+            store.complete(&scope, &key, token, &outcome, retention),
+        )
         .await?;
-    service.observe_store("complete", started.elapsed());
     if finish == Finish::Done {
         service.idempotency_outcome(IdempotencyOutcome::Completed);
     }
@@ -903,9 +905,9 @@ async fn give_back(
     principal.require(Scope::IdempotencyWrite)?;
     let store = service.idempotency()?;
     let (scope, key, token) = claim_parts(&principal, &request)?;
-    let started = Instant::now();
-    let finish = store.release(&scope, &key, token).await?;
-    service.observe_store("give_back", started.elapsed());
+    let finish = service
+        .timed("give_back", store.release(&scope, &key, token))
+        .await?;
     finished(&service, &key, finish)
 }
 
@@ -963,9 +965,7 @@ async fn record(
     let store = service.idempotency()?;
     let scope = key_scope(&principal, query.scope.as_deref())?;
     let key = IdempotencyKey::new(query.key)?;
-    let started = Instant::now();
-    let record = store.get(&scope, &key).await?;
-    service.observe_store("record", started.elapsed());
+    let record = service.timed("record", store.get(&scope, &key)).await?;
     let Some(record) = record else {
         return Err(Problem::new(
             axum::http::StatusCode::NOT_FOUND,
@@ -1062,9 +1062,7 @@ async fn outbox_status(
         )));
     }
     let outbox = service.outbox()?;
-    let started = Instant::now();
-    let status = outbox.status(limit).await?;
-    service.observe_store("outbox_status", started.elapsed());
+    let status = service.timed("outbox_status", outbox.status(limit)).await?;
     Ok(Json(OutboxStatus {
         pending: status.pending,
         pending_keys: status.pending_keys,
@@ -1119,9 +1117,9 @@ async fn redrive(
         return Err(Problem::invalid("key is 1 to 1024 bytes"));
     }
     let outbox = service.outbox()?;
-    let started = Instant::now();
-    let redriven = outbox.redrive(&request.key).await?;
-    service.observe_store("redrive", started.elapsed());
+    let redriven = service
+        .timed("redrive", outbox.redrive(&request.key))
+        .await?;
     if redriven {
         tracing::info!(key = %request.key, by = %principal.name, "outbox key redriven through the service");
     }

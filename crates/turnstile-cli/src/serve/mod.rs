@@ -109,6 +109,18 @@ impl Service {
         self.outbox.as_ref().map_err(|why| unsupported(why))
     }
 
+    /// Runs one store operation and records how long it took when it succeeds.
+    async fn timed<T>(
+        &self,
+        operation: &'static str,
+        request: impl Future<Output = turnstile::Result<T>>,
+    ) -> turnstile::Result<T> {
+        let started = std::time::Instant::now();
+        let answer = request.await?;
+        self.observe_store(operation, started.elapsed());
+        Ok(answer)
+    }
+
     /// Records how long one store operation took, for `/metrics` and the dashboard.
     fn observe_store(&self, operation: &'static str, took: Duration) {
         metrics::histogram!(
