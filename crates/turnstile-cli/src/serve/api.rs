@@ -119,15 +119,15 @@ fn json_problem(rejection: &JsonRejection) -> Problem {
     }
 }
 
-/// The `{name}` (or `{key}`) path parameter.
+/// The `{name}` path parameter of the lock routes.
 pub(crate) struct PathName(String);
 
 impl<S: Send + Sync> FromRequestParts<S> for PathName {
     type Rejection = Problem;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Problem> {
-        match Path::<String>::from_request_parts(parts, state).await {
-            Ok(Path(name)) => Ok(PathName(name)),
+        match Path::<LockPath>::from_request_parts(parts, state).await {
+            Ok(Path(path)) => Ok(PathName(path.name)),
             Err(rejection) => Err(path_problem(&rejection)),
         }
     }
@@ -254,10 +254,25 @@ pub(crate) struct LockLease {
     ttl_ms: u64,
 }
 
+/// The `{name}` of the lock routes, read by [`PathName`] and described by the OpenAPI
+/// document from this one definition.
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Path)]
+pub(crate) struct LockPath {
+    /// The lock's name (percent-encoded): 1 to 512 bytes of UTF-8 without control
+    /// characters.
+    #[param(
+        min_length = 1,
+        max_length = 512,
+        pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$"
+    )]
+    name: String,
+}
+
 /// Takes a lock, waiting up to `wait_ms` for it.
 #[utoipa::path(
     post, path = "/v1/locks/{name}/acquire", tag = "locks",
-    params(("name" = String, Path, description = "The lock's name (percent-encoded): 1 to 512 bytes of UTF-8 without control characters", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")),
+    params(LockPath),
     request_body = AcquireRequest,
     responses(
         (status = 200, description = "Acquired", body = LockLease),
@@ -346,7 +361,7 @@ pub(crate) struct Extended {
 /// (409 `lock-lost`): the holder must stop writing.
 #[utoipa::path(
     post, path = "/v1/locks/{name}/extend", tag = "locks",
-    params(("name" = String, Path, description = "The lock's name", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")),
+    params(LockPath),
     request_body = ExtendRequest,
     responses(
         (status = 200, description = "Extended", body = Extended),
@@ -415,7 +430,7 @@ pub(crate) struct Released {
 /// Releases a lease, reporting what the store found.
 #[utoipa::path(
     post, path = "/v1/locks/{name}/release", tag = "locks",
-    params(("name" = String, Path, description = "The lock's name", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")),
+    params(LockPath),
     request_body = ReleaseRequest,
     responses(
         (status = 200, description = "What the release found", body = Released),
@@ -473,7 +488,7 @@ pub(crate) struct LockStatus {
 /// The current holder of a lock, if any.
 #[utoipa::path(
     get, path = "/v1/locks/{name}", tag = "locks",
-    params(("name" = String, Path, description = "The lock's name", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")),
+    params(LockPath),
     responses(
         (status = 200, description = "The lock's state", body = LockStatus),
         (status = 400, description = "Invalid name", body = ProblemDocument, content_type = "application/problem+json"),
@@ -516,7 +531,7 @@ fn lock_status(name: String, info: Option<turnstile::lock::LockInfo>) -> LockSta
 /// held (`held: false` if nothing was).
 #[utoipa::path(
     delete, path = "/v1/locks/{name}", tag = "locks",
-    params(("name" = String, Path, description = "The lock's name", min_length = 1, max_length = 512, pattern = "^[^\\x00-\\x1f\\x7f-\\x9f]+$")),
+    params(LockPath),
     responses(
         (status = 200, description = "What was held", body = LockStatus),
         (status = 403, description = "The token lacks locks:break", body = ProblemDocument, content_type = "application/problem+json"),
