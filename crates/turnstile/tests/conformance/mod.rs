@@ -43,6 +43,20 @@ fn options(ttl_ms: u64) -> LockOptions {
 
 /// Many tasks in several clients run a read-modify-write that loses updates whenever
 /// two of them are inside at once.
+/// After a crash of the store's server: the first token issued is above every token
+/// issued before the crash (the crash may have lost some of their commits).
+pub fn assert_above_every_earlier_token(
+    after: turnstile::FencingToken,
+    before: &[turnstile::FencingToken],
+) {
+    let largest = before.iter().max().copied().unwrap();
+    assert!(
+        after > largest,
+        "token {} after the crash, {largest} before",
+        after.get()
+    );
+}
+
 pub async fn mutual_exclusion_under_contention(store: impl TestStore) {
     let lock = name("mutex");
     let counter = Arc::new(AtomicU64::new(0));
