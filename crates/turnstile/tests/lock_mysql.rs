@@ -87,6 +87,49 @@ async fn killing_the_holders_session_fires_the_lost_signal() {
     );
 }
 
+/// A holder whose session was killed releases with a same-process waiter queued: the
+/// hand-over's statement finds the session dead (there is no ping before it), so the
+/// lock is released the ordinary way and the waiter takes it on a fresh session, with
+/// a larger token, instead of the hand-over failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_over_from_a_killed_session_falls_back_to_an_ordinary_acquire() {
+    let server = shared_mariadb();
+    let url = server.fresh_database("killed_hand_over");
+    let locker = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    // Long enough that no renewal notices the kill before the release.
+    let ttl = Duration::from_secs(30);
+    let name = unique_name("handover");
+    let holder = locker
+        .acquire(&name, &LockOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    let before = holder.fencing_token();
+    let waiter = {
+        let (locker, name) = (locker.clone(), name.clone());
+        tokio::spawn(async move {
+            locker
+                .acquire(
+                    &name,
+                    &LockOptions::new().ttl(ttl).wait(Duration::from_secs(10)),
+                )
+                .await
+        })
+    };
+    // Let the waiter queue behind the holder.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    kill_holder(server, &name);
+    let released = holder.release().await.unwrap();
+    assert_ne!(
+        released,
+        ReleaseOutcome::Released,
+        "a killed session released its lock"
+    );
+    let next = waiter.await.unwrap().expect("the waiter got the lock");
+    assert!(next.fencing_token() > before);
+    assert!(!next.is_lost());
+    next.release().await.unwrap();
+}
+
 /// A restart ends every session: the holder's next renewal finds its session dead and
 /// says `Expired` (within TTL/3 of the restart, whether or not the server is back), the
 /// lock is free, and tokens keep increasing.

@@ -413,12 +413,15 @@ impl Locker {
             // hand-over or a release it announces locally), so there is nothing to
             // poll for; polling then would only race the hand-over.
             let poll = !queue.held_locally();
-            let handoff = tokio::select! {
-                handoff = &mut handed => handoff.ok(),
+            // `Some` once the offer is answered: a hand-over, or the holder dropping the
+            // offer after its hand-over failed (then this waiter tries on its own). The
+            // channel must not be awaited again after either.
+            let answered = tokio::select! {
+                handoff = &mut handed => Some(handoff.ok()),
                 _ = watch.wait(limit, poll) => None,
             };
-            let handoff = match handoff {
-                Some(handoff) => Some(handoff),
+            let handoff = match answered {
+                Some(handoff) => handoff,
                 None if queue.withdraw(owner) => None,
                 // A holder took the offer and is handing over right now: its answer
                 // comes within one round trip. If this future is dropped meanwhile, the

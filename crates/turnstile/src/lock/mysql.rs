@@ -73,9 +73,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::TryStreamExt;
 use sha2::{Digest, Sha256};
 use sqlx::mysql::{MySql, MySqlPool, MySqlPoolOptions};
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::{AssertSqlSafe, Either, Row};
 use tokio::time::Instant;
 
 use super::session::{self, Dedicated, HeldSessions, SessionEngine};
@@ -544,7 +545,10 @@ impl MysqlLockStore {
 ///
 /// A session that did not get the lock keeps the lease as its `wait_timeout` in the
 /// pool (see `recycle`). Every statement of the batch is one more response the client
-/// wakes up for, so there are as few as the steps allow (four; there were six).
+/// wakes up for, so there are as few as the steps allow (three; there were six): the
+/// row check also reports whether `GET_LOCK` succeeded and the session's connection id,
+/// and the token comes back in the `INSERT`'s own reply (its OK packet carries the
+/// argument of `LAST_INSERT_ID(expr)`), not from a fourth statement.
 ///
 /// Sent as text, not prepared: a prepared statement per lock name would churn the
 /// statement cache. Everything spliced in is safe as it stands: the key holds only
@@ -561,14 +565,13 @@ fn acquire_batch(
     let (tokens, xact_locks) = (&sql.tokens, &sql.xact_locks);
     format!(
         "SET SESSION wait_timeout = {lease_secs}, @ts_got = GET_LOCK('{key}', 0);
-         SELECT COUNT(*) FROM {xact_locks} WHERE name = X'{name_hex}' FOR UPDATE NOWAIT;
+         SELECT CAST(@ts_got AS SIGNED) AS got, CAST(CONNECTION_ID() AS UNSIGNED) AS id,
+           COUNT(*) AS xact FROM {xact_locks} WHERE name = X'{name_hex}' FOR UPDATE NOWAIT;
          INSERT INTO {tokens} (name, token, holder_token, owner, connection_id)
            SELECT X'{name_hex}', LAST_INSERT_ID({CLOCK_US}), {CLOCK_US}, '{owner}', CONNECTION_ID()
              FROM DUAL WHERE @ts_got = 1
            ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US})),
-             holder_token = token, owner = '{owner}', connection_id = CONNECTION_ID();
-         SELECT CAST(@ts_got AS SIGNED) AS got, CAST(CONNECTION_ID() AS UNSIGNED) AS id,
-           CAST(LAST_INSERT_ID() AS UNSIGNED) AS token"
+             holder_token = token, owner = '{owner}', connection_id = CONNECTION_ID()"
     )
 }
 
@@ -615,11 +618,12 @@ impl LockBackend for MysqlLockStore {
             let mut connection = Dedicated::new(connection);
             let sent = Instant::now();
             let query = acquire_batch(&self.sql, name, &key, owner, wait_timeout_secs(ttl));
-            let rows = match sqlx::raw_sql(AssertSqlSafe(query))
-                .fetch_all(&mut *connection)
+            let replies = match sqlx::raw_sql(AssertSqlSafe(query))
+                .fetch_many(&mut *connection)
+                .try_collect::<Vec<_>>()
                 .await
             {
-                Ok(rows) => rows,
+                Ok(replies) => replies,
                 // A transaction-scoped holder keeps the name's row locked: the lock is
                 // held. The session may have taken the named lock before finding out,
                 // so it is closed (dropped), not pooled.
@@ -642,7 +646,11 @@ impl LockBackend for MysqlLockStore {
                 Err(error) => return Err(map_error(error, "cannot acquire the lock")),
             };
             let bad = |error| map_error(error, "bad reply to GET_LOCK");
-            let Some(row) = rows.last() else {
+            // Replies in order: SET's result, the row check's row and result, the
+            // INSERT's result.
+            let (Some(Either::Right(row)), Some(Either::Left(inserted))) =
+                (replies.get(1), replies.get(3))
+            else {
                 return Err(Error::new(ErrorKind::Store, "no reply to GET_LOCK"));
             };
             let got: Option<i64> = row.try_get("got").map_err(bad)?;
@@ -653,8 +661,13 @@ impl LockBackend for MysqlLockStore {
                 });
             }
             let connection_id: u64 = row.try_get("id").map_err(bad)?;
-            let token: u64 = row.try_get("token").map_err(bad)?;
-            let token = FencingToken::new(token);
+            if inserted.rows_affected() == 0 || inserted.last_insert_id() == 0 {
+                return Err(Error::new(
+                    ErrorKind::Store,
+                    "the server issued no fencing token with GET_LOCK",
+                ));
+            }
+            let token = FencingToken::new(inserted.last_insert_id());
             let session = Session {
                 connection: Some(connection),
                 server_id: connection_id,
@@ -859,27 +872,35 @@ impl SessionEngine for MysqlLockStore {
         to: &OwnerId,
         ttl: Duration,
     ) -> Result<FencingToken> {
-        // Text, not prepared, for the reason given at `acquire_batch`.
+        // Text, not prepared, for the reason given at `acquire_batch`; the token comes
+        // back in the UPDATE's own reply, as there.
         let query = format!(
             "SET SESSION wait_timeout = {lease};
              UPDATE {tokens} SET token = LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US})), holder_token = token,
-               owner = '{owner}', connection_id = CONNECTION_ID() WHERE name = X'{name}';
-             SELECT CAST(LAST_INSERT_ID() AS UNSIGNED) AS token",
+               owner = '{owner}', connection_id = CONNECTION_ID() WHERE name = X'{name}'",
             lease = wait_timeout_secs(ttl),
             tokens = self.sql.tokens,
             owner = to.as_str(),
             name = hex(name.as_str().as_bytes()),
         );
-        let rows = sqlx::raw_sql(AssertSqlSafe(query))
-            .fetch_all(&mut **connection)
+        let results = sqlx::raw_sql(AssertSqlSafe(query))
+            .execute_many(&mut **connection)
+            .try_collect::<Vec<_>>()
             .await
             .map_err(|error| map_error(error, "cannot hand the lock over"))?;
-        let token: u64 = rows
-            .last()
-            .ok_or_else(|| Error::new(ErrorKind::Store, "no reply to the hand-over"))?
-            .try_get("token")
-            .map_err(|error| map_error(error, "bad reply to the hand-over"))?;
-        Ok(FencingToken::new(token))
+        match results.last() {
+            Some(updated) if updated.rows_affected() == 1 && updated.last_insert_id() != 0 => {
+                Ok(FencingToken::new(updated.last_insert_id()))
+            }
+            // The name's row is gone (pruned by hand while held): no token to hand on.
+            _ => Err(Error::new(
+                ErrorKind::Store,
+                format!(
+                    "the hand-over found no token row for the lock in {}",
+                    self.sql.tokens
+                ),
+            )),
+        }
     }
 
     async fn holder_id(&self, name: &LockName) -> Result<Option<u64>> {

@@ -275,20 +275,26 @@ pub(crate) async fn hand_over<E: SessionEngine>(
 ) -> Result<(ReleaseOutcome, TryAcquire)> {
     if let Some(shared) = engine.sessions().get(from) {
         let mut session = shared.lock().await;
-        if still_holds(engine, &mut session).await
+        // No ping first: a live session keeps its lock, so the reissue answering is
+        // itself the proof that the session still holds it, one round trip sooner.
+        if session.in_contact()
             && let Some(mut connection) = session.connection.take()
         {
-            engine.sessions().forget(from);
             let sent = Instant::now();
             let token = match engine.reissue(&mut connection, name, to, ttl).await {
                 Ok(token) => token,
                 Err(error) => {
-                    // In doubt about what the session holds now: end it, freeing the lock.
+                    // A dead session (its lock already freed), or in doubt about what it
+                    // holds now: end it, freeing the lock, and let the next owner
+                    // acquire the ordinary way.
+                    tracing::debug!(lock = %name, %error, "hand-over failed; releasing instead");
                     engine.close(connection).await;
-                    engine.signals().notify(name.as_str());
-                    return Err(error);
+                    drop(session);
+                    let released = release(engine, name, from).await?;
+                    return Ok((released, acquire.await?));
                 }
             };
+            engine.sessions().forget(from);
             let moved = Session {
                 connection: Some(connection),
                 server_id: session.server_id,

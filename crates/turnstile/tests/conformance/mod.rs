@@ -9,7 +9,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -957,6 +957,7 @@ pub struct Counting {
     answered: Arc<AtomicUsize>,
     watches: AtomicUsize,
     hand_overs: AtomicUsize,
+    fail_hand_over: AtomicBool,
 }
 
 impl Counting {
@@ -969,6 +970,7 @@ impl Counting {
             answered: Arc::new(AtomicUsize::new(0)),
             watches: AtomicUsize::new(0),
             hand_overs: AtomicUsize::new(0),
+            fail_hand_over: AtomicBool::new(false),
         });
         let backend: Arc<dyn LockBackend> = counting.clone();
         (Locker::from_arc(backend), counting)
@@ -992,6 +994,12 @@ impl Counting {
     /// How many hand-overs were sent.
     pub fn hand_overs(&self) -> usize {
         self.hand_overs.load(Ordering::SeqCst)
+    }
+
+    /// Makes the next hand-over fail the way a connection cut after the release ran
+    /// fails: the store releases the lock, and the caller gets `StoreUnavailable`.
+    pub fn fail_next_hand_over(&self) {
+        self.fail_hand_over.store(true, Ordering::SeqCst);
     }
 }
 
@@ -1074,6 +1082,15 @@ impl LockBackend for Counting {
         ttl: Duration,
     ) -> BoxFuture<'a, turnstile::Result<(ReleaseOutcome, TryAcquire)>> {
         self.hand_overs.fetch_add(1, Ordering::SeqCst);
+        if self.fail_hand_over.swap(false, Ordering::SeqCst) {
+            return Box::pin(async move {
+                self.inner.release(name, from).await?;
+                Err(turnstile::Error::new(
+                    ErrorKind::StoreUnavailable,
+                    "injected: the connection was cut after the release",
+                ))
+            });
+        }
         self.inner.hand_over(name, from, to, ttl)
     }
 }
@@ -1190,6 +1207,41 @@ pub async fn one_store_contender_per_name_per_process(store: impl TestStore) {
             .expect("a waiter never got the lock")
             .unwrap();
     }
+}
+
+/// A hand-over that fails (the store released the lock, then the connection was cut)
+/// leaves the queued waiter to take the lock on its own: it gets it promptly, with a
+/// larger token, and the releasing holder hears of the failure.
+pub async fn a_failed_hand_over_leaves_the_waiter_to_acquire(store: impl TestStore) {
+    let lock = name("failedhandover");
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let first = locker.acquire(&lock, &options(30_000)).await.unwrap();
+    let first_token = first.fencing_token();
+    let next = {
+        let (locker, lock) = (locker.clone(), lock.clone());
+        tokio::spawn(async move {
+            locker
+                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+                .await
+        })
+    };
+    contender_sleeps(&counting).await;
+    counting.fail_next_hand_over();
+    let released = first.release().await;
+    assert_eq!(counting.hand_overs(), 1, "no hand-over was tried");
+    assert_eq!(
+        released
+            .expect_err("the failed hand-over was reported as a release")
+            .kind(),
+        ErrorKind::StoreUnavailable
+    );
+    let next = tokio::time::timeout(Duration::from_secs(5), next)
+        .await
+        .expect("the waiter did not get the lock after the failed hand-over")
+        .expect("the waiter's task failed")
+        .expect("the waiter got an error");
+    assert!(next.fencing_token() > first_token);
+    next.release().await.unwrap();
 }
 
 /// A release with a task of the same process waiting hands the lock straight over:
@@ -1359,6 +1411,7 @@ macro_rules! conformance_tests {
             local_waiters_are_served_first_come_first_served,
             one_store_contender_per_name_per_process,
             a_hand_over_issues_a_new_larger_token,
+            a_failed_hand_over_leaves_the_waiter_to_acquire,
             a_remote_waiter_gets_in_within_nine_local_sections,
         );
     };
