@@ -871,14 +871,22 @@ impl SessionEngine for MysqlLockStore {
         name: &LockName,
         to: &OwnerId,
         ttl: Duration,
+        held_ttl: Duration,
     ) -> Result<FencingToken> {
         // Text, not prepared, for the reason given at `acquire_batch`; the token comes
-        // back in the UPDATE's own reply, as there.
+        // back in the UPDATE's own reply, as there. The lease is set only when it
+        // changes: in a run of hand-overs with one TTL the batch is a single statement
+        // with a single reply.
+        let lease = wait_timeout_secs(ttl);
+        let set_lease = if lease == wait_timeout_secs(held_ttl) {
+            String::new()
+        } else {
+            format!("SET SESSION wait_timeout = {lease};")
+        };
         let query = format!(
-            "SET SESSION wait_timeout = {lease};
+            "{set_lease}
              UPDATE {tokens} SET token = LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US})), holder_token = token,
                owner = '{owner}', connection_id = CONNECTION_ID() WHERE name = X'{name}'",
-            lease = wait_timeout_secs(ttl),
             tokens = self.sql.tokens,
             owner = to.as_str(),
             name = hex(name.as_str().as_bytes()),

@@ -475,6 +475,7 @@ impl SessionEngine for PostgresSessionLockStore {
         name: &LockName,
         to: &OwnerId,
         ttl: Duration,
+        _held_ttl: Duration,
     ) -> Result<FencingToken> {
         let token: i64 = sqlx::query_scalar(self.sql.reissue.sql())
             .bind(name.as_str())

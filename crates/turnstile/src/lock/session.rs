@@ -170,13 +170,16 @@ pub(crate) trait SessionEngine: Send + Sync {
     fn close(&self, connection: Self::Connection) -> impl Future<Output = ()> + Send;
 
     /// Gives the lock held on `connection` to `to` without letting go of it: issues a
-    /// new token, records `to` as the holder and sets the session's lease to `ttl`.
+    /// new token, records `to` as the holder and sets the session's lease to `ttl`
+    /// (`held_ttl` is the lease the session has now, so an unchanged one need not be
+    /// set again).
     fn reissue<'a>(
         &'a self,
         connection: &'a mut Self::Connection,
         name: &'a LockName,
         to: &'a OwnerId,
         ttl: Duration,
+        held_ttl: Duration,
     ) -> impl Future<Output = Result<FencingToken>> + Send + 'a;
 
     /// The server id of the session that holds `name` now, if any.
@@ -281,7 +284,10 @@ pub(crate) async fn hand_over<E: SessionEngine>(
             && let Some(mut connection) = session.connection.take()
         {
             let sent = Instant::now();
-            let token = match engine.reissue(&mut connection, name, to, ttl).await {
+            let token = match engine
+                .reissue(&mut connection, name, to, ttl, session.ttl)
+                .await
+            {
                 Ok(token) => token,
                 Err(error) => {
                     // A dead session (its lock already freed), or in doubt about what it
