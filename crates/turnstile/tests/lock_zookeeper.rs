@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 
 use conformance::TestStore;
 use turnstile::ErrorKind;
+use turnstile::lock::ReleaseOutcome;
 use turnstile::lock::zookeeper::ZooKeeperLockStore;
 use turnstile::lock::{LockOptions, Locker, LossReason};
-use turnstile_test_support::{ZooKeeperServer, shared_zookeeper, unique_name};
+use turnstile_test_support::{ZooKeeperEnsemble, ZooKeeperServer, shared_zookeeper, unique_name};
 
 #[derive(Clone)]
 struct Shared {
@@ -97,6 +98,73 @@ async fn a_server_down_past_the_deadline_fires_the_lost_signal_there() {
         .unwrap();
     assert!(taken.fencing_token() > token);
     taken.release().await.unwrap();
+}
+
+/// On a three-server ensemble, a held lock survives the death of the leader: the
+/// client moves its session to a surviving server, the holder keeps its lock through
+/// the election, a second client is still kept out, and the next holder's token (a
+/// creation zxid, which the new leader's epoch makes larger) is larger. A killed server
+/// that comes back rejoins. With two servers dead there is no quorum: an acquire fails
+/// within its wait bound (no hang), and the holder's lost signal fires at its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_server_ensemble_keeps_its_locks_when_the_leader_dies() {
+    let ensemble = ZooKeeperEnsemble::spawn(3);
+    let locker = Locker::new(ZooKeeperLockStore::connect(&ensemble.url()).await.unwrap());
+    let other = Locker::new(ZooKeeperLockStore::connect(&ensemble.url()).await.unwrap());
+    // Longer than an election takes here (tick 100 ms: a follower gives up on a dead
+    // leader after 2 s, then votes), so the session outlives it.
+    let ttl = Duration::from_secs(5);
+    let options = LockOptions::new().ttl(ttl).wait(Duration::from_secs(20));
+    let guard = locker.acquire("job", &options).await.unwrap();
+    let first_token = guard.fencing_token();
+
+    let leader = ensemble.leader().expect("the ensemble has a leader");
+    ensemble.member(leader).kill();
+    let new_leader_by = Instant::now() + Duration::from_secs(20);
+    while ensemble.leader().is_none_or(|now| now == leader) {
+        assert!(Instant::now() < new_leader_by, "no new leader within 20 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Past the holder's renewal period, so a renewal went through the new leader.
+    tokio::time::sleep(ttl / 2).await;
+    assert!(
+        !guard.is_lost(),
+        "the holder lost its lock when the leader of three died: {:?}",
+        guard.loss_reason()
+    );
+    assert!(
+        other
+            .try_acquire("job", &LockOptions::new().ttl(ttl))
+            .await
+            .unwrap()
+            .is_none(),
+        "a second client got the lock while it was held"
+    );
+    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+    let guard = other.acquire("job", &options).await.unwrap();
+    assert!(guard.fencing_token() > first_token);
+    ensemble.member(leader).start_again();
+
+    let survivors: Vec<usize> = (0..3).filter(|&i| i != leader).collect();
+    ensemble.member(survivors[0]).kill();
+    ensemble.member(survivors[1]).kill();
+    let started = Instant::now();
+    let refused = locker
+        .acquire(
+            "another",
+            &LockOptions::new().ttl(ttl).wait(Duration::from_secs(2)),
+        )
+        .await;
+    assert!(refused.is_err(), "an acquire without a quorum succeeded");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "an acquire without a quorum took {:?} to fail",
+        started.elapsed()
+    );
+    let reason = tokio::time::timeout(2 * ttl, guard.lost())
+        .await
+        .expect("the holder was not told it lost its lock when the quorum went");
+    assert_eq!(reason, LossReason::RenewalFailed);
 }
 
 /// A client that dies holding a lock (its runtime stops: no release, no pings) frees
