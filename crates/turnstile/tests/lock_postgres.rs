@@ -425,6 +425,44 @@ mod session {
 
     conformance_tests!(super::session_database);
 
+    /// A released session goes back to the pool with the server's idle timeout, not
+    /// the lease: it is still there well after the lease would have ended it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_released_session_keeps_the_servers_idle_timeout_not_the_lease() {
+        let database = session_database().await;
+        let locker = database.locker().await;
+        let ttl = Duration::from_millis(500);
+        let guard = locker
+            .acquire("idle", &LockOptions::new().ttl(ttl))
+            .await
+            .unwrap();
+        let admin = sqlx::PgPool::connect(database.url.split('?').next().unwrap())
+            .await
+            .unwrap();
+        let holder: i32 = sqlx::query_scalar(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        assert_eq!(
+            guard.release().await.unwrap(),
+            turnstile::lock::ReleaseOutcome::Released
+        );
+        // Four leases: an idle timeout left at the lease would have ended the session.
+        tokio::time::sleep(4 * ttl).await;
+        let alive: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE pid = $1")
+            .bind(holder)
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+        assert_eq!(
+            alive, 1,
+            "the pooled session was ended by the lease's idle timeout"
+        );
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn terminating_the_holders_backend_fires_the_lost_signal() {
         let database = session_database().await;

@@ -83,6 +83,12 @@ pub struct PostgresSessionLockStore {
     held: Arc<HeldSessions<Dedicated<Postgres>, ()>>,
     sql: Arc<Sql>,
     signals: ReleaseSignals,
+    /// The `idle_session_timeout` that `RESET` would restore on this store's sessions
+    /// (they share one role, database and startup options), read once: the unlock
+    /// statement restores it itself, so a release is one round trip. A default changed
+    /// later (`ALTER ROLE`) reaches sessions that start after it only when the store
+    /// is opened again.
+    idle_timeout_default: tokio::sync::OnceCell<String>,
 }
 
 impl std::fmt::Debug for PostgresSessionLockStore {
@@ -217,6 +223,7 @@ impl PostgresSessionLockStore {
             held: Arc::default(),
             sql: Arc::new(sql),
             signals: ReleaseSignals::new(),
+            idle_timeout_default: tokio::sync::OnceCell::new(),
         })
     }
 
@@ -442,27 +449,38 @@ impl SessionEngine for PostgresSessionLockStore {
         name: &LockName,
         _key: &(),
     ) -> bool {
+        // Without the default to restore, the session is not fit for the pool: `false`
+        // closes it, which frees the lock as well.
+        let Ok(idle_timeout_default) = self
+            .idle_timeout_default
+            .get_or_try_init(|| {
+                sqlx::query_scalar::<_, String>(
+                    "SELECT reset_val FROM pg_settings WHERE name = 'idle_session_timeout'",
+                )
+                .fetch_one(&mut **connection)
+            })
+            .await
+        else {
+            return false;
+        };
         // pg_advisory_unlock is its own ownership check: true only if this session held
-        // the lock.
+        // the lock. The same statement puts back the idle timeout the server or role
+        // configures (not the lease, and not "none"), for the session's return to the
+        // pool.
         sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(format!(
-            "SELECT pg_advisory_unlock(hashtextextended($1, {KEY_SEED}))"
+            "SELECT pg_advisory_unlock(hashtextextended($1, {KEY_SEED})),
+                    set_config('idle_session_timeout', $2, false)"
         )))
         .bind(name.as_str())
+        .bind(idle_timeout_default)
         .fetch_one(&mut **connection)
         .await
         .unwrap_or(false)
     }
 
-    async fn recycle(&self, mut connection: Dedicated<Postgres>) {
-        // Back to the pool with the idle timeout the server or role configures, not
-        // the lease, and not "none".
-        match sqlx::query("RESET idle_session_timeout")
-            .execute(&mut *connection)
-            .await
-        {
-            Ok(_) => connection.recycle(),
-            Err(_) => connection.close().await,
-        }
+    async fn recycle(&self, connection: Dedicated<Postgres>) {
+        // The unlock statement already restored the idle timeout.
+        connection.recycle();
     }
 
     async fn close(&self, connection: Dedicated<Postgres>) {
