@@ -52,20 +52,29 @@ async fn open_channel(url: &str, redacted: &str) -> Result<(Connection, Channel)
     Ok((connection, channel))
 }
 
+/// How many messages may wait for their confirms at once, each on its own channel.
+const MAX_IN_FLIGHT: usize = 32;
+
 /// A RabbitMQ publisher with publisher confirms.
+///
+/// Several messages are in flight at once, but **each on its own channel**: AMQP's
+/// `basic.return` (the broker's "unroutable") names no delivery tag, and a client pairs
+/// it with the next acknowledged publish of its channel. With several messages in
+/// flight on one channel under one batched ack, the return could land on another
+/// message, and the unroutable one would count as delivered — lost. (Seen in the
+/// "unroutable message parks its key" test, when this publisher used one channel.) On
+/// a channel with a single message in flight, the pairing is exact.
 pub struct RabbitMqPublisher {
     url: String,
     redacted: String,
     exchange: String,
-    /// The connection and its confirming channel; dropped after a failure and opened
-    /// again on the next publish (lapin does not recover connections by itself).
-    link: Mutex<Option<(Connection, Channel)>>,
-    /// Held from a publish to its confirm: one message in flight at a time. AMQP's
-    /// `basic.return` (the broker's "unroutable") names no delivery tag, and lapin pairs
-    /// it with the next acknowledged publish; with several in flight under one batched
-    /// ack it could land on another message, and the unroutable one would count as
-    /// delivered — lost. (Seen in the "unroutable message parks its key" test.)
-    in_flight: Mutex<()>,
+    /// The connection, dropped after a failure and opened again on the next publish
+    /// (lapin does not recover connections by itself).
+    connection: Mutex<Option<Connection>>,
+    /// Confirming channels with nothing in flight, ready for the next publish.
+    idle: std::sync::Mutex<Vec<Channel>>,
+    /// Bounds the channels in use (one message in flight each).
+    in_flight: tokio::sync::Semaphore,
 }
 
 impl std::fmt::Debug for RabbitMqPublisher {
@@ -85,60 +94,87 @@ impl RabbitMqPublisher {
             url: url.to_owned(),
             redacted: crate::store::redact(url),
             exchange: exchange.to_owned(),
-            link: Mutex::new(None),
-            in_flight: Mutex::new(()),
+            connection: Mutex::new(None),
+            idle: std::sync::Mutex::new(Vec::new()),
+            in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
         };
-        let link = publisher.open().await?;
-        *publisher.link.lock().await = Some(link);
+        let channel = publisher
+            .channel()
+            .await
+            .map_err(|failure| Error::new(ErrorKind::StoreUnavailable, failure.reason))?;
+        publisher.put_back(channel);
         Ok(publisher)
     }
 
-    async fn open(&self) -> Result<(Connection, Channel)> {
-        let (connection, channel) = open_channel(&self.url, &self.redacted).await?;
-        let failed = |error: lapin::Error| {
-            Error::new(
-                ErrorKind::StoreUnavailable,
-                format!(
-                    "cannot set up publishing to RabbitMQ at {}: {error}",
-                    self.redacted
-                ),
-            )
+    fn setup_failed(&self, error: lapin::Error) -> Error {
+        Error::new(
+            ErrorKind::StoreUnavailable,
+            format!(
+                "cannot set up publishing to RabbitMQ at {}: {error}",
+                self.redacted
+            ),
+        )
+    }
+
+    /// A new confirming channel on the live connection; a new connection (which
+    /// declares the exchange) if there is none.
+    async fn open_channel(&self) -> Result<Channel> {
+        let mut connection = self.connection.lock().await;
+        let channel = match connection.as_ref() {
+            Some(live) if live.status().connected() => live
+                .create_channel()
+                .await
+                .map_err(|e| self.setup_failed(e))?,
+            _ => {
+                *connection = None;
+                let (opened, channel) = open_channel(&self.url, &self.redacted).await?;
+                channel
+                    .exchange_declare(
+                        ShortString::from(self.exchange.as_str()),
+                        lapin::ExchangeKind::Topic,
+                        ExchangeDeclareOptions {
+                            durable: true,
+                            ..ExchangeDeclareOptions::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(|e| self.setup_failed(e))?;
+                *connection = Some(opened);
+                channel
+            }
         };
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await
-            .map_err(failed)?;
-        channel
-            .exchange_declare(
-                ShortString::from(self.exchange.as_str()),
-                lapin::ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..ExchangeDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(failed)?;
-        Ok((connection, channel))
+            .map_err(|e| self.setup_failed(e))?;
+        Ok(channel)
     }
 
+    /// An idle channel that is still open, or a new one.
     async fn channel(&self) -> std::result::Result<Channel, Failure> {
-        let mut link = self.link.lock().await;
-        if let Some((connection, channel)) = link.as_ref()
-            && connection.status().connected()
-            && channel.status().connected()
-        {
-            return Ok(channel.clone());
+        loop {
+            let Some(channel) = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop() else {
+                break;
+            };
+            if channel.status().connected() {
+                return Ok(channel);
+            }
         }
-        *link = None;
-        let opened = self.open().await.map_err(|error| Failure {
+        self.open_channel().await.map_err(|error| Failure {
             permanent: false,
             reason: error.to_string(),
-        })?;
-        let channel = opened.1.clone();
-        *link = Some(opened);
-        Ok(channel)
+        })
+    }
+
+    /// Returns a channel whose message was confirmed (or returned) to the idle ones.
+    fn put_back(&self, channel: Channel) {
+        if channel.status().connected() {
+            self.idle
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(channel);
+        }
     }
 }
 
@@ -153,7 +189,11 @@ impl Publisher for RabbitMqPublisher {
         seq: u64,
     ) -> BoxFuture<'a, std::result::Result<(), Failure>> {
         Box::pin(async move {
-            let _one_at_a_time = self.in_flight.lock().await;
+            // Never closed, so a permit always comes.
+            let _slot = self.in_flight.acquire().await.map_err(|_| Failure {
+                permanent: false,
+                reason: "the publisher is shutting down".to_owned(),
+            })?;
             let channel = self.channel().await?;
             let mut headers = FieldTable::default();
             for (name, value) in message.headers() {
@@ -182,10 +222,18 @@ impl Publisher for RabbitMqPublisher {
                 )
                 .await
                 .map_err(|error| transient(error.to_string()))?;
-            let confirmation = tokio::time::timeout(CONFIRM_TIMEOUT, confirm)
-                .await
-                .map_err(|_| transient(format!("no confirm within {CONFIRM_TIMEOUT:?}")))?
-                .map_err(|error| transient(error.to_string()))?;
+            // A channel whose confirm did not come is closed, not put back: a late
+            // confirm or return on it would be paired with the next message.
+            let Ok(confirmed) = tokio::time::timeout(CONFIRM_TIMEOUT, confirm).await else {
+                tokio::spawn(async move {
+                    let _ = channel
+                        .close(200, ShortString::from("no confirm in time"))
+                        .await;
+                });
+                return Err(transient(format!("no confirm within {CONFIRM_TIMEOUT:?}")));
+            };
+            let confirmation = confirmed.map_err(|error| transient(error.to_string()))?;
+            self.put_back(channel);
             match confirmation {
                 Confirmation::Ack(None) => Ok(()),
                 // Mandatory and unroutable: no queue is bound for this routing key. An
