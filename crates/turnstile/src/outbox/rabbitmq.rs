@@ -3,7 +3,8 @@
 //! Messages go to a durable topic exchange (`turnstile` unless chosen), with the topic
 //! as the routing key, as **persistent** messages (`delivery_mode = 2`) with their id as
 //! `message_id` and the headers `turnstile-key` and `turnstile-seq`, published
-//! **mandatory** on a channel with **publisher confirms**: the relay counts a message as
+//! **mandatory** with **publisher confirms**, each message in flight on a channel of
+//! its own (see [`RabbitMqPublisher`]): the relay counts a message as
 //! delivered only once the broker confirmed it, and a message no queue is bound for
 //! comes back as a failure instead of vanishing. RabbitMQ has no duplicate detection of
 //! its own: a message published again after a relay crash is delivered again, and the
@@ -52,8 +53,10 @@ async fn open_channel(url: &str, redacted: &str) -> Result<(Connection, Channel)
     Ok((connection, channel))
 }
 
-/// How many messages may wait for their confirms at once, each on its own channel.
-const MAX_IN_FLIGHT: usize = 32;
+/// How many messages may wait for their confirms at once, each on its own channel: as
+/// many as the keys a relay round publishes by default (`RelayOptions::max_keys`), one
+/// message of each in flight. (32 relayed 8,800 messages/s in the benchmark, 64 10,900.)
+const MAX_IN_FLIGHT: usize = 64;
 
 /// A RabbitMQ publisher with publisher confirms.
 ///
