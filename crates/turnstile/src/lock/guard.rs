@@ -246,19 +246,39 @@ impl LockGuard {
     pub async fn release(mut self) -> Result<ReleaseOutcome> {
         self.released = true;
         self.keeper.stop();
-        let limit = self.held.lease.ttl.max(Duration::from_secs(1));
-        match tokio::time::timeout(limit, self.held.release()).await {
-            Ok(outcome) => outcome,
-            Err(_) => Err(Error::new(
-                ErrorKind::StoreUnavailable,
-                format!(
-                    "lock \"{}\": the store {} did not confirm the release within {limit:?}; \
-                     the lease runs out on its own",
-                    self.held.name,
-                    self.held.backend.describe()
-                ),
-            )),
+        let release = bounded_release(Arc::clone(&self.held));
+        // In a task of its own, so that a caller that stops waiting (a timeout around
+        // this call, a cancelled task) does not leave the lock held until its TTL.
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => runtime.spawn(release).await.unwrap_or_else(|error| {
+                Err(Error::new(
+                    ErrorKind::Store,
+                    format!(
+                        "lock \"{}\": the release task failed: {error}",
+                        self.held.name
+                    ),
+                ))
+            }),
+            Err(_) => release.await,
         }
+    }
+}
+
+/// Releases, bounded by the TTL (at least a second): past that the lease has run out
+/// on its own.
+async fn bounded_release(held: Arc<Held>) -> Result<ReleaseOutcome> {
+    let limit = held.lease.ttl.max(Duration::from_secs(1));
+    match tokio::time::timeout(limit, held.release()).await {
+        Ok(outcome) => outcome,
+        Err(_) => Err(Error::new(
+            ErrorKind::StoreUnavailable,
+            format!(
+                "lock \"{}\": the store {} did not confirm the release within {limit:?}; \
+                 the lease runs out on its own",
+                held.name,
+                held.backend.describe()
+            ),
+        )),
     }
 }
 
@@ -318,10 +338,7 @@ impl Drop for LockGuard {
         self.keeper.stop();
         // Never block in drop: hand the release to the runtime if there is one.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let held = Arc::clone(&self.held);
-            runtime.spawn(async move {
-                let _ = held.release().await;
-            });
+            runtime.spawn(bounded_release(Arc::clone(&self.held)));
         }
     }
 }

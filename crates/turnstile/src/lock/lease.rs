@@ -127,6 +127,7 @@ impl Lease {
                 lease.lost.cancelled().await;
                 lease.loss.get().copied().unwrap_or(LossReason::Expired)
             }),
+            fired: None,
         }
     }
 
@@ -154,9 +155,11 @@ impl Lease {
 }
 
 /// The future returned by [`LockGuard::lost`](super::LockGuard::lost): completes with the
-/// reason when the lease is lost.
+/// reason when the lease is lost. Polled again after that (in a `select!` loop, say), it
+/// answers the same reason at once.
 pub struct LostSignal {
     future: Pin<Box<dyn Future<Output = LossReason> + Send + Sync>>,
+    fired: Option<LossReason>,
 }
 
 impl fmt::Debug for LostSignal {
@@ -168,7 +171,13 @@ impl fmt::Debug for LostSignal {
 impl Future for LostSignal {
     type Output = LossReason;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<LossReason> {
-        self.future.as_mut().poll(cx)
+        // The inner future must not be polled once it has completed.
+        if let Some(reason) = self.fired {
+            return Poll::Ready(reason);
+        }
+        let reason = std::task::ready!(self.future.as_mut().poll(cx));
+        self.fired = Some(reason);
+        Poll::Ready(reason)
     }
 }
 

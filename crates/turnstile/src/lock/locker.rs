@@ -424,9 +424,10 @@ impl Locker {
                 Some(handoff) => handoff,
                 None if queue.withdraw(owner) => None,
                 // A holder took the offer and is handing over right now: its answer
-                // comes within one round trip. If this future is dropped meanwhile, the
-                // holder sees the closed channel and undoes the acquisition.
-                None => handed.await.ok(),
+                // comes within one round trip, unless the store is slow; the wait
+                // bound still holds. If this future is dropped or gives up meanwhile,
+                // the holder sees the closed channel and undoes the acquisition.
+                None => bound.run_waiting(async { Ok(handed.await.ok()) }).await?,
             };
             if let Some(Handoff {
                 sent,

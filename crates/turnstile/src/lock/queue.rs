@@ -80,7 +80,12 @@ impl LocalQueue {
     /// passed between local waiters too many times in a row.
     pub(crate) fn take_offer(&self) -> Option<HandoffOffer> {
         let mut waiting = self.waiting();
-        waiting.as_ref()?;
+        // A contender whose acquire was dropped while it slept left its offer behind:
+        // handing over to it would only be undone again (a wasted write and token).
+        if waiting.as_ref()?.reply.is_closed() {
+            *waiting = None;
+            return None;
+        }
         if self.handoffs_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 > MAX_HANDOFFS_IN_A_ROW {
             self.handoffs_in_a_row.store(0, Ordering::Relaxed);
             let run = lock(&self.run_started).map(|started| started.elapsed());

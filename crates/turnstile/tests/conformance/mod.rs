@@ -261,10 +261,13 @@ pub async fn lost_signal_fires_when_the_lock_is_taken_away(store: impl TestStore
     assert_eq!(broken.fencing_token, guard.fencing_token());
     let thief = operator.acquire(&lock, &options(5_000)).await.unwrap();
     // Told at the first renewal, TTL/3 after the acquire.
-    let reason = tokio::time::timeout_at(sent + Duration::from_millis(1_000 + 500), guard.lost())
+    let mut lost = guard.lost();
+    let reason = tokio::time::timeout_at(sent + Duration::from_millis(1_000 + 500), &mut lost)
         .await
         .expect("the lost signal did not fire at the first renewal");
     assert_eq!(reason, LossReason::TakenOver);
+    // Polled again after firing (as in a `select!` loop): the same reason, at once.
+    assert_eq!((&mut lost).await, LossReason::TakenOver);
     assert!(guard.lost_token().is_cancelled());
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::HeldByOther);
     thief.release().await.unwrap();
@@ -958,6 +961,8 @@ pub struct Counting {
     watches: AtomicUsize,
     hand_overs: AtomicUsize,
     fail_hand_over: AtomicBool,
+    slow_hand_over: std::sync::Mutex<Option<Duration>>,
+    slow_release: std::sync::Mutex<Option<Duration>>,
 }
 
 impl Counting {
@@ -971,6 +976,8 @@ impl Counting {
             watches: AtomicUsize::new(0),
             hand_overs: AtomicUsize::new(0),
             fail_hand_over: AtomicBool::new(false),
+            slow_hand_over: std::sync::Mutex::new(None),
+            slow_release: std::sync::Mutex::new(None),
         });
         let backend: Arc<dyn LockBackend> = counting.clone();
         (Locker::from_arc(backend), counting)
@@ -1000,6 +1007,17 @@ impl Counting {
     /// fails: the store releases the lock, and the caller gets `StoreUnavailable`.
     pub fn fail_next_hand_over(&self) {
         self.fail_hand_over.store(true, Ordering::SeqCst);
+    }
+
+    /// Makes the next release reach the store only after `delay` (a store slow to take
+    /// the request: a busy pool, a reconnection).
+    pub fn delay_next_release(&self, delay: Duration) {
+        *self.slow_release.lock().unwrap() = Some(delay);
+    }
+
+    /// Makes the next hand-over answer only after `delay` (a slow store).
+    pub fn delay_next_hand_over(&self, delay: Duration) {
+        *self.slow_hand_over.lock().unwrap() = Some(delay);
     }
 }
 
@@ -1037,6 +1055,12 @@ impl LockBackend for Counting {
         name: &'a LockName,
         owner: &'a OwnerId,
     ) -> BoxFuture<'a, turnstile::Result<ReleaseOutcome>> {
+        if let Some(delay) = self.slow_release.lock().unwrap().take() {
+            return Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                self.inner.release(name, owner).await
+            });
+        }
         self.inner.release(name, owner)
     }
 
@@ -1082,6 +1106,13 @@ impl LockBackend for Counting {
         ttl: Duration,
     ) -> BoxFuture<'a, turnstile::Result<(ReleaseOutcome, TryAcquire)>> {
         self.hand_overs.fetch_add(1, Ordering::SeqCst);
+        if let Some(delay) = self.slow_hand_over.lock().unwrap().take() {
+            return Box::pin(async move {
+                let answer = self.inner.hand_over(name, from, to, ttl).await;
+                tokio::time::sleep(delay).await;
+                answer
+            });
+        }
         if self.fail_hand_over.swap(false, Ordering::SeqCst) {
             return Box::pin(async move {
                 self.inner.release(name, from).await?;
@@ -1241,6 +1272,93 @@ pub async fn a_failed_hand_over_leaves_the_waiter_to_acquire(store: impl TestSto
         .expect("the waiter's task failed")
         .expect("the waiter got an error");
     assert!(next.fencing_token() > first_token);
+    next.release().await.unwrap();
+}
+
+/// A waiter whose acquire was dropped while it slept leaves no offer behind: the next
+/// release goes to the store instead of handing the lock to nobody.
+pub async fn a_dropped_waiter_is_not_handed_the_lock(store: impl TestStore) {
+    let lock = name("droppedwaiter");
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let first = locker.acquire(&lock, &options(30_000)).await.unwrap();
+    let waiter = {
+        let (locker, lock) = (locker.clone(), lock.clone());
+        tokio::spawn(async move {
+            locker
+                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+                .await
+        })
+    };
+    contender_sleeps(&counting).await;
+    waiter.abort();
+    assert!(waiter.await.unwrap_err().is_cancelled());
+    assert_eq!(first.release().await.unwrap(), ReleaseOutcome::Released);
+    assert_eq!(
+        counting.hand_overs(),
+        0,
+        "the lock was handed to a dropped waiter"
+    );
+    let other = store.locker().await;
+    let next = other
+        .try_acquire(&lock, &options(30_000))
+        .await
+        .unwrap()
+        .expect("the lock was not free after the release");
+    next.release().await.unwrap();
+}
+
+/// A caller that stops waiting for a release (a timeout around it) before the store
+/// took the request still frees the lock: the release goes on without it.
+pub async fn a_release_cut_short_by_its_caller_still_releases(store: impl TestStore) {
+    let lock = name("cutrelease");
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let guard = locker.acquire(&lock, &options(30_000)).await.unwrap();
+    counting.delay_next_release(Duration::from_millis(300));
+    let cut = tokio::time::timeout(Duration::from_millis(50), guard.release()).await;
+    assert!(cut.is_err(), "the release was not cut short");
+    let other = store.locker().await;
+    let next = other
+        .acquire(&lock, &options(30_000).wait(Duration::from_secs(5)))
+        .await
+        .expect("the lock stayed held after a release its caller stopped waiting for");
+    next.release().await.unwrap();
+}
+
+/// A waiter whose hand-over is under way when its wait bound passes (the store is
+/// slow to answer the hand-over) gives up at its bound, not when the store answers;
+/// the holder then undoes the hand-over, and the lock is free.
+pub async fn a_slow_hand_over_does_not_stretch_the_wait_bound(store: impl TestStore) {
+    let lock = name("slowhandover");
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let first = locker.acquire(&lock, &options(30_000)).await.unwrap();
+    let wait = Duration::from_millis(400);
+    let waiter = {
+        let (locker, lock) = (locker.clone(), lock.clone());
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let outcome = locker.acquire(&lock, &options(30_000).wait(wait)).await;
+            (outcome, started.elapsed())
+        })
+    };
+    contender_sleeps(&counting).await;
+    counting.delay_next_hand_over(Duration::from_secs(2));
+    let releasing = tokio::spawn(first.release());
+    let (outcome, waited) = waiter.await.unwrap();
+    assert_eq!(
+        outcome.expect_err("the waiter got the lock").kind(),
+        ErrorKind::AcquireTimeout
+    );
+    assert!(
+        waited < wait + Duration::from_millis(500),
+        "the waiter waited {waited:?} with a wait bound of {wait:?}"
+    );
+    releasing.await.unwrap().unwrap();
+    assert_eq!(counting.hand_overs(), 1);
+    let other = store.locker().await;
+    let next = other
+        .acquire(&lock, &options(30_000).wait(Duration::from_secs(5)))
+        .await
+        .expect("the undone hand-over left the lock held");
     next.release().await.unwrap();
 }
 
@@ -1412,6 +1530,9 @@ macro_rules! conformance_tests {
             one_store_contender_per_name_per_process,
             a_hand_over_issues_a_new_larger_token,
             a_failed_hand_over_leaves_the_waiter_to_acquire,
+            a_dropped_waiter_is_not_handed_the_lock,
+            a_release_cut_short_by_its_caller_still_releases,
+            a_slow_hand_over_does_not_stretch_the_wait_bound,
             a_remote_waiter_gets_in_within_nine_local_sections,
         );
     };
