@@ -182,7 +182,11 @@ async fn keep_listening(
                     }
                 }
                 state.listening.store(false, Ordering::SeqCst);
-                signals.notify_all();
+                // Close every watch rather than only waking it: a waiter that kept its
+                // notified watch would re-check once and then sleep through releases it
+                // can no longer hear of (until the holder's lease ends). Closed, it
+                // subscribes again and gets a polling watch while this is down.
+                signals.close_all();
             }
             Err(error) => tracing::warn!(
                 %error,
