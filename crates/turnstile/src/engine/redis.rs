@@ -646,10 +646,12 @@ impl ClusterNotifier {
     }
 
     async fn unsubscribe(&self, channel: String) {
+        let mut connection = self.connection.lock().await;
+        // Checked under the connection's lock: a new first watcher subscribes under it
+        // too, so it cannot subscribe between this check and the `SUNSUBSCRIBE`.
         if self.signals.is_watched(&channel) {
             return;
         }
-        let mut connection = self.connection.lock().await;
         let _ =
             tokio::time::timeout(self.response_timeout, connection.sunsubscribe(&channel)).await;
     }
