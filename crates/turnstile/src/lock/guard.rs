@@ -144,22 +144,29 @@ impl LockGuard {
             options.get_clock_drift(),
             sent,
         );
-        let keeper = Keeper::start(
-            Arc::clone(&lease),
-            options.get_watchdog(),
-            options.get_max_hold(),
-        );
         queue.holder_started();
+        let held = Arc::new(Held {
+            backend,
+            queue,
+            name,
+            owner,
+            token,
+            lease: Arc::clone(&lease),
+            finished: AtomicBool::new(false),
+        });
+        // A lost lease is no longer a local holder that will hand the lock over or
+        // announce its release: this process's waiter goes back to the store (which
+        // may have freed the lock already) instead of sleeping until the guard drops.
+        let weak = Arc::downgrade(&held);
+        lease.on_lost(move || {
+            if let Some(held) = weak.upgrade() {
+                held.finish();
+                held.queue.wake_waiter();
+            }
+        });
+        let keeper = Keeper::start(lease, options.get_watchdog(), options.get_max_hold());
         LockGuard {
-            held: Arc::new(Held {
-                backend,
-                queue,
-                name,
-                owner,
-                token,
-                lease,
-                finished: AtomicBool::new(false),
-            }),
+            held,
             keeper,
             released: false,
         }

@@ -49,6 +49,8 @@ pub(crate) struct Lease {
     suspended: std::sync::atomic::AtomicBool,
     /// When the request that took the lease was sent.
     pub(crate) started: Instant,
+    /// Called once, when the lease is lost.
+    on_lost: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl fmt::Debug for Lease {
@@ -82,7 +84,13 @@ impl Lease {
             loss: OnceLock::new(),
             suspended: std::sync::atomic::AtomicBool::new(false),
             started: sent,
+            on_lost: OnceLock::new(),
         })
+    }
+
+    /// Has `action` run once when the lease is lost (set before the keeper starts).
+    pub(crate) fn on_lost(&self, action: impl Fn() + Send + Sync + 'static) {
+        let _ = self.on_lost.set(Box::new(action));
     }
 
     pub(crate) fn valid_until(&self) -> Instant {
@@ -108,6 +116,9 @@ impl Lease {
         // The first reason wins; the signal fires once.
         if self.loss.set(reason).is_ok() {
             telemetry::lost(self.kind, &self.name, reason, self.started.elapsed());
+            if let Some(action) = self.on_lost.get() {
+                action();
+            }
         }
         self.lost.cancel();
     }

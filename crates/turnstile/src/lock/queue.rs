@@ -102,6 +102,12 @@ impl LocalQueue {
         lock(&self.yield_to_others).take()
     }
 
+    /// Wakes the sleeping contender, if any, to ask the store again: drops its offer,
+    /// which closes the channel it waits on.
+    pub(crate) fn wake_waiter(&self) {
+        drop(self.waiting().take());
+    }
+
     /// A guard of this locker now holds the lock.
     pub(crate) fn holder_started(&self) {
         self.local_holders.fetch_add(1, Ordering::SeqCst);

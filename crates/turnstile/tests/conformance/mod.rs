@@ -1275,6 +1275,47 @@ pub async fn a_failed_hand_over_leaves_the_waiter_to_acquire(store: impl TestSto
     next.release().await.unwrap();
 }
 
+/// A same-process waiter does not keep sleeping behind a local guard whose lease was
+/// lost (here broken by an operator) while the guard is still alive: once the guard
+/// learns of the loss (its first renewal, TTL/3), the waiter asks the store again and
+/// gets the lock, long before the broken lease's TTL.
+pub async fn a_waiter_is_not_held_back_by_a_lost_local_guard(store: impl TestStore) {
+    let lock = name("lostguard");
+    let (locker, counting) = Counting::wrap(&store.locker().await);
+    let guard = locker.acquire(&lock, &options(3_000)).await.unwrap();
+    let waiter = {
+        let (locker, lock) = (locker.clone(), lock.clone());
+        tokio::spawn(async move {
+            locker
+                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+                .await
+        })
+    };
+    contender_sleeps(&counting).await;
+    let broken_at = Instant::now();
+    store
+        .locker()
+        .await
+        .force_release(&lock)
+        .await
+        .unwrap()
+        .expect("it was held");
+    let next = tokio::time::timeout(Duration::from_millis(2_500), waiter)
+        .await
+        .expect("the waiter slept behind the lost guard")
+        .unwrap()
+        .unwrap();
+    assert!(next.fencing_token() > guard.fencing_token());
+    // (On stores that announce a break, the waiter may get in before the guard's
+    // renewal finds out; the guard learns it all the same.)
+    tokio::time::timeout(Duration::from_secs(2), guard.lost())
+        .await
+        .expect("the broken guard never learned of the loss");
+    assert!(broken_at.elapsed() < Duration::from_millis(2_500));
+    drop(guard);
+    next.release().await.unwrap();
+}
+
 /// A waiter whose acquire was dropped while it slept leaves no offer behind: the next
 /// release goes to the store instead of handing the lock to nobody.
 pub async fn a_dropped_waiter_is_not_handed_the_lock(store: impl TestStore) {
@@ -1531,6 +1572,7 @@ macro_rules! conformance_tests {
             a_hand_over_issues_a_new_larger_token,
             a_failed_hand_over_leaves_the_waiter_to_acquire,
             a_dropped_waiter_is_not_handed_the_lock,
+            a_waiter_is_not_held_back_by_a_lost_local_guard,
             a_release_cut_short_by_its_caller_still_releases,
             a_slow_hand_over_does_not_stretch_the_wait_bound,
             a_remote_waiter_gets_in_within_nine_local_sections,
