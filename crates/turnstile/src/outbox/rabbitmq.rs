@@ -192,7 +192,8 @@ impl Publisher for RabbitMqPublisher {
         seq: u64,
     ) -> BoxFuture<'a, std::result::Result<(), Failure>> {
         Box::pin(async move {
-            // Never closed, so a permit always comes.
+            // The semaphore is never closed, so this cannot fail; it is still answered
+            // as a transient failure rather than a panic.
             let _slot = self.in_flight.acquire().await.map_err(|_| Failure {
                 permanent: false,
                 reason: "the publisher is shutting down".to_owned(),
