@@ -36,7 +36,7 @@ pub use rabbitmq::{RabbitMqServer, shared_rabbitmq};
 pub use redis::{RedisServer, shared_redis};
 pub use redis_cluster::RedisCluster;
 pub use redis_sentinel::{RedisSentinelGroup, SENTINEL_MASTER};
-pub use zookeeper::{EnsembleMember, ZooKeeperEnsemble, ZooKeeperServer, shared_zookeeper};
+pub use zookeeper::{ZooKeeperEnsemble, ZooKeeperServer, shared_zookeeper};
 
 /// A free TCP port on 127.0.0.1 (free when this returns; the server retries on a clash).
 pub fn free_port() -> u16 {
