@@ -1142,6 +1142,19 @@ async fn eventually(what: &str, limit: Duration, mut condition: impl FnMut() -> 
 /// asked, subscribed, and had the answer to asking again (the re-check after
 /// subscribing). It goes to sleep, offering itself for a hand-over, in the same poll
 /// that receives that answer; the short grace covers the hop between threads.
+/// A task of this process that waits for `lock` (30 s TTL, waiting up to 20 s).
+fn spawn_waiter(
+    locker: &Locker,
+    lock: &str,
+) -> tokio::task::JoinHandle<turnstile::Result<turnstile::lock::LockGuard>> {
+    let (locker, lock) = (locker.clone(), lock.to_owned());
+    tokio::spawn(async move {
+        locker
+            .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
+            .await
+    })
+}
+
 pub async fn contender_sleeps(counting: &Counting) {
     eventually(
         "the contender waiting at the store",
@@ -1248,14 +1261,7 @@ pub async fn a_failed_hand_over_leaves_the_waiter_to_acquire(store: impl TestSto
     let (locker, counting) = Counting::wrap(&store.locker().await);
     let first = locker.acquire(&lock, &options(30_000)).await.unwrap();
     let first_token = first.fencing_token();
-    let next = {
-        let (locker, lock) = (locker.clone(), lock.clone());
-        tokio::spawn(async move {
-            locker
-                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
-                .await
-        })
-    };
+    let next = spawn_waiter(&locker, &lock);
     contender_sleeps(&counting).await;
     counting.fail_next_hand_over();
     let released = first.release().await;
@@ -1283,14 +1289,7 @@ pub async fn a_waiter_is_not_held_back_by_a_lost_local_guard(store: impl TestSto
     let lock = name("lostguard");
     let (locker, counting) = Counting::wrap(&store.locker().await);
     let guard = locker.acquire(&lock, &options(3_000)).await.unwrap();
-    let waiter = {
-        let (locker, lock) = (locker.clone(), lock.clone());
-        tokio::spawn(async move {
-            locker
-                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
-                .await
-        })
-    };
+    let waiter = spawn_waiter(&locker, &lock);
     contender_sleeps(&counting).await;
     let broken_at = Instant::now();
     store
@@ -1322,14 +1321,7 @@ pub async fn a_dropped_waiter_is_not_handed_the_lock(store: impl TestStore) {
     let lock = name("droppedwaiter");
     let (locker, counting) = Counting::wrap(&store.locker().await);
     let first = locker.acquire(&lock, &options(30_000)).await.unwrap();
-    let waiter = {
-        let (locker, lock) = (locker.clone(), lock.clone());
-        tokio::spawn(async move {
-            locker
-                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
-                .await
-        })
-    };
+    let waiter = spawn_waiter(&locker, &lock);
     contender_sleeps(&counting).await;
     waiter.abort();
     assert!(waiter.await.unwrap_err().is_cancelled());
@@ -1411,21 +1403,14 @@ pub async fn a_hand_over_issues_a_new_larger_token(store: impl TestStore) {
     let first = locker.acquire(&lock, &options(30_000)).await.unwrap();
     let first_owner = first.owner().clone();
     let first_token = first.fencing_token();
-    let next = {
-        let (locker, lock) = (locker.clone(), lock.clone());
-        tokio::spawn(async move {
-            locker
-                .acquire(&lock, &options(30_000).wait(Duration::from_secs(20)))
-                .await
-                .unwrap()
-        })
-    };
+    let next = spawn_waiter(&locker, &lock);
     contender_sleeps(&counting).await;
     let asked = counting.attempts().len();
     assert_eq!(first.release().await.unwrap(), ReleaseOutcome::Released);
     let next = tokio::time::timeout(Duration::from_secs(5), next)
         .await
         .expect("the waiter did not get the lock")
+        .unwrap()
         .unwrap();
     assert_eq!(counting.hand_overs(), 1, "the lock was not handed over");
     assert_eq!(
