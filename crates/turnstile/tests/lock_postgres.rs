@@ -425,6 +425,35 @@ mod session {
 
     conformance_tests!(super::session_database);
 
+    /// Tables made by a version whose tokens table had no `holder` column (it kept a
+    /// session holder's name on the locks row, and a token from then is still there):
+    /// the store adds the column, tokens keep growing and the holder is reported.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tables_from_before_the_holder_column_are_migrated() {
+        let url = shared_postgres().fresh_database("old_tables");
+        let admin = sqlx::PgPool::connect(&url).await.unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE turnstile_locks (name TEXT PRIMARY KEY, owner TEXT,
+                 expires_at TIMESTAMPTZ NOT NULL,
+                 waiting_until TIMESTAMPTZ NOT NULL DEFAULT '-infinity');
+             CREATE TABLE turnstile_tokens (name TEXT PRIMARY KEY, token BIGINT NOT NULL);
+             INSERT INTO turnstile_locks VALUES ('old', 'gone@1', '-infinity');
+             INSERT INTO turnstile_tokens VALUES ('old', 9000000000000000000);",
+        )
+        .execute(&admin)
+        .await
+        .unwrap();
+        let locker = Locker::connect(&format!("{url}?turnstile_mode=session"))
+            .await
+            .unwrap();
+        let guard = locker.acquire("old", &LockOptions::new()).await.unwrap();
+        assert!(guard.fencing_token() > FencingToken::new(9_000_000_000_000_000_000));
+        let status = locker.status("old").await.unwrap().expect("held");
+        assert_eq!(status.owner, guard.owner().to_hex());
+        assert_eq!(status.fencing_token, guard.fencing_token());
+        guard.release().await.unwrap();
+    }
+
     /// A released session goes back to the pool with the server's idle timeout, not
     /// the lease: it is still there well after the lease would have ended it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -965,6 +994,29 @@ async fn terminate_sessions(admin: &sqlx::PgPool, filter: &str) -> i64 {
     .fetch_one(admin)
     .await
     .unwrap()
+}
+
+/// The store's pools hand out a connection without a ping unless it sat idle for a
+/// second (sqlx's default pings each time: a round trip before every statement). A
+/// connection the server ended while idle is still replaced, not reported as an
+/// error, in both modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_the_server_ended_while_idle_are_replaced_not_reported() {
+    let url = shared_postgres().fresh_database("idle_ended");
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    for mode in ["", "?turnstile_mode=session"] {
+        let locker = Locker::connect(&format!("{url}{mode}")).await.unwrap();
+        let name = unique_name("idle");
+        let guard = locker.acquire(&name, &LockOptions::new()).await.unwrap();
+        guard.release().await.unwrap();
+        assert!(terminate_sessions(&admin, "").await > 0);
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        let guard = locker
+            .acquire(&name, &LockOptions::new().wait(Duration::ZERO))
+            .await
+            .unwrap_or_else(|error| panic!("mode {mode:?}: {error}"));
+        guard.release().await.unwrap();
+    }
 }
 
 /// A restart (data kept) while contenders hold and wait in lease mode: the lease is in

@@ -4,7 +4,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPool};
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -36,7 +36,7 @@ pub(crate) async fn open_pool(
     redacted: &str,
     session: &'static [&'static str],
 ) -> Result<MySqlPool> {
-    match MySqlPoolOptions::new()
+    match crate::sql::pool_options::<MySql>()
         .max_connections(max.max(1))
         .acquire_timeout(timeout)
         .after_connect(move |connection, _| {

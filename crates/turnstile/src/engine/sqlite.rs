@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+    Sqlite, SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqliteSynchronous,
 };
 
 use crate::error::{Error, ErrorKind, Result};
@@ -95,7 +95,7 @@ pub(crate) async fn open_pool(path: &Path, create: bool, what: &str) -> Result<S
     let mut pause = Duration::from_millis(10);
     loop {
         let attempt = async {
-            let pool = SqlitePoolOptions::new()
+            let pool = crate::sql::pool_options::<Sqlite>()
                 .max_connections(4)
                 .acquire_timeout(Duration::from_secs(5))
                 .connect_with(options.clone())

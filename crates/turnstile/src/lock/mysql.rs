@@ -75,7 +75,7 @@ use std::time::Duration;
 
 use futures_util::TryStreamExt;
 use sha2::{Digest, Sha256};
-use sqlx::mysql::{MySql, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySql, MySqlPool};
 use sqlx::{AssertSqlSafe, Either, Row};
 use tokio::time::Instant;
 
@@ -268,14 +268,14 @@ impl MysqlLockStore {
             &[],
         )
         .await?;
-        let sessions = MySqlPoolOptions::new()
+        let sessions = crate::sql::pool_options::<MySql>()
             .max_connections(config.max_held)
             .min_connections(0)
             .acquire_timeout(config.connect_timeout)
             .connect_lazy_with(options.clone());
         // Its statements never wait long for a row lock: creating a name's row can meet
         // a transaction that holds it (then the row exists and the wait is pointless).
-        let issuer = MySqlPoolOptions::new()
+        let issuer = crate::sql::pool_options::<MySql>()
             .max_connections(4)
             .min_connections(0)
             .acquire_timeout(config.connect_timeout)

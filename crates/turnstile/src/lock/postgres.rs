@@ -4,8 +4,8 @@
 //! the change together), so it works through a connection pooler in transaction mode.
 //!
 //! # Tables
-//! `{schema}.{prefix}_locks (name, owner, expires_at)`,
-//! `{schema}.{prefix}_tokens (name, token)` and `{schema}.{prefix}_fences (resource, token)`, schema `public` and prefix `turnstile`
+//! `{schema}.{prefix}_locks (name, owner, expires_at, waiting_until)`,
+//! `{schema}.{prefix}_tokens (name, token, holder)` (`holder`: session mode's holder) and `{schema}.{prefix}_fences (resource, token)`, schema `public` and prefix `turnstile`
 //! by default. [`migrate`](PostgresLockStore::migrate) creates them; it takes a
 //! transaction-scoped advisory lock first, so running it twice, or from two processes at
 //! once, is harmless. The store migrates on first use unless told not to.
@@ -530,6 +530,17 @@ impl PostgresLockStore {
                    END IF;
                  END $$",
                 locks = sql.locks
+            ),
+            // Who holds a session-mode lock (`owner@backend pid`), kept on the token row
+            // that the acquire writes anyway, so a session acquire writes one row, not two.
+            format!(
+                "DO $$ BEGIN
+                   IF NOT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{tokens}'::regclass
+                                  AND attname = 'holder' AND NOT attisdropped) THEN
+                     ALTER TABLE {tokens} ADD COLUMN holder TEXT;
+                   END IF;
+                 END $$",
+                tokens = sql.tokens
             ),
             format!(
                 "CREATE TABLE IF NOT EXISTS {} (resource TEXT PRIMARY KEY, token BIGINT NOT NULL)",

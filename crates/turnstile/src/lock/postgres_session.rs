@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, Postgres};
+use sqlx::postgres::{PgConnectOptions, PgPool, Postgres};
 use tokio::time::Instant;
 
 use super::session::{self, Dedicated, HeldSessions, Session, SessionEngine};
@@ -141,7 +141,7 @@ impl PostgresSessionLockStore {
                 Error::new(ErrorKind::InvalidUrl, "not a valid PostgreSQL URL").with_source(error)
             })?
             .options([("synchronous_commit", synchronous_commit)]);
-        let sessions = PgPoolOptions::new()
+        let sessions = crate::sql::pool_options::<Postgres>()
             .max_connections(max_held.max(1))
             .min_connections(0)
             .acquire_timeout(Duration::from_secs(3))
@@ -154,19 +154,20 @@ impl PostgresSessionLockStore {
                     SELECT count(*) AS rows FROM {locks} WHERE name = $1 AND isfinite(expires_at)),
                  got AS (SELECT pg_try_advisory_lock({key}) AS ok FROM lease_mode WHERE rows = 0),
                  bumped AS (
-                    INSERT INTO {tokens} AS t (name, token) SELECT $1, {CLOCK_US} FROM got WHERE ok
-                    ON CONFLICT (name) DO UPDATE SET token = GREATEST(t.token + 1, EXCLUDED.token)
+                    INSERT INTO {tokens} AS t (name, token, holder)
+                    SELECT $1, {CLOCK_US}, $2 || '@' || pg_backend_pid() FROM got WHERE ok
+                    ON CONFLICT (name) DO UPDATE
+                    SET token = GREATEST(t.token + 1, EXCLUDED.token), holder = EXCLUDED.holder
                     RETURNING token),
-                 recorded AS (
-                    INSERT INTO {locks} AS l (name, owner, expires_at)
-                    SELECT $1, $2 || '@' || pg_backend_pid(), '-infinity' FROM got WHERE ok
-                    ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner
+                 marked AS (
+                    INSERT INTO {locks} (name, expires_at) SELECT $1, '-infinity' FROM got WHERE ok
+                    ON CONFLICT (name) DO NOTHING
                     RETURNING 1),
                  lease AS (SELECT set_config('idle_session_timeout', $3, false) FROM got WHERE ok)
                  SELECT COALESCE((SELECT ok FROM got), false) AS ok,
                         (SELECT rows FROM lease_mode) > 0 AS lease_mode,
                         (SELECT token FROM bumped) AS token,
-                        (SELECT count(*) FROM recorded) AS recorded,
+                        (SELECT count(*) FROM marked) AS marked,
                         (SELECT count(*) FROM lease) AS leased, pg_backend_pid() AS pid"
             )),
             terminate_holder: statement(format!(
@@ -194,14 +195,12 @@ impl PostgresSessionLockStore {
             )),
             reissue: statement(format!(
                 "WITH bumped AS (
-                    UPDATE {tokens} SET token = GREATEST(token + 1, {CLOCK_US}) WHERE name = $1
+                    UPDATE {tokens}
+                    SET token = GREATEST(token + 1, {CLOCK_US}), holder = $2 || '@' || pg_backend_pid()
+                    WHERE name = $1
                     RETURNING token),
-                 recorded AS (
-                    UPDATE {locks} SET owner = $2 || '@' || pg_backend_pid() WHERE name = $1
-                    RETURNING 1),
                  lease AS (SELECT set_config('idle_session_timeout', $3, false))
-                 SELECT (SELECT token FROM bumped), (SELECT count(*) FROM recorded),
-                        (SELECT count(*) FROM lease)"
+                 SELECT (SELECT token FROM bumped), (SELECT count(*) FROM lease)"
             )),
             holder: statement(format!(
                 "WITH k AS (SELECT {key} AS key),
@@ -211,7 +210,7 @@ impl PostgresSessionLockStore {
                       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                       AND l.classid = ((k.key >> 32) & 4294967295)::oid
                       AND l.objid = (k.key & 4294967295)::oid)
-                 SELECT h.pid, r.owner, t.token
+                 SELECT h.pid, t.holder, r.owner, t.token
                  FROM holder h
                  LEFT JOIN {locks} r ON r.name = $1
                  LEFT JOIN {tokens} t ON t.name = $1"
@@ -244,12 +243,16 @@ impl PostgresSessionLockStore {
         };
         let bad = |error| map_error(error, "bad lock row");
         let pid: i32 = row.try_get("pid").map_err(bad)?;
-        let recorded: Option<String> = row.try_get("owner").map_err(bad)?;
+        let holder: Option<String> = row.try_get("holder").map_err(bad)?;
+        // Where an older version of this engine recorded the holder.
+        let recorded_by_older: Option<String> = row.try_get("owner").map_err(bad)?;
         let token: Option<i64> = row.try_get("token").map_err(bad)?;
         let pid = u64::try_from(pid).unwrap_or(0);
-        // The owner is recorded as `owner@pid`; trust it only for the session that holds.
-        let owner = recorded
-            .and_then(|text| {
+        // The holder is recorded as `owner@pid`; trust it only for the session that holds.
+        let owner = [holder, recorded_by_older]
+            .into_iter()
+            .flatten()
+            .find_map(|text| {
                 let (owner, recorded_pid) = text.rsplit_once('@')?;
                 (recorded_pid.parse::<u64>().ok() == Some(pid)).then(|| owner.to_owned())
             })
