@@ -53,6 +53,32 @@ async fn tokens_grow_across_a_restart() {
     guard.release().await.unwrap();
 }
 
+/// A lock's directory removed while the store remembers it as there (ZooKeeper deletes
+/// an empty container node by itself): the next acquisition makes it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_directory_is_made_again() {
+    let base = unique_name("t");
+    let server = shared_zookeeper();
+    let locker = Locker::new(
+        ZooKeeperLockStore::connect(&format!("{}/{base}", server.url()))
+            .await
+            .unwrap(),
+    );
+    let guard = locker.acquire("gone", &LockOptions::new()).await.unwrap();
+    let first = guard.fencing_token();
+    guard.release().await.unwrap();
+    let client = zookeeper_client::Client::connect(&format!("127.0.0.1:{}", server.port()))
+        .await
+        .unwrap();
+    client.delete(&format!("/{base}/gone"), None).await.unwrap();
+    let guard = locker
+        .acquire("gone", &LockOptions::new().wait(Duration::ZERO))
+        .await
+        .unwrap();
+    assert!(guard.fencing_token() > first);
+    guard.release().await.unwrap();
+}
+
 /// The server goes down while a lock is held and stays down past the holder's deadline:
 /// the holder's renewals fail (its connection is suspended, its session maybe alive),
 /// so its lost signal fires at the deadline, not before; once the server is back, the

@@ -49,7 +49,7 @@
 //! - **Breaking** a lock deletes the holder's node; the holder's session and its other
 //!   locks stay.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -74,6 +74,10 @@ const FIRST_SESSION_SECS: u64 = 30;
 /// How often an acquisition tries again when the name's directory vanished under it
 /// (an empty container node that ZooKeeper removed just then).
 const DIRECTORY_ATTEMPTS: usize = 5;
+
+/// How many lock directories a store remembers as existing before it starts over (a
+/// forgotten one costs a directory create, which fails harmlessly, on its next use).
+const KNOWN_DIRECTORIES: usize = 4096;
 
 /// Ends a watch's task when the watch is dropped.
 struct WatchTask(tokio::task::JoinHandle<()>);
@@ -190,6 +194,9 @@ struct Inner {
     /// TTL). The session outlives every lock's TTL, so past its deadline a node is this
     /// client's to delete.
     deadlines: Mutex<HashMap<String, Instant>>,
+    /// Lock directories this client saw exist: an acquisition under any other sends the
+    /// directory's create ahead of its node's.
+    known_directories: Mutex<HashSet<String>>,
 }
 
 /// Locks in ZooKeeper.
@@ -333,6 +340,7 @@ impl ZooKeeperLockStore {
             last: Mutex::new(first),
             nodes: Mutex::default(),
             deadlines: Mutex::default(),
+            known_directories: Mutex::default(),
         });
         tokio::spawn(delete_overdue(Arc::downgrade(&inner)));
         Ok(ZooKeeperLockStore { inner })
@@ -500,15 +508,35 @@ impl ZooKeeperLockStore {
         deadline: Instant,
     ) -> Result<TryAcquire> {
         let prefix = format!("{dir}/{owner}-");
+        let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+        // A directory not known to exist (a name's first use by this client) is created
+        // in the same pipeline as the node, ahead of it, so that a new name costs one
+        // round of writes that ZooKeeper syncs together, not three one after another (a
+        // create that fails for the missing directory, the directory, the create again).
+        // Its create failing because the directory exists is harmless.
+        let mut send_directory = !locked(&self.inner.known_directories).contains(dir);
         for _ in 0..DIRECTORY_ATTEMPTS {
-            // Both requests leave now, in this order: the listing sees our node.
+            // Each request leaves when it is called, so in this order: the directory
+            // before our node, and the listing after it sees our node.
+            let directory = send_directory.then(|| client.create(dir, &[], &container));
+            let directory = async {
+                if let Some(directory) = directory {
+                    let _ = directory.await;
+                }
+            };
             let create = client.create(&prefix, owner.as_bytes(), &ephemeral_sequential());
             let list = client.list_children(dir);
-            let (created, listed) = tokio::join!(create, list);
+            let ((), created, listed) = tokio::join!(directory, create, list);
             let (stat, sequence) = match created {
                 Ok(created) => created,
+                // Known, but ZooKeeper removed it since (an empty container goes).
+                Err(zk::Error::NoNode) if !send_directory => {
+                    locked(&self.inner.known_directories).remove(dir);
+                    send_directory = true;
+                    continue;
+                }
+                // Its create failed: ask again on its own, for the reason.
                 Err(zk::Error::NoNode) => {
-                    let container = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
                     client
                         .mkdir(dir, &container)
                         .await
@@ -517,6 +545,13 @@ impl ZooKeeperLockStore {
                 }
                 Err(error) => return Err(failed("cannot create the lock's node")(error)),
             };
+            if send_directory {
+                let mut known = locked(&self.inner.known_directories);
+                if known.len() >= KNOWN_DIRECTORIES {
+                    known.clear();
+                }
+                known.insert(dir.to_owned());
+            }
             let node = Node {
                 sequence: sequence.into_i64(),
                 owner: owner.to_owned(),
