@@ -34,6 +34,11 @@ pub(crate) struct BenchArgs {
     /// store the service runs on.
     #[arg(long, value_name = "URL", conflicts_with_all = ["raw", "raw_blocking"])]
     service: Option<String>,
+    /// Run the workload on the rslock crate (RedLock on the one Redis of --store, with
+    /// its default retries) instead: the Rust crate the library is compared with. Needs
+    /// the `rslock` feature.
+    #[arg(long, conflicts_with_all = ["raw", "raw_blocking", "service"])]
+    rslock: bool,
 }
 
 pub(crate) struct Workload {
@@ -82,6 +87,8 @@ enum Held {
     RawEtcd(crate::bench_etcd::RawEtcdHeld),
     #[cfg(feature = "zookeeper")]
     RawZooKeeper(crate::bench_zookeeper::RawZooKeeperHeld),
+    #[cfg(feature = "rslock")]
+    Rslock(crate::bench_rslock::RslockHeld),
 }
 
 enum AcquireError {
@@ -120,6 +127,12 @@ enum Peer {
     Raw {
         connection: redis::aio::MultiplexedConnection,
         release: redis::Script,
+        counter_key: String,
+    },
+    /// The rslock crate.
+    #[cfg(feature = "rslock")]
+    Rslock {
+        rslock: Box<crate::bench_rslock::Rslock>,
         counter_key: String,
     },
 }
@@ -241,6 +254,8 @@ impl Peer {
             Peer::RawEtcd { .. } => "raw",
             #[cfg(feature = "zookeeper")]
             Peer::RawZooKeeper { .. } => "raw",
+            #[cfg(feature = "rslock")]
+            Peer::Rslock { .. } => "rslock",
         }
     }
 
@@ -256,6 +271,8 @@ impl Peer {
             Peer::RawEtcd { .. } => "etcd-lock-rpc",
             #[cfg(feature = "zookeeper")]
             Peer::RawZooKeeper { .. } => "zookeeper-client-recipe",
+            #[cfg(feature = "rslock")]
+            Peer::Rslock { .. } => "rslock-lock-retried",
         }
     }
 
@@ -310,6 +327,12 @@ impl Peer {
                 Ok(None) => Err(AcquireError::Timeout),
                 Err(error) => Err(AcquireError::Failed(error)),
             },
+            #[cfg(feature = "rslock")]
+            Peer::Rslock { rslock, .. } => match rslock.acquire(name, ttl, wait).await {
+                Ok(Some(held)) => Ok(Held::Rslock(held)),
+                Ok(None) => Err(AcquireError::Timeout),
+                Err(error) => Err(AcquireError::Failed(error)),
+            },
             #[cfg(feature = "redis")]
             Peer::Raw { connection, .. } => {
                 let key = format!("{name}:raw-lock");
@@ -353,6 +376,11 @@ impl Peer {
             (Peer::RawZooKeeper { .. }, Held::RawZooKeeper(held)) => {
                 crate::bench_zookeeper::raw_release(held).await
             }
+            #[cfg(feature = "rslock")]
+            (Peer::Rslock { rslock, .. }, Held::Rslock(held)) => {
+                rslock.release(held).await;
+                Ok(())
+            }
             #[cfg(feature = "redis")]
             (
                 Peer::Raw {
@@ -388,6 +416,11 @@ impl Peer {
                 counter_key,
                 ..
             } => redis_counter_get(connection, counter_key).await,
+            #[cfg(feature = "rslock")]
+            Peer::Rslock {
+                rslock,
+                counter_key,
+            } => redis_counter_get(&rslock.connection, counter_key).await,
         }
     }
 
@@ -408,6 +441,11 @@ impl Peer {
                 counter_key,
                 ..
             } => redis_counter_set(connection, counter_key, value).await,
+            #[cfg(feature = "rslock")]
+            Peer::Rslock {
+                rslock,
+                counter_key,
+            } => redis_counter_set(&rslock.connection, counter_key, value).await,
         }
     }
 }
@@ -422,6 +460,28 @@ async fn open_service_peer(service: &str, store: &str, run: &str) -> Result<Peer
             ErrorKind::InvalidOptions,
             "--service needs a --store the library opens, for the counter",
         )),
+    }
+}
+
+/// The rslock crate on the Redis of `url` as the peer.
+async fn open_rslock_peer(url: &str, run: &str) -> Result<Peer, Error> {
+    #[cfg(feature = "rslock")]
+    {
+        let rslock = crate::bench_rslock::Rslock::open(url)
+            .await
+            .map_err(|error| Error::new(ErrorKind::StoreUnavailable, error))?;
+        Ok(Peer::Rslock {
+            rslock: Box::new(rslock),
+            counter_key: format!("{run}:counter"),
+        })
+    }
+    #[cfg(not(feature = "rslock"))]
+    {
+        let _ = (url, run);
+        Err(Error::new(
+            ErrorKind::InvalidOptions,
+            "--rslock needs turnstile built with the `rslock` feature",
+        ))
     }
 }
 
@@ -696,6 +756,7 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
     }
     let opened = match &args.service {
         Some(service) => open_service_peer(service, &url, &run).await,
+        None if args.rslock => open_rslock_peer(&url, &run).await,
         None => open_peer(&url, args.raw, &run).await,
     };
     let peer = match opened {

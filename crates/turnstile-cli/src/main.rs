@@ -9,6 +9,8 @@ mod bench_etcd;
 mod bench_http;
 #[cfg(all(feature = "postgres", feature = "nats"))]
 mod bench_outbox;
+#[cfg(feature = "rslock")]
+mod bench_rslock;
 mod bench_service;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod bench_sql;
