@@ -144,12 +144,15 @@ pub(crate) fn validate_identifier(what: &str, value: &str) -> Result<()> {
 /// How long a pooled connection may sit idle before the pool pings it on the way out.
 const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 
-/// Options for the library's own pools. sqlx pings every connection it hands out, a
-/// round trip before each statement, which on a lock's hot path doubled the round
-/// trips of an acquire. These pools ping only a connection that sat idle for a second
-/// or more: the ones a server restart, an idle timeout or a cut network is likely to
-/// have closed. A connection that died less than a second after its last use fails
-/// its next statement instead, with the store's usual "unavailable" error.
+/// Options for pools whose every use is one statement that can simply be sent again
+/// on a fresh connection when the one it got turns out to be gone: the session
+/// engines' lock sessions, and SQLite (whose connections no server can close).
+///
+/// sqlx pings every connection it hands out, a round trip before each statement,
+/// which doubled the round trips of a session acquire. These pools ping only a
+/// connection that sat idle for a second or more. One that died sooner after its last
+/// use (a server restart, a killed session) fails its statement, and the caller
+/// retries it once on a fresh connection ([`is_connection_gone`]).
 pub(crate) fn pool_options<DB: sqlx::Database>() -> sqlx::pool::PoolOptions<DB> {
     sqlx::pool::PoolOptions::new()
         .test_before_acquire(false)
@@ -161,6 +164,25 @@ pub(crate) fn pool_options<DB: sqlx::Database>() -> sqlx::pool::PoolOptions<DB> 
                 Ok(true)
             })
         })
+}
+
+/// Whether `error` says the statement's connection was gone: closed by the server (a
+/// restart, a killed session) or by the network. A session-level lock that such a
+/// statement may have taken went with its session, so the statement can be sent
+/// again on a fresh connection.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn is_connection_gone(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) => true,
+        sqlx::Error::Database(db) => {
+            // PostgreSQL: admin shutdown, crash shutdown, "cannot connect now";
+            // MariaDB: the connection was killed.
+            db.code()
+                .is_some_and(|code| matches!(code.as_ref(), "57P01" | "57P02" | "57P03" | "70100"))
+                || db.message().contains("terminating connection")
+        }
+        _ => false,
+    }
 }
 
 #[cfg(test)]

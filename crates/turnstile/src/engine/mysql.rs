@@ -4,7 +4,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPool};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -36,7 +36,7 @@ pub(crate) async fn open_pool(
     redacted: &str,
     session: &'static [&'static str],
 ) -> Result<MySqlPool> {
-    match crate::sql::pool_options::<MySql>()
+    match MySqlPoolOptions::new()
         .max_connections(max.max(1))
         .acquire_timeout(timeout)
         .after_connect(move |connection, _| {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, Postgres};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 use tokio::sync::OnceCell;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -33,7 +33,7 @@ pub(crate) fn connect_options(url: &str) -> Result<PgConnectOptions> {
 
 /// A pool that connects on first use.
 pub(crate) fn lazy_pool(options: PgConnectOptions, max: u32, timeout: Duration) -> PgPool {
-    crate::sql::pool_options::<Postgres>()
+    PgPoolOptions::new()
         .max_connections(max.max(1))
         .min_connections(0)
         .acquire_timeout(timeout)
@@ -51,7 +51,7 @@ pub(crate) async fn open_bounded_pool(
     redacted: &str,
 ) -> Result<PgPool> {
     let options = options.options([("lock_timeout", "250"), ("statement_timeout", "10000")]);
-    match crate::sql::pool_options::<Postgres>()
+    match PgPoolOptions::new()
         .max_connections(max.max(1))
         .acquire_timeout(timeout)
         .connect_with(options.clone())

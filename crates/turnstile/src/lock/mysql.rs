@@ -75,7 +75,7 @@ use std::time::Duration;
 
 use futures_util::TryStreamExt;
 use sha2::{Digest, Sha256};
-use sqlx::mysql::{MySql, MySqlPool};
+use sqlx::mysql::{MySql, MySqlPool, MySqlPoolOptions};
 use sqlx::{AssertSqlSafe, Either, Row};
 use tokio::time::Instant;
 
@@ -88,7 +88,7 @@ use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::hex::hex;
-use crate::sql::{Statement, map_error, statement, validate_identifier};
+use crate::sql::{Statement, is_connection_gone, map_error, statement, validate_identifier};
 use crate::store::split_url_options;
 
 const POLL_MIN: Duration = Duration::from_millis(5);
@@ -275,7 +275,7 @@ impl MysqlLockStore {
             .connect_lazy_with(options.clone());
         // Its statements never wait long for a row lock: creating a name's row can meet
         // a transaction that holds it (then the row exists and the wait is pointless).
-        let issuer = crate::sql::pool_options::<MySql>()
+        let issuer = MySqlPoolOptions::new()
             .max_connections(4)
             .min_connections(0)
             .acquire_timeout(config.connect_timeout)
@@ -609,20 +609,29 @@ impl LockBackend for MysqlLockStore {
                 return Ok(TryAcquire::Acquired { token });
             }
             let key = lock_key(name);
-            let connection =
-                self.sessions.acquire().await.map_err(|error| {
+            let query = acquire_batch(&self.sql, name, &key, owner, wait_timeout_secs(ttl));
+            let mut retry = true;
+            let (connection, replies, sent) = loop {
+                let connection = self.sessions.acquire().await.map_err(|error| {
                     unavailable(error, "cannot open a MySQL session for the lock")
                 })?;
-            // Until it is registered below, a connection that may hold the lock is closed
-            // if this future is dropped or a statement fails, never pooled.
-            let mut connection = Dedicated::new(connection);
-            let sent = Instant::now();
-            let query = acquire_batch(&self.sql, name, &key, owner, wait_timeout_secs(ttl));
-            let replies = match sqlx::raw_sql(AssertSqlSafe(query))
-                .fetch_many(&mut *connection)
-                .try_collect::<Vec<_>>()
-                .await
-            {
+                // Until it is registered below, a connection that may hold the lock is
+                // closed if this future is dropped or a statement fails, never pooled.
+                let mut connection = Dedicated::new(connection);
+                let sent = Instant::now();
+                match sqlx::raw_sql(AssertSqlSafe(query.as_str()))
+                    .fetch_many(&mut *connection)
+                    .try_collect::<Vec<_>>()
+                    .await
+                {
+                    Ok(replies) => break (connection, Ok(replies), sent),
+                    // A pooled session the server had closed (the pool pings only idle
+                    // ones): once more on a fresh one.
+                    Err(error) if retry && is_connection_gone(&error) => retry = false,
+                    Err(error) => break (connection, Err(error), sent),
+                }
+            };
+            let replies = match replies {
                 Ok(replies) => replies,
                 // A transaction-scoped holder keeps the name's row locked: the lock is
                 // held. The session may have taken the named lock before finding out,
