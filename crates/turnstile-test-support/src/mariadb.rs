@@ -34,9 +34,13 @@ impl MariaDbServer {
             "mariadb-server",
             &["/usr/bin", "/usr/local/bin"],
         );
+        std::fs::create_dir_all(server.tmp_dir()).expect("cannot create MariaDB's tmpdir");
         let output = Command::new(install)
             .arg("--no-defaults")
             .arg(format!("--datadir={}", server.data_dir().display()))
+            // Passed on to the bootstrap server: its temporary tables in /tmp collided
+            // with another server's when several were installed at once.
+            .arg(format!("--tmpdir={}", server.tmp_dir().display()))
             .args([
                 "--auth-root-authentication-method=normal",
                 "--skip-test-db",
@@ -64,6 +68,11 @@ impl MariaDbServer {
         self.dir.path().join("mariadb.log")
     }
 
+    /// The server's own directory for temporary tables and files.
+    fn tmp_dir(&self) -> PathBuf {
+        self.dir.path().join("tmp")
+    }
+
     fn socket(&self) -> PathBuf {
         self.dir.path().join("mariadb.sock")
     }
@@ -84,6 +93,7 @@ impl MariaDbServer {
                     self.dir.path().join("mariadb.pid").display()
                 ))
                 .arg(format!("--log-error={}", self.log_path().display()))
+                .arg(format!("--tmpdir={}", self.tmp_dir().display()))
                 .args(["--user=root", "--skip-log-bin", "--skip-name-resolve"])
                 .args([
                     "--innodb-buffer-pool-size=32M",
