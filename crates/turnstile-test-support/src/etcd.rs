@@ -163,13 +163,7 @@ impl EtcdServer {
 
 impl Drop for EtcdServer {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "--- etcd log ({}) ---\n{}",
-                self.dir.path().display(),
-                self.log()
-            );
-        }
+        crate::show_log_if_panicking("etcd", &self.log_path());
         self.kill();
     }
 }

@@ -304,6 +304,18 @@ pub(crate) fn running_as_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
+/// Prints a server's log when the server is dropped while its thread panics: the
+/// failing test that owned it shows what the server saw.
+pub(crate) fn show_log_if_panicking(label: &str, log_path: &Path) {
+    if std::thread::panicking() {
+        eprintln!(
+            "--- {label} log ({}) ---\n{}",
+            log_path.display(),
+            read_log(log_path)
+        );
+    }
+}
+
 /// Prints the end of a shared server's log when any test of this process panics:
 /// shared servers live in statics, which are never dropped, so their `Drop` cannot.
 pub(crate) fn show_log_on_panic(label: &'static str, path: PathBuf) {

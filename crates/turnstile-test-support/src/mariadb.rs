@@ -185,13 +185,7 @@ impl MariaDbServer {
 
 impl Drop for MariaDbServer {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "--- mariadb log ({}) ---\n{}",
-                self.dir.path().display(),
-                self.log()
-            );
-        }
+        crate::show_log_if_panicking("mariadb", &self.log_path());
         self.process.kill();
     }
 }

@@ -105,13 +105,7 @@ impl NatsServer {
 
 impl Drop for NatsServer {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "--- nats-server log ({}) ---\n{}",
-                self.dir.path().display(),
-                self.log()
-            );
-        }
+        crate::show_log_if_panicking("nats-server", &self.log_path());
         self.kill();
     }
 }

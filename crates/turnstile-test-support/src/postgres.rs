@@ -210,13 +210,7 @@ impl PostgresServer {
 
 impl Drop for PostgresServer {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "--- postgres log ({}) ---\n{}",
-                self.dir.path().display(),
-                self.log()
-            );
-        }
+        crate::show_log_if_panicking("postgres", &self.log_path());
         self.process
             .stop_with(libc::SIGQUIT, Duration::from_secs(5));
     }

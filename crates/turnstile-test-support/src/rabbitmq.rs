@@ -173,13 +173,7 @@ impl RabbitMqServer {
 
 impl Drop for RabbitMqServer {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "--- rabbitmq log ({}) ---\n{}",
-                self.dir.path().display(),
-                self.log()
-            );
-        }
+        crate::show_log_if_panicking("rabbitmq", &self.log_path());
         self.kill();
         self.epmd.kill();
     }

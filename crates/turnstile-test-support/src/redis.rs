@@ -170,13 +170,7 @@ impl RedisServer {
 
 impl Drop for RedisServer {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "--- redis-server log ({}) ---\n{}",
-                self.dir.path().display(),
-                self.log()
-            );
-        }
+        crate::show_log_if_panicking("redis-server", &self.log_path());
         self.kill();
     }
 }

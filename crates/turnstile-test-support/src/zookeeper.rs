@@ -186,13 +186,7 @@ fn ready(child: &mut std::process::Child, port: u16, limit: Duration) -> bool {
 
 impl Drop for ZooKeeperServer {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "--- ZooKeeper log ({}) ---\n{}",
-                self.dir.path().display(),
-                self.log()
-            );
-        }
+        crate::show_log_if_panicking("ZooKeeper", &self.log_path());
         self.kill();
     }
 }
