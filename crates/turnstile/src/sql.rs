@@ -185,6 +185,261 @@ pub(crate) fn is_connection_gone(error: &sqlx::Error) -> bool {
     }
 }
 
+/// Sends a statement, and sends it again on another connection while the one it got
+/// turns out to be gone ([`is_connection_gone`]): for a store whose pool pings only
+/// idle connections ([`pool_options`]). After a server restart every pooled connection
+/// is gone, so a statement may meet several in turn: it is sent at most `pool_size + 1`
+/// times. With the server down, a new connection fails to open and that ends it.
+///
+/// Only for statements that may harmlessly run twice. A connection that dies before
+/// the statement reaches the server (the usual case: the server restarted or ended
+/// the session while the connection sat in the pool) leaves nothing behind. One that
+/// dies in the middle of a statement may have run it, and the next sending then
+/// answers for a state the first one made: each caller says what that means for it.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn sent_again_if_gone<T, F>(
+    pool_size: u32,
+    mut send: impl FnMut() -> F,
+) -> std::result::Result<T, sqlx::Error>
+where
+    F: std::future::Future<Output = std::result::Result<T, sqlx::Error>>,
+{
+    let mut sendings_left = pool_size;
+    loop {
+        match send().await {
+            Err(error) if sendings_left > 0 && is_connection_gone(&error) => sendings_left -= 1,
+            answer => return answer,
+        }
+    }
+}
+
+/// A store's own connections, kept checked out of their pool between statements.
+///
+/// sqlx pings each connection that goes back to its pool: a round trip, in a task of
+/// its own, that the server must wake up for. A lease-mode lock cycle is two
+/// one-statement transactions, so those pings doubled the server's wake-ups per cycle.
+/// Here a statement takes a connection off a shelf and puts it back when it succeeds.
+/// The pool still opens the connections, bounds their number and applies the connect
+/// options; a connection whose statement failed or was cancelled goes back to it, to be
+/// tested or closed there. A connection that sat on the shelf for a second or more is
+/// pinged before use, and a store sends its statements through
+/// [`sent_again_if_gone`], which replaces one the server ended sooner.
+///
+/// Given an application's pool ([`shared`](Self::shared)), nothing is kept: the
+/// application needs its connections back.
+#[cfg(feature = "postgres")]
+pub(crate) struct KeptConnections<DB: sqlx::Database> {
+    pool: sqlx::Pool<DB>,
+    shelf: Option<Arc<Shelf<DB>>>,
+}
+
+#[cfg(feature = "postgres")]
+struct Shelf<DB: sqlx::Database> {
+    idle: std::sync::Mutex<Vec<(sqlx::pool::PoolConnection<DB>, std::time::Instant)>>,
+    /// Wakes a statement waiting for the pool when a connection is put back here
+    /// instead: the pool alone would never hand it out again.
+    returned: tokio::sync::Notify,
+}
+
+#[cfg(feature = "postgres")]
+impl<DB: sqlx::Database> Clone for KeptConnections<DB> {
+    fn clone(&self) -> Self {
+        KeptConnections {
+            pool: self.pool.clone(),
+            shelf: self.shelf.clone(),
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl<DB: sqlx::Database> std::fmt::Debug for KeptConnections<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeptConnections")
+            .field("pool", &self.pool)
+            .field("kept", &self.shelf.is_some())
+            .finish()
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl<DB: sqlx::Database> KeptConnections<DB> {
+    /// Keeps the connections of a pool that only this store uses.
+    pub(crate) fn new(pool: sqlx::Pool<DB>) -> Self {
+        KeptConnections {
+            pool,
+            shelf: Some(Arc::new(Shelf {
+                idle: std::sync::Mutex::new(Vec::new()),
+                returned: tokio::sync::Notify::new(),
+            })),
+        }
+    }
+
+    /// Uses an application's pool as it is: every statement takes a connection from it
+    /// and gives it back.
+    pub(crate) fn shared(pool: sqlx::Pool<DB>) -> Self {
+        KeptConnections { pool, shelf: None }
+    }
+
+    /// The pool the connections come from.
+    pub(crate) fn pool(&self) -> &sqlx::Pool<DB> {
+        &self.pool
+    }
+
+    /// How many connections there may be, all of which a server restart may have ended.
+    pub(crate) fn size(&self) -> u32 {
+        self.pool.options().get_max_connections()
+    }
+
+    /// A connection for one statement: from the shelf if one is there, else from the
+    /// pool, whichever comes first, within the pool's acquire timeout.
+    pub(crate) async fn take(&self) -> std::result::Result<Lent<DB>, sqlx::Error> {
+        let Some(shelf) = &self.shelf else {
+            return Ok(Lent {
+                connection: Some(self.pool.acquire().await?),
+                shelf: None,
+            });
+        };
+        let limit = self.pool.options().get_acquire_timeout();
+        let taken = tokio::time::timeout(limit, async {
+            loop {
+                let returned = shelf.returned.notified();
+                tokio::pin!(returned);
+                // Registered before the shelf is looked at, so a connection put back
+                // after the look still wakes this statement.
+                returned.as_mut().enable();
+                let kept = shelf.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+                if let Some((mut connection, since)) = kept {
+                    if since.elapsed() < PING_IF_IDLE_FOR
+                        || sqlx::Connection::ping(&mut *connection).await.is_ok()
+                    {
+                        return Ok(connection);
+                    }
+                    // Gone while it sat here: closed (dropped), and the next one is tried.
+                    continue;
+                }
+                tokio::select! {
+                    connection = self.pool.acquire() => return connection,
+                    () = &mut returned => {}
+                }
+            }
+        })
+        .await;
+        Ok(Lent {
+            connection: Some(taken.unwrap_or(Err(sqlx::Error::PoolTimedOut))?),
+            shelf: Some(Arc::clone(shelf)),
+        })
+    }
+}
+
+/// A connection taken for one statement: put back on the shelf by [`keep`](Self::keep)
+/// once the statement succeeded; dropped otherwise, which returns it to the pool.
+#[cfg(feature = "postgres")]
+pub(crate) struct Lent<DB: sqlx::Database> {
+    connection: Option<sqlx::pool::PoolConnection<DB>>,
+    shelf: Option<Arc<Shelf<DB>>>,
+}
+
+#[cfg(feature = "postgres")]
+impl<DB: sqlx::Database> Lent<DB> {
+    /// Puts the connection back for the next statement.
+    pub(crate) fn keep(mut self) {
+        if let (Some(connection), Some(shelf)) = (self.connection.take(), &self.shelf) {
+            shelf
+                .idle
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((connection, std::time::Instant::now()));
+            shelf.returned.notify_one();
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl<DB: sqlx::Database> std::ops::Deref for Lent<DB> {
+    type Target = DB::Connection;
+    fn deref(&self) -> &DB::Connection {
+        self.connection
+            .as_deref()
+            .expect("a lent connection is present until kept")
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl<DB: sqlx::Database> std::ops::DerefMut for Lent<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        self.connection
+            .as_deref_mut()
+            .expect("a lent connection is present until kept")
+    }
+}
+
+/// Statements sent on `&KeptConnections` as on a pool: each takes a connection and
+/// keeps it if it succeeds.
+#[cfg(feature = "postgres")]
+impl<'p, DB: sqlx::Database> sqlx::Executor<'p> for &'p KeptConnections<DB>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    type Database = DB;
+
+    fn fetch_many<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> futures_util::stream::BoxStream<
+        'e,
+        std::result::Result<sqlx::Either<DB::QueryResult, DB::Row>, sqlx::Error>,
+    >
+    where
+        'p: 'e,
+        E: 'q + sqlx::Execute<'q, DB>,
+    {
+        use futures_util::{StreamExt, TryStreamExt};
+        // The whole reply is read before it is handed on, so the connection is kept (or
+        // not) as soon as the statement ends. The store's statements reply with a row
+        // or two.
+        futures_util::stream::once(async move {
+            let mut connection = self.take().await?;
+            let steps: Vec<_> = (&mut *connection).fetch_many(query).try_collect().await?;
+            connection.keep();
+            Ok::<_, sqlx::Error>(futures_util::stream::iter(steps.into_iter().map(Ok)))
+        })
+        .try_flatten()
+        .boxed()
+    }
+
+    fn fetch_optional<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> futures_util::future::BoxFuture<'e, std::result::Result<Option<DB::Row>, sqlx::Error>>
+    where
+        'p: 'e,
+        E: 'q + sqlx::Execute<'q, DB>,
+    {
+        Box::pin(async move {
+            let mut connection = self.take().await?;
+            let row = (&mut *connection).fetch_optional(query).await?;
+            connection.keep();
+            Ok(row)
+        })
+    }
+
+    fn prepare_with<'e>(
+        self,
+        sql: sqlx::SqlStr,
+        parameters: &'e [DB::TypeInfo],
+    ) -> futures_util::future::BoxFuture<'e, std::result::Result<DB::Statement, sqlx::Error>>
+    where
+        'p: 'e,
+    {
+        Box::pin(async move {
+            let mut connection = self.take().await?;
+            let statement = (&mut *connection).prepare_with(sql, parameters).await?;
+            connection.keep();
+            Ok(statement)
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -65,9 +65,11 @@ fn kill_holder(server: &MariaDbServer, name: &str) {
 
 /// The sessions' pool hands out a connection without a ping unless it sat idle for a
 /// second (sqlx's default pings each time: a round trip before every statement), and
-/// an acquire whose connection turns out to be gone is sent again on a fresh one. A
-/// connection the server ended is replaced, not reported as an error: just after its
-/// last use (the retry) and after a second idle (the ping).
+/// an acquire whose connection turns out to be gone is sent again on another, as many
+/// times as the pool may hold connections. A connection the server ended is replaced,
+/// not reported as an error: just after its last use (the retry) and after a second
+/// idle (the ping). Four locks held at once leave four sessions in the pool, all ended
+/// together, so the retry meets several in turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_the_server_ended_are_replaced_not_reported() {
     let server = shared_mariadb();
@@ -76,8 +78,14 @@ async fn connections_the_server_ended_are_replaced_not_reported() {
     let locker = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
     let name = unique_name("idle");
     for idle in [Duration::from_millis(200), Duration::from_millis(1_200)] {
-        let guard = locker.acquire(&name, &LockOptions::new()).await.unwrap();
-        assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+        let mut held = Vec::new();
+        for n in 0..4 {
+            let one = format!("{name}-{n}");
+            held.push(locker.acquire(&one, &LockOptions::new()).await.unwrap());
+        }
+        for guard in held {
+            assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+        }
         let ids = server.sql(&format!(
             "SELECT id FROM information_schema.processlist WHERE db = '{database}'"
         ));

@@ -629,6 +629,34 @@ async fn the_listen_connection_comes_back_after_the_server_does() {
     .await;
 }
 
+/// The store keeps its connections between statements instead of returning them to
+/// its pool. Sixteen tasks on a two-connection store: a statement waiting for the pool
+/// takes a connection another statement puts back, rather than waiting for the pool
+/// (which would never see it again) until its acquire timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_callers_than_connections_share_the_kept_ones() {
+    let url = shared_postgres().fresh_database("kept");
+    let config = PostgresLockConfig::new()
+        .max_connections(2)
+        .connect_timeout(Duration::from_secs(1));
+    let locker = Locker::new(PostgresLockStore::connect_with(&url, config).await.unwrap());
+    let name = unique_name("kept");
+    let tasks = (0..16).map(|task| {
+        let locker = locker.clone();
+        let name = format!("{name}-{task}");
+        tokio::spawn(async move {
+            for _ in 0..20 {
+                let guard = locker.acquire(&name, &LockOptions::new()).await?;
+                guard.release().await?;
+            }
+            Ok::<_, turnstile::Error>(())
+        })
+    });
+    for result in futures_join(tasks).await {
+        result.unwrap();
+    }
+}
+
 /// The application's pool must leave a connection for renewals; the LISTEN connection
 /// is not taken from it.
 #[tokio::test]
@@ -996,11 +1024,13 @@ async fn terminate_sessions(admin: &sqlx::PgPool, filter: &str) -> i64 {
     .unwrap()
 }
 
-/// Session mode's pool hands out a connection without a ping unless it sat idle for a
-/// second (sqlx's default pings each time: a round trip before every statement), and
-/// an acquire whose connection turns out to be gone is sent again on a fresh one. A
-/// connection the server ended is replaced, not reported as an error, in both modes:
-/// just after its last use (the retry) and after a second idle (the ping).
+/// Both modes hand out a connection without a ping unless it sat idle for a second
+/// (sqlx's default pings each time: a round trip before every statement), and a
+/// statement whose connection turns out to be gone is sent again on another, as many
+/// times as there may be pooled connections. A connection the server ended is
+/// replaced, not reported as an error: just after its last use (the retry) and after a
+/// second idle (the ping). Four locks held at once leave four sessions in session
+/// mode's pool, all ended together, so the retry meets several in turn.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_the_server_ended_are_replaced_not_reported() {
     let url = shared_postgres().fresh_database("idle_ended");
@@ -1009,8 +1039,14 @@ async fn connections_the_server_ended_are_replaced_not_reported() {
         let locker = Locker::connect(&format!("{url}{mode}")).await.unwrap();
         let name = unique_name("idle");
         for idle in [Duration::from_millis(200), Duration::from_millis(1_200)] {
-            let guard = locker.acquire(&name, &LockOptions::new()).await.unwrap();
-            guard.release().await.unwrap();
+            let mut held = Vec::new();
+            for n in 0..4 {
+                let one = format!("{name}-{n}");
+                held.push(locker.acquire(&one, &LockOptions::new()).await.unwrap());
+            }
+            for guard in held {
+                guard.release().await.unwrap();
+            }
             assert!(terminate_sessions(&admin, "").await > 0);
             tokio::time::sleep(idle).await;
             let guard = locker

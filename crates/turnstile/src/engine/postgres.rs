@@ -43,15 +43,18 @@ pub(crate) fn lazy_pool(options: PgConnectOptions, max: u32, timeout: Duration) 
 /// The pool for a store's own statements, connected now (so a wrong URL or password is
 /// reported at once, with its cause): no statement waits long for a row lock (250 ms;
 /// an application's transaction may hold one) or runs long (10 s), so the callers' own
-/// bounds stay in charge.
+/// bounds stay in charge. `pool` is sqlx's default ([`PgPoolOptions::new`]) or
+/// [`crate::sql::pool_options`] for a store that sends its statements again when their
+/// connection turns out gone.
 pub(crate) async fn open_bounded_pool(
+    pool: PgPoolOptions,
     options: PgConnectOptions,
     max: u32,
     timeout: Duration,
     redacted: &str,
 ) -> Result<PgPool> {
     let options = options.options([("lock_timeout", "250"), ("statement_timeout", "10000")]);
-    match PgPoolOptions::new()
+    match pool
         .max_connections(max.max(1))
         .acquire_timeout(timeout)
         .connect_with(options.clone())

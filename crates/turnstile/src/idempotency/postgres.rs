@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::postgres::{PgConnection, PgPool, PgRow};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions, PgRow};
 
 use super::{
     ClaimAnswer, CursorStep, Fingerprint, Finish, IdempotencyKey, IdempotencyOptions,
@@ -281,7 +281,8 @@ impl PostgresIdempotencyStore {
         let redacted = crate::store::redact(&driver_url);
         let options = connect_options(&driver_url)?;
         let timeout = Duration::from_secs(3);
-        let ops = open_bounded_pool(options.clone(), 8, timeout, &redacted).await?;
+        let ops =
+            open_bounded_pool(PgPoolOptions::new(), options.clone(), 8, timeout, &redacted).await?;
         let store = PostgresIdempotencyStore {
             sql: Arc::new(Sql::new(&schema, &prefix)),
             listener: Arc::new(Listener::new(options, timeout)),

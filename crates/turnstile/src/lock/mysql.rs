@@ -88,7 +88,7 @@ use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::hex::hex;
-use crate::sql::{Statement, is_connection_gone, map_error, statement, validate_identifier};
+use crate::sql::{Statement, map_error, sent_again_if_gone, statement, validate_identifier};
 use crate::store::split_url_options;
 
 const POLL_MIN: Duration = Duration::from_millis(5);
@@ -610,32 +610,36 @@ impl LockBackend for MysqlLockStore {
             }
             let key = lock_key(name);
             let query = acquire_batch(&self.sql, name, &key, owner, wait_timeout_secs(ttl));
-            let mut retry = true;
-            let (connection, replies, sent) = loop {
-                let connection = self.sessions.acquire().await.map_err(|error| {
-                    unavailable(error, "cannot open a MySQL session for the lock")
-                })?;
-                // Until it is registered below, a connection that may hold the lock is
-                // closed if this future is dropped or a statement fails, never pooled.
-                let mut connection = Dedicated::new(connection);
-                let sent = Instant::now();
-                match sqlx::raw_sql(AssertSqlSafe(query.as_str()))
-                    .fetch_many(&mut *connection)
-                    .try_collect::<Vec<_>>()
-                    .await
-                {
-                    Ok(replies) => break (connection, Ok(replies), sent),
-                    // A pooled session the server had closed (the pool pings only idle
-                    // ones): once more on a fresh one.
-                    Err(error) if retry && is_connection_gone(&error) => retry = false,
-                    Err(error) => break (connection, Err(error), sent),
+            let query = query.as_str();
+            // A pooled session the server had ended (the pool pings only idle ones) is
+            // replaced: the batch is sent again on another.
+            let sent_batch = sent_again_if_gone(
+                self.sessions.options().get_max_connections(),
+                || async move {
+                    let connection = self.sessions.acquire().await?;
+                    // Until it is registered below, a connection that may hold the lock is
+                    // closed if this future is dropped or a statement fails, never pooled.
+                    let mut connection = Dedicated::new(connection);
+                    let sent = Instant::now();
+                    let replies = sqlx::raw_sql(AssertSqlSafe(query))
+                        .fetch_many(&mut *connection)
+                        .try_collect::<Vec<_>>()
+                        .await?;
+                    Ok((connection, replies, sent))
+                },
+            )
+            .await;
+            let (connection, replies, sent) = match sent_batch {
+                Ok(sent) => sent,
+                Err(error @ (sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)) => {
+                    return Err(unavailable(
+                        error,
+                        "cannot open a MySQL session for the lock",
+                    ));
                 }
-            };
-            let replies = match replies {
-                Ok(replies) => replies,
                 // A transaction-scoped holder keeps the name's row locked: the lock is
                 // held. The session may have taken the named lock before finding out,
-                // so it is closed (dropped), not pooled.
+                // so it was closed (dropped), not pooled.
                 Err(error) if is_lock_wait(&error) => {
                     return Ok(TryAcquire::Held {
                         remaining_ttl: None,

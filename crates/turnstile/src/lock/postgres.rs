@@ -62,6 +62,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::engine::postgres::Listener;
+use sqlx::Postgres;
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
 
@@ -71,7 +72,9 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
-use crate::sql::{Statement, map_error, statement, validate_identifier};
+use crate::sql::{
+    KeptConnections, Statement, map_error, sent_again_if_gone, statement, validate_identifier,
+};
 use crate::store::split_url_options;
 use sqlx::AssertSqlSafe;
 
@@ -140,7 +143,9 @@ impl PostgresLockConfig {
         self
     }
 
-    /// The size of the store's own connection pool.
+    /// The size of the store's own connection pool. It pings only connections idle for
+    /// a second or more; a statement whose connection turns out gone is sent once more
+    /// on another.
     pub fn max_connections(mut self, connections: u32) -> Self {
         self.max_connections = connections.max(1);
         self
@@ -370,8 +375,11 @@ impl Sql {
 /// Locks in a PostgreSQL table (lease mode).
 #[derive(Clone)]
 pub struct PostgresLockStore {
-    /// The store's own statements, with short lock and statement timeouts.
-    ops: PgPool,
+    /// The store's own statements, with short lock and statement timeouts. With
+    /// [`connect`](Self::connect), their connections are kept between statements and
+    /// pinged only after a second idle, not at every statement, so each statement is sent
+    /// through [`sent_again_if_gone`].
+    ops: KeptConnections<Postgres>,
     config: PostgresLockConfig,
     sql: Arc<Sql>,
     signals: ReleaseSignals,
@@ -421,14 +429,23 @@ impl PostgresLockStore {
         } else {
             options.options([("synchronous_commit", "off")])
         };
+        // Pinged only when idle: every statement the store sends on it is sent again
+        // when its connection turns out gone (see `send`).
         let pool = crate::engine::postgres::open_bounded_pool(
+            crate::sql::pool_options(),
             store_options,
             config.max_connections,
             config.connect_timeout,
             &redacted,
         )
         .await?;
-        PostgresLockStore::with_pool_described(pool, app_pool, config, redacted).await
+        PostgresLockStore::with_pool_described(
+            KeptConnections::new(pool),
+            app_pool,
+            config,
+            redacted,
+        )
+        .await
     }
 
     /// Uses the application's own pool. Migrates on first use unless configured not to.
@@ -455,7 +472,7 @@ impl PostgresLockStore {
             ));
         }
         PostgresLockStore::with_pool_described(
-            pool.clone(),
+            KeptConnections::shared(pool.clone()),
             pool,
             config,
             "postgres (application pool)".to_owned(),
@@ -464,12 +481,12 @@ impl PostgresLockStore {
     }
 
     async fn with_pool_described(
-        pool: PgPool,
+        ops: KeptConnections<Postgres>,
         app_pool: PgPool,
         config: PostgresLockConfig,
         url: String,
     ) -> Result<Self> {
-        let connect_options = (*pool.connect_options()).clone();
+        let connect_options = (*ops.pool().connect_options()).clone();
         let store = PostgresLockStore {
             sql: Arc::new(Sql::new(&config)),
             listener: Arc::new(Listener::new(
@@ -477,7 +494,7 @@ impl PostgresLockStore {
                 config.connect_timeout,
             )),
             issuer: crate::engine::postgres::lazy_pool(connect_options, 2, config.connect_timeout),
-            ops: pool,
+            ops,
             pool: app_pool,
             config,
             signals: ReleaseSignals::new(),
@@ -494,7 +511,16 @@ impl PostgresLockStore {
     pub async fn migrate(&self) -> Result<()> {
         let sql = &self.sql;
         let fail = |error| map_error(error, "cannot create Turnstile's PostgreSQL tables");
-        let mut transaction = self.ops.begin().await.map_err(fail)?;
+        let mut connection = sent_again_if_gone(self.pool_size(), || async {
+            let mut connection = self.ops.take().await?;
+            sqlx::Connection::ping(&mut *connection).await?;
+            Ok(connection)
+        })
+        .await
+        .map_err(fail)?;
+        let mut transaction = sqlx::Connection::begin(&mut *connection)
+            .await
+            .map_err(fail)?;
         // Another process may be migrating: wait for it, longer than the store's usual
         // timeouts allow.
         sqlx::raw_sql("SET LOCAL lock_timeout = '60s'; SET LOCAL statement_timeout = 0")
@@ -552,7 +578,9 @@ impl PostgresLockStore {
                 .await
                 .map_err(fail)?;
         }
-        transaction.commit().await.map_err(fail)
+        transaction.commit().await.map_err(fail)?;
+        connection.keep();
+        Ok(())
     }
 
     /// Takes the lock `name` for the rest of the transaction `transaction` runs on, and
@@ -611,6 +639,12 @@ impl PostgresLockStore {
             .await
             .map_err(fail)?;
         Ok(FencingToken::new(u64::try_from(token).unwrap_or(0)))
+    }
+
+    /// How many connections the store's own pool may hold, all of which a restart of
+    /// the server may have ended.
+    fn pool_size(&self) -> u32 {
+        self.ops.size()
     }
 
     /// The qualified names of the lock and token tables.
@@ -697,12 +731,16 @@ impl LockBackend for PostgresLockStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<TryAcquire>> {
         Box::pin(async move {
-            let row = match sqlx::query(self.sql.acquire.sql())
-                .bind(name.as_str())
-                .bind(owner.as_str())
-                .bind(ttl_millis(ttl))
-                .fetch_one(&self.ops)
-                .await
+            // Sent again if its connection was gone: had the first one taken the lock,
+            // the second finds it ours and reclaims it below.
+            let row = match sent_again_if_gone(self.pool_size(), || {
+                sqlx::query(self.sql.acquire.sql())
+                    .bind(name.as_str())
+                    .bind(owner.as_str())
+                    .bind(ttl_millis(ttl))
+                    .fetch_one(&self.ops)
+            })
+            .await
             {
                 Ok(row) => row,
                 // A transaction-scoped holder keeps the row locked past the store's
@@ -733,13 +771,15 @@ impl LockBackend for PostgresLockStore {
                 .map_err(|e| map_error(e, "bad reply"))?;
             if holder.as_deref() == Some(owner.as_str()) {
                 // Our own earlier request took the lock and its reply was lost.
-                let token: Option<i64> = sqlx::query_scalar(self.sql.reclaim.sql())
-                    .bind(name.as_str())
-                    .bind(owner.as_str())
-                    .bind(ttl_millis(ttl))
-                    .fetch_optional(&self.ops)
-                    .await
-                    .map_err(|error| map_error(error, "cannot acquire the lock"))?;
+                let token: Option<i64> = sent_again_if_gone(self.pool_size(), || {
+                    sqlx::query_scalar(self.sql.reclaim.sql())
+                        .bind(name.as_str())
+                        .bind(owner.as_str())
+                        .bind(ttl_millis(ttl))
+                        .fetch_optional(&self.ops)
+                })
+                .await
+                .map_err(|error| map_error(error, "cannot acquire the lock"))?;
                 if let Some(token) = token {
                     return Ok(TryAcquire::Acquired {
                         token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
@@ -759,13 +799,16 @@ impl LockBackend for PostgresLockStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<ExtendOutcome>> {
         Box::pin(async move {
-            let row = sqlx::query(self.sql.extend.sql())
-                .bind(name.as_str())
-                .bind(owner.as_str())
-                .bind(ttl_millis(ttl))
-                .fetch_one(&self.ops)
-                .await
-                .map_err(|error| map_error(error, "cannot extend the lock"))?;
+            // A renewal sent twice renews twice.
+            let row = sent_again_if_gone(self.pool_size(), || {
+                sqlx::query(self.sql.extend.sql())
+                    .bind(name.as_str())
+                    .bind(owner.as_str())
+                    .bind(ttl_millis(ttl))
+                    .fetch_one(&self.ops)
+            })
+            .await
+            .map_err(|error| map_error(error, "cannot extend the lock"))?;
             let renewed: bool = row
                 .try_get("renewed")
                 .map_err(|e| map_error(e, "bad reply"))?;
@@ -782,13 +825,18 @@ impl LockBackend for PostgresLockStore {
         owner: &'a OwnerId,
     ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
         Box::pin(async move {
-            let row = sqlx::query(self.sql.release.sql())
-                .bind(name.as_str())
-                .bind(owner.as_str())
-                .bind(&self.sql.channel)
-                .fetch_one(&self.ops)
-                .await
-                .map_err(|error| map_error(error, "cannot release the lock"))?;
+            // Had a first sending released the lock before its connection died, the
+            // second finds it gone and says it had expired: a false alarm, never a
+            // release reported that did not happen.
+            let row = sent_again_if_gone(self.pool_size(), || {
+                sqlx::query(self.sql.release.sql())
+                    .bind(name.as_str())
+                    .bind(owner.as_str())
+                    .bind(&self.sql.channel)
+                    .fetch_one(&self.ops)
+            })
+            .await
+            .map_err(|error| map_error(error, "cannot release the lock"))?;
             let live: Option<bool> = row.try_get("live").map_err(|e| map_error(e, "bad reply"))?;
             let released: i64 = row
                 .try_get("released")
@@ -810,10 +858,12 @@ impl LockBackend for PostgresLockStore {
 
     fn inspect<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
         Box::pin(async move {
-            let row = match sqlx::query(self.sql.inspect.sql())
-                .bind(name.as_str())
-                .fetch_optional(&self.ops)
-                .await
+            let row = match sent_again_if_gone(self.pool_size(), || {
+                sqlx::query(self.sql.inspect.sql())
+                    .bind(name.as_str())
+                    .fetch_optional(&self.ops)
+            })
+            .await
             {
                 // Not migrated yet: nothing was ever locked here.
                 Err(error) if crate::sql::is_missing_table(&error) => return Ok(None),
@@ -825,12 +875,16 @@ impl LockBackend for PostgresLockStore {
 
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
         Box::pin(async move {
-            let row = sqlx::query(self.sql.force.sql())
-                .bind(name.as_str())
-                .bind(&self.sql.channel)
-                .fetch_optional(&self.ops)
-                .await
-                .map_err(|error| map_error(error, "cannot break the lock"))?;
+            // Had a first sending broken the lock before its connection died, the second
+            // finds it free and reports no holder.
+            let row = sent_again_if_gone(self.pool_size(), || {
+                sqlx::query(self.sql.force.sql())
+                    .bind(name.as_str())
+                    .bind(&self.sql.channel)
+                    .fetch_optional(&self.ops)
+            })
+            .await
+            .map_err(|error| map_error(error, "cannot break the lock"))?;
             let held = row.as_ref().map(holder).transpose()?;
             if held.is_some() {
                 self.signals.notify(name.as_str());
@@ -857,11 +911,13 @@ impl LockBackend for PostgresLockStore {
 
     fn prune(&self, unused_for: Duration) -> BoxFuture<'_, Result<u64>> {
         Box::pin(async move {
-            let removed: i64 = sqlx::query_scalar(self.sql.prune.sql())
-                .bind(unused_for.as_secs_f64())
-                .fetch_one(&self.ops)
-                .await
-                .map_err(|error| map_error(error, "cannot prune unused lock names"))?;
+            let removed: i64 = sent_again_if_gone(self.pool_size(), || {
+                sqlx::query_scalar(self.sql.prune.sql())
+                    .bind(unused_for.as_secs_f64())
+                    .fetch_one(&self.ops)
+            })
+            .await
+            .map_err(|error| map_error(error, "cannot prune unused lock names"))?;
             Ok(u64::try_from(removed).unwrap_or(0))
         })
     }
@@ -876,14 +932,19 @@ impl LockBackend for PostgresLockStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
         Box::pin(async move {
-            let token: Option<i64> = sqlx::query_scalar(self.sql.hand_over.sql())
-                .bind(name.as_str())
-                .bind(from.as_str())
-                .bind(to.as_str())
-                .bind(ttl_millis(ttl))
-                .fetch_one(&self.ops)
-                .await
-                .map_err(|error| map_error(error, "cannot hand the lock over"))?;
+            // Had a first sending moved the lock before its connection died, the second
+            // finds `to` holding it: the fallback below then reports `from`'s lock as
+            // taken (a false alarm) and `to` reclaims it with its token.
+            let token: Option<i64> = sent_again_if_gone(self.pool_size(), || {
+                sqlx::query_scalar(self.sql.hand_over.sql())
+                    .bind(name.as_str())
+                    .bind(from.as_str())
+                    .bind(to.as_str())
+                    .bind(ttl_millis(ttl))
+                    .fetch_one(&self.ops)
+            })
+            .await
+            .map_err(|error| map_error(error, "cannot hand the lock over"))?;
             super::backend::moved_or_released(self, token, name, from, to, ttl).await
         })
     }

@@ -52,7 +52,7 @@ use super::{
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::lock::postgres::{CLOCK_US, PostgresLockConfig, PostgresLockStore, one_mode_per_name};
-use crate::sql::{Statement, is_connection_gone, map_error, statement};
+use crate::sql::{Statement, map_error, sent_again_if_gone, statement};
 
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
@@ -276,30 +276,38 @@ impl LockBackend for PostgresSessionLockStore {
             if let Some(token) = session::already_held(self, owner).await {
                 return Ok(TryAcquire::Acquired { token });
             }
-            let mut retry = true;
-            let (connection, row, sent) = loop {
-                let connection = self.sessions.acquire().await.map_err(|error| {
-                    map_error(error, "cannot open a PostgreSQL session for the lock")
-                })?;
-                // Until it is registered below, a connection that may hold the lock is
-                // closed if this future is dropped or a statement fails, never pooled.
-                let mut connection = Dedicated::new(connection);
-                let sent = Instant::now();
-                // The lease (see `server_lease`) is set in the statement that takes the
-                // lock, and only if it does.
-                match sqlx::query(self.sql.acquire.sql())
-                    .bind(name.as_str())
-                    .bind(owner.as_str())
-                    .bind(ceil_millis(server_lease(ttl)).to_string())
-                    .fetch_one(&mut *connection)
-                    .await
-                {
-                    Ok(row) => break (connection, row, sent),
-                    // A pooled session the server had closed (the pool pings only idle
-                    // ones): once more on a fresh one.
-                    Err(error) if retry && is_connection_gone(&error) => retry = false,
-                    Err(error) => return Err(map_error(error, "cannot acquire the lock")),
+            // A pooled session the server had ended (the pool pings only idle ones) is
+            // replaced: the statement is sent again on another.
+            let sent_statement = sent_again_if_gone(
+                self.sessions.options().get_max_connections(),
+                || async move {
+                    let connection = self.sessions.acquire().await?;
+                    // Until it is registered below, a connection that may hold the lock
+                    // is closed if this future is dropped or a statement fails, never
+                    // pooled.
+                    let mut connection = Dedicated::new(connection);
+                    let sent = Instant::now();
+                    // The lease (see `server_lease`) is set in the statement that takes
+                    // the lock, and only if it does.
+                    let row = sqlx::query(self.sql.acquire.sql())
+                        .bind(name.as_str())
+                        .bind(owner.as_str())
+                        .bind(ceil_millis(server_lease(ttl)).to_string())
+                        .fetch_one(&mut *connection)
+                        .await?;
+                    Ok((connection, row, sent))
+                },
+            )
+            .await;
+            let (connection, row, sent) = match sent_statement {
+                Ok(sent) => sent,
+                Err(error @ (sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)) => {
+                    return Err(map_error(
+                        error,
+                        "cannot open a PostgreSQL session for the lock",
+                    ));
                 }
+                Err(error) => return Err(map_error(error, "cannot acquire the lock")),
             };
             let bad = |error| map_error(error, "bad reply");
             let ok: bool = row.try_get("ok").map_err(bad)?;

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::postgres::{PgConnection, PgPool};
+use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 
 use super::{
     Backoff, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status, Stored,
@@ -326,7 +326,8 @@ impl PostgresOutbox {
         let redacted = crate::store::redact(&driver_url);
         let options = connect_options(&driver_url)?;
         let timeout = Duration::from_secs(3);
-        let pool = open_bounded_pool(options.clone(), 8, timeout, &redacted).await?;
+        let pool =
+            open_bounded_pool(PgPoolOptions::new(), options.clone(), 8, timeout, &redacted).await?;
         let outbox = PostgresOutbox {
             pool,
             keep_delivered,
