@@ -657,6 +657,57 @@ async fn more_callers_than_connections_share_the_kept_ones() {
     }
 }
 
+/// A waiter in another process hears of releases through its store's LISTEN
+/// connection. When that connection is lost, the waiters re-check once it is back, and
+/// poll while it is not: a release made meanwhile still wakes them at once, not at the
+/// end of the holder's 30 s lease. Twenty rounds, each losing the connection shortly
+/// before the release: ended by the server (an error on the connection) or cut by the
+/// network (the connection just closes, and sqlx reconnects before it says so).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_while_the_listen_connection_is_lost_is_not_missed() {
+    let server = shared_postgres();
+    let url = server.fresh_database("relisten");
+    let proxy = TcpProxy::start(server.port());
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    let holders = Locker::new(PostgresLockStore::connect(&url).await.unwrap());
+    let waiting_store = PostgresLockStore::connect(&proxy.url_for(&url))
+        .await
+        .unwrap();
+    let waiters = Locker::new(waiting_store.clone());
+    let name = unique_name("relisten");
+    let lease = LockOptions::new().ttl(Duration::from_secs(30));
+    for round in 0..20 {
+        let held = holders.acquire(&name, &lease).await.unwrap();
+        let waiter = {
+            let (waiters, name, lease) = (waiters.clone(), name.clone(), lease.clone());
+            tokio::spawn(async move {
+                waiters
+                    .acquire(&name, &lease.wait(Duration::from_secs(60)))
+                    .await
+            })
+        };
+        eventually("the waiter's store listens", Duration::from_secs(10), || {
+            waiting_store.is_listening()
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if round % 2 == 0 {
+            let ended = terminate_sessions(&admin, "AND query LIKE 'LISTEN%'").await;
+            assert_eq!(ended, 1, "round {round}: one LISTEN connection");
+        } else {
+            proxy.close_connections();
+        }
+        // Released at once or up to 19 ms later: before or after the waiter has heard
+        // of the loss, before or after its store is listening again.
+        tokio::time::sleep(Duration::from_millis(round)).await;
+        held.release().await.unwrap();
+        let woken = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the waiter missed the release"));
+        woken.unwrap().unwrap().release().await.unwrap();
+    }
+}
+
 /// The application's pool must leave a connection for renewals; the LISTEN connection
 /// is not taken from it.
 #[tokio::test]

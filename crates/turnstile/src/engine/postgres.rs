@@ -171,8 +171,10 @@ async fn keep_listening(
                                 .increment(1);
                             signals.notify(notification.payload());
                         }
-                        // The connection dropped; the next call re-establishes it.
-                        // Notifications may have been missed, so everyone re-checks.
+                        // The connection dropped, and sqlx has connected and listened
+                        // again before saying so (its eager reconnect, the default).
+                        // Notifications sent in between were missed, so everyone
+                        // re-checks now that new ones will be heard.
                         Ok(None) => signals.notify_all(),
                         Err(error) => {
                             tracing::warn!(
