@@ -64,9 +64,25 @@ pub(crate) fn map_error(error: sqlx::Error, context: &str) -> Error {
         {
             ErrorKind::StoreUnavailable
         }
+        sqlx::Error::Database(db) if ends_the_session(db.as_ref()) => ErrorKind::StoreUnavailable,
         _ => ErrorKind::Store,
     };
     Error::new(kind, context.to_owned()).with_source(error)
+}
+
+/// Whether the server ended the session with the error (PostgreSQL severity FATAL or
+/// PANIC): a database that refuses sessions for now (`ALLOW_CONNECTIONS false`,
+/// SQLSTATE 55000), too many connections (53300), a server in recovery. Worth retrying
+/// later, unlike an error in a statement. Refusals no retry can fix (credentials, an
+/// unknown database) are FATAL too, and are told apart before this.
+fn ends_the_session(db: &dyn sqlx::error::DatabaseError) -> bool {
+    #[cfg(feature = "postgres")]
+    if let Some(postgres) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+        use sqlx::postgres::PgSeverity;
+        return matches!(postgres.severity(), PgSeverity::Fatal | PgSeverity::Panic);
+    }
+    let _ = db;
+    false
 }
 
 /// Whether a statement gave up waiting for a row lock (PostgreSQL `lock_timeout`,

@@ -686,9 +686,11 @@ async fn a_release_while_the_listen_connection_is_lost_is_not_missed() {
                     .await
             })
         };
-        eventually("the waiter's store listens", Duration::from_secs(10), || {
-            waiting_store.is_listening()
-        })
+        eventually(
+            "the waiter's store listens",
+            Duration::from_secs(10),
+            || waiting_store.is_listening(),
+        )
         .await;
         tokio::time::sleep(Duration::from_millis(50)).await;
         if round % 2 == 0 {
@@ -706,6 +708,47 @@ async fn a_release_while_the_listen_connection_is_lost_is_not_missed() {
             .unwrap_or_else(|_| panic!("round {round}: the waiter missed the release"));
         woken.unwrap().unwrap().release().await.unwrap();
     }
+}
+
+/// A database that refuses new sessions for a while (`ALLOW_CONNECTIONS false`, as
+/// for maintenance) answers with a FATAL error: the store is unavailable, which a
+/// waiting acquire retries, not broken. It works again once the database accepts
+/// sessions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_refusing_sessions_is_unavailable_not_broken() {
+    let server = shared_postgres();
+    let url = server.fresh_database("refusing");
+    let database = url.rsplit('/').next().unwrap().to_owned();
+    let locker = Locker::connect(&url).await.unwrap();
+    let name = unique_name("refusing");
+    let quick = LockOptions::new().wait(Duration::ZERO);
+    locker
+        .acquire(&name, &quick)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    server.sql(
+        "postgres",
+        &format!(
+            "ALTER DATABASE \"{database}\" ALLOW_CONNECTIONS false;
+             SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{database}'"
+        ),
+    );
+    let error = locker.acquire(&name, &quick).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error:?}");
+    server.sql(
+        "postgres",
+        &format!("ALTER DATABASE \"{database}\" ALLOW_CONNECTIONS true"),
+    );
+    locker
+        .acquire(&name, &quick)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
 }
 
 /// The application's pool must leave a connection for renewals; the LISTEN connection
