@@ -284,10 +284,17 @@ pub(crate) async fn hand_over<E: SessionEngine>(
             && let Some(mut connection) = session.connection.take()
         {
             let sent = Instant::now();
-            let token = match engine
+            // Dropped during the reissue, this future drops the connection too, which
+            // ends the session and frees the lock: `from`'s entry must go with it.
+            let forget_if_dropped = ForgetIfDropped {
+                sessions: engine.sessions(),
+                owner: from,
+            };
+            let reissued = engine
                 .reissue(&mut connection, name, to, ttl, session.ttl)
-                .await
-            {
+                .await;
+            std::mem::forget(forget_if_dropped);
+            let token = match reissued {
                 Ok(token) => token,
                 Err(error) => {
                     // A dead session (its lock already freed), or in doubt about what it
@@ -315,6 +322,19 @@ pub(crate) async fn hand_over<E: SessionEngine>(
     }
     let released = release(engine, name, from).await?;
     Ok((released, acquire.await?))
+}
+
+/// Forgets an owner's held session when dropped; `std::mem::forget` it once the step
+/// it guards has finished.
+struct ForgetIfDropped<'a, C, K> {
+    sessions: &'a HeldSessions<C, K>,
+    owner: &'a OwnerId,
+}
+
+impl<C, K> Drop for ForgetIfDropped<'_, C, K> {
+    fn drop(&mut self) {
+        self.sessions.forget(self.owner);
+    }
 }
 
 /// Release for session engines: unlock on the holder's session and recycle it, or, if
