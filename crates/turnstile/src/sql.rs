@@ -243,13 +243,13 @@ where
 ///
 /// Given an application's pool ([`shared`](Self::shared)), nothing is kept: the
 /// application needs its connections back.
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) struct KeptConnections<DB: sqlx::Database> {
     pool: sqlx::Pool<DB>,
     shelf: Option<Arc<Shelf<DB>>>,
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 struct Shelf<DB: sqlx::Database> {
     idle: std::sync::Mutex<Vec<(sqlx::pool::PoolConnection<DB>, std::time::Instant)>>,
     /// Wakes a statement waiting for the pool when a connection is put back here
@@ -257,7 +257,7 @@ struct Shelf<DB: sqlx::Database> {
     returned: tokio::sync::Notify,
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<DB: sqlx::Database> Clone for KeptConnections<DB> {
     fn clone(&self) -> Self {
         KeptConnections {
@@ -267,7 +267,7 @@ impl<DB: sqlx::Database> Clone for KeptConnections<DB> {
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<DB: sqlx::Database> std::fmt::Debug for KeptConnections<DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KeptConnections")
@@ -277,7 +277,7 @@ impl<DB: sqlx::Database> std::fmt::Debug for KeptConnections<DB> {
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<DB: sqlx::Database> KeptConnections<DB> {
     /// Keeps the connections of a pool that only this store uses.
     pub(crate) fn new(pool: sqlx::Pool<DB>) -> Self {
@@ -349,14 +349,23 @@ impl<DB: sqlx::Database> KeptConnections<DB> {
 
 /// A connection taken for one statement: put back on the shelf by [`keep`](Self::keep)
 /// once the statement succeeded; dropped otherwise, which returns it to the pool.
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) struct Lent<DB: sqlx::Database> {
     connection: Option<sqlx::pool::PoolConnection<DB>>,
     shelf: Option<Arc<Shelf<DB>>>,
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<DB: sqlx::Database> Lent<DB> {
+    /// Takes the connection out of the pool's count for good: dropping it closes its
+    /// socket, so the server ends the session (and frees whatever the session holds).
+    pub(crate) fn detach(mut self) -> DB::Connection {
+        self.connection
+            .take()
+            .expect("a lent connection is present until kept")
+            .detach()
+    }
+
     /// Puts the connection back for the next statement.
     pub(crate) fn keep(mut self) {
         if let (Some(connection), Some(shelf)) = (self.connection.take(), &self.shelf) {
@@ -370,7 +379,7 @@ impl<DB: sqlx::Database> Lent<DB> {
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<DB: sqlx::Database> std::ops::Deref for Lent<DB> {
     type Target = DB::Connection;
     fn deref(&self) -> &DB::Connection {
@@ -380,7 +389,7 @@ impl<DB: sqlx::Database> std::ops::Deref for Lent<DB> {
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<DB: sqlx::Database> std::ops::DerefMut for Lent<DB> {
     fn deref_mut(&mut self) -> &mut DB::Connection {
         self.connection
@@ -391,7 +400,7 @@ impl<DB: sqlx::Database> std::ops::DerefMut for Lent<DB> {
 
 /// Statements sent on `&KeptConnections` as on a pool: each takes a connection and
 /// keeps it if it succeeds.
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 impl<'p, DB: sqlx::Database> sqlx::Executor<'p> for &'p KeptConnections<DB>
 where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,

@@ -88,7 +88,9 @@ use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::hex::hex;
-use crate::sql::{Statement, map_error, sent_again_if_gone, statement, validate_identifier};
+use crate::sql::{
+    KeptConnections, Statement, map_error, sent_again_if_gone, statement, validate_identifier,
+};
 use crate::store::split_url_options;
 
 const POLL_MIN: Duration = Duration::from_millis(5);
@@ -219,7 +221,7 @@ struct Sql {
 #[derive(Clone)]
 pub struct MysqlLockStore {
     pool: MySqlPool,
-    sessions: MySqlPool,
+    sessions: KeptConnections<MySql>,
     /// Issues transaction-scoped tokens: apart from `pool`, which callers may fill with
     /// transactions waiting for the very lock whose holder needs a token.
     issuer: MySqlPool,
@@ -273,6 +275,9 @@ impl MysqlLockStore {
             .min_connections(0)
             .acquire_timeout(config.connect_timeout)
             .connect_lazy_with(options.clone());
+        // A lock's session goes back on this shelf when the lock is released, not to
+        // the pool, which would ping it on the way in.
+        let sessions = KeptConnections::new(sessions);
         // Its statements never wait long for a row lock: creating a name's row can meet
         // a transaction that holds it (then the row exists and the wait is pointless).
         let issuer = MySqlPoolOptions::new()
@@ -613,21 +618,18 @@ impl LockBackend for MysqlLockStore {
             let query = query.as_str();
             // A pooled session the server had ended (the pool pings only idle ones) is
             // replaced: the batch is sent again on another.
-            let sent_batch = sent_again_if_gone(
-                self.sessions.options().get_max_connections(),
-                || async move {
-                    let connection = self.sessions.acquire().await?;
-                    // Until it is registered below, a connection that may hold the lock is
-                    // closed if this future is dropped or a statement fails, never pooled.
-                    let mut connection = Dedicated::new(connection);
-                    let sent = Instant::now();
-                    let replies = sqlx::raw_sql(AssertSqlSafe(query))
-                        .fetch_many(&mut *connection)
-                        .try_collect::<Vec<_>>()
-                        .await?;
-                    Ok((connection, replies, sent))
-                },
-            )
+            let sent_batch = sent_again_if_gone(self.sessions.size(), || async move {
+                let connection = self.sessions.take().await?;
+                // Until it is registered below, a connection that may hold the lock is
+                // closed if this future is dropped or a statement fails, never pooled.
+                let mut connection = Dedicated::new(connection);
+                let sent = Instant::now();
+                let replies = sqlx::raw_sql(AssertSqlSafe(query))
+                    .fetch_many(&mut *connection)
+                    .try_collect::<Vec<_>>()
+                    .await?;
+                Ok((connection, replies, sent))
+            })
             .await;
             let (connection, replies, sent) = match sent_batch {
                 Ok(sent) => sent,

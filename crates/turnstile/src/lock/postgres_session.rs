@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::postgres::{PgConnectOptions, PgPool, Postgres};
+use sqlx::postgres::{PgConnectOptions, Postgres};
 use tokio::time::Instant;
 
 use super::session::{self, Dedicated, HeldSessions, Session, SessionEngine};
@@ -52,7 +52,7 @@ use super::{
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::lock::postgres::{CLOCK_US, PostgresLockConfig, PostgresLockStore, one_mode_per_name};
-use crate::sql::{Statement, map_error, sent_again_if_gone, statement};
+use crate::sql::{KeptConnections, Statement, map_error, sent_again_if_gone, statement};
 
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
@@ -79,7 +79,7 @@ struct Sql {
 #[derive(Clone)]
 pub struct PostgresSessionLockStore {
     tables: PostgresLockStore,
-    sessions: PgPool,
+    sessions: KeptConnections<Postgres>,
     held: Arc<HeldSessions<Dedicated<Postgres>, ()>>,
     sql: Arc<Sql>,
     signals: ReleaseSignals,
@@ -146,6 +146,9 @@ impl PostgresSessionLockStore {
             .min_connections(0)
             .acquire_timeout(Duration::from_secs(3))
             .connect_lazy_with(options);
+        // A lock's session goes back on this shelf when the lock is released, not to
+        // the pool, which would ping it on the way in.
+        let sessions = KeptConnections::new(sessions);
         let (locks, tokens) = tables.table_names();
         let key = format!("hashtextextended($1, {KEY_SEED})");
         let sql = Sql {
@@ -278,26 +281,23 @@ impl LockBackend for PostgresSessionLockStore {
             }
             // A pooled session the server had ended (the pool pings only idle ones) is
             // replaced: the statement is sent again on another.
-            let sent_statement = sent_again_if_gone(
-                self.sessions.options().get_max_connections(),
-                || async move {
-                    let connection = self.sessions.acquire().await?;
-                    // Until it is registered below, a connection that may hold the lock
-                    // is closed if this future is dropped or a statement fails, never
-                    // pooled.
-                    let mut connection = Dedicated::new(connection);
-                    let sent = Instant::now();
-                    // The lease (see `server_lease`) is set in the statement that takes
-                    // the lock, and only if it does.
-                    let row = sqlx::query(self.sql.acquire.sql())
-                        .bind(name.as_str())
-                        .bind(owner.as_str())
-                        .bind(ceil_millis(server_lease(ttl)).to_string())
-                        .fetch_one(&mut *connection)
-                        .await?;
-                    Ok((connection, row, sent))
-                },
-            )
+            let sent_statement = sent_again_if_gone(self.sessions.size(), || async move {
+                let connection = self.sessions.take().await?;
+                // Until it is registered below, a connection that may hold the lock
+                // is closed if this future is dropped or a statement fails, never
+                // pooled.
+                let mut connection = Dedicated::new(connection);
+                let sent = Instant::now();
+                // The lease (see `server_lease`) is set in the statement that takes
+                // the lock, and only if it does.
+                let row = sqlx::query(self.sql.acquire.sql())
+                    .bind(name.as_str())
+                    .bind(owner.as_str())
+                    .bind(ceil_millis(server_lease(ttl)).to_string())
+                    .fetch_one(&mut *connection)
+                    .await?;
+                Ok((connection, row, sent))
+            })
             .await;
             let (connection, row, sent) = match sent_statement {
                 Ok(sent) => sent,

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use sqlx::pool::PoolConnection;
+use crate::sql::Lent;
 use tokio::time::Instant;
 
 use super::{
@@ -19,27 +19,30 @@ use crate::fence::FencingToken;
 /// the loss itself is reported at once, this only refines its reason.
 const LOSS_LOOKUP_LIMIT: Duration = Duration::from_millis(250);
 
-/// A pooled connection that may hold a session-level lock.
+/// A connection (taken from the engine's [`KeptConnections`](crate::sql::KeptConnections))
+/// that may hold a session-level lock.
 ///
 /// Dropped without [`recycle`](Self::recycle) — a cancelled acquire or release, a
 /// statement that failed after the lock was taken — it is detached from its pool and
-/// closed, so the server frees whatever it held. A pool never gets back a connection
-/// that might still hold a lock: the next user of it would "acquire" re-entrantly and
-/// its release would leave the lock held.
+/// closed, so the server frees whatever it held. No later lock ever gets a connection
+/// that might still hold one: it would "acquire" re-entrantly and its release would
+/// leave the lock held.
 pub(crate) struct Dedicated<DB: sqlx::Database> {
-    connection: Option<PoolConnection<DB>>,
+    connection: Option<Lent<DB>>,
 }
 
 impl<DB: sqlx::Database> Dedicated<DB> {
-    pub(crate) fn new(connection: PoolConnection<DB>) -> Self {
+    pub(crate) fn new(connection: Lent<DB>) -> Self {
         Dedicated {
             connection: Some(connection),
         }
     }
 
-    /// Returns the connection to its pool: only for one known to hold no lock.
+    /// Puts the connection back for the next lock: only for one known to hold no lock.
     pub(crate) fn recycle(mut self) {
-        drop(self.connection.take());
+        if let Some(connection) = self.connection.take() {
+            connection.keep();
+        }
     }
 
     /// Closes the connection politely, so the server frees its locks at once.
