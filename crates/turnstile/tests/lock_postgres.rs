@@ -722,13 +722,8 @@ async fn a_database_refusing_sessions_is_unavailable_not_broken() {
     let locker = Locker::connect(&url).await.unwrap();
     let name = unique_name("refusing");
     let quick = LockOptions::new().wait(Duration::ZERO);
-    locker
-        .acquire(&name, &quick)
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    let take_and_release = async || locker.acquire(&name, &quick).await?.release().await;
+    take_and_release().await.unwrap();
     server.sql(
         "postgres",
         &format!(
@@ -742,13 +737,7 @@ async fn a_database_refusing_sessions_is_unavailable_not_broken() {
         "postgres",
         &format!("ALTER DATABASE \"{database}\" ALLOW_CONNECTIONS true"),
     );
-    locker
-        .acquire(&name, &quick)
-        .await
-        .unwrap()
-        .release()
-        .await
-        .unwrap();
+    take_and_release().await.unwrap();
 }
 
 /// The application's pool must leave a connection for renewals; the LISTEN connection
