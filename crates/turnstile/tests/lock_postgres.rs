@@ -826,6 +826,33 @@ async fn one_name_is_used_in_one_mode() {
     assert_eq!(error.kind(), ErrorKind::InvalidOptions, "{error}");
 }
 
+/// Both modes asked for a brand-new name at the same instant: at most one gets it, the
+/// other finds it held or is refused. Before the session acquire's marker row was an
+/// upsert that sees a lease row committed after the statement began, both got the lock
+/// in about one pair of five.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_modes_on_a_new_name_at_once_never_both_hold() {
+    let url = shared_postgres().fresh_database("moderace");
+    let lease = Locker::connect(&url).await.unwrap();
+    let session = Locker::connect(&format!("{url}?turnstile_mode=session"))
+        .await
+        .unwrap();
+    let mut both = 0;
+    for n in 0..300 {
+        let name = format!("race-{n}");
+        let options = LockOptions::new();
+        let (a, b) = tokio::join!(
+            lease.try_acquire(&name, &options),
+            session.try_acquire(&name, &options)
+        );
+        if let (Ok(Some(a)), Ok(Some(b))) = (a, b) {
+            both += 1;
+            drop((a, b));
+        }
+    }
+    assert_eq!(both, 0, "both modes held a new name {both} times of 300");
+}
+
 /// A wrong user or an unknown database is a configuration error: not retryable, one
 /// sentence with the server's words, no driver internals.
 #[tokio::test]

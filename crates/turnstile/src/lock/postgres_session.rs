@@ -152,25 +152,37 @@ impl PostgresSessionLockStore {
         let (locks, tokens) = tables.table_names();
         let key = format!("hashtextextended($1, {KEY_SEED})");
         let sql = Sql {
+            // A session-mode name has a marker row in the locks table (expires_at
+            // -infinity), which lease mode refuses to take. The lease-mode check below
+            // reads the statement's snapshot, which misses a lease row inserted by a
+            // lease acquire running at the same instant; the marker's upsert does not:
+            // it waits for that row's transaction and sees its committed version. Only
+            // a marker there (or a new one) lets the session keep the advisory lock and
+            // get a token; a lease row makes it give the advisory lock back and refuse.
             acquire: statement(format!(
                 "WITH lease_mode AS (
                     SELECT count(*) AS rows FROM {locks} WHERE name = $1 AND isfinite(expires_at)),
                  got AS (SELECT pg_try_advisory_lock({key}) AS ok FROM lease_mode WHERE rows = 0),
+                 marked AS (
+                    INSERT INTO {locks} AS l (name, expires_at)
+                    SELECT $1, '-infinity' FROM got WHERE ok
+                    ON CONFLICT (name) DO UPDATE SET expires_at = l.expires_at
+                    WHERE NOT isfinite(l.expires_at)
+                    RETURNING 1),
+                 refused AS (
+                    SELECT pg_advisory_unlock({key}) FROM got
+                    WHERE ok AND NOT EXISTS (SELECT 1 FROM marked)),
                  bumped AS (
                     INSERT INTO {tokens} AS t (name, token, holder)
-                    SELECT $1, {CLOCK_US}, $2 || '@' || pg_backend_pid() FROM got WHERE ok
+                    SELECT $1, {CLOCK_US}, $2 || '@' || pg_backend_pid() FROM marked
                     ON CONFLICT (name) DO UPDATE
                     SET token = GREATEST(t.token + 1, EXCLUDED.token), holder = EXCLUDED.holder
                     RETURNING token),
-                 marked AS (
-                    INSERT INTO {locks} (name, expires_at) SELECT $1, '-infinity' FROM got WHERE ok
-                    ON CONFLICT (name) DO NOTHING
-                    RETURNING 1),
-                 lease AS (SELECT set_config('idle_session_timeout', $3, false) FROM got WHERE ok)
-                 SELECT COALESCE((SELECT ok FROM got), false) AS ok,
-                        (SELECT rows FROM lease_mode) > 0 AS lease_mode,
+                 lease AS (SELECT set_config('idle_session_timeout', $3, false) FROM marked)
+                 SELECT EXISTS (SELECT 1 FROM marked) AS ok,
+                        (SELECT rows FROM lease_mode) > 0
+                          OR (SELECT count(*) FROM refused) > 0 AS lease_mode,
                         (SELECT token FROM bumped) AS token,
-                        (SELECT count(*) FROM marked) AS marked,
                         (SELECT count(*) FROM lease) AS leased, pg_backend_pid() AS pid"
             )),
             terminate_holder: statement(format!(
