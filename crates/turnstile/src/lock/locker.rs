@@ -23,6 +23,11 @@ use crate::fence::FencingToken;
 /// the holder's lease has left.
 const DEFAULT_RECHECK: Duration = Duration::from_secs(1);
 
+/// How long an acquire that gave up waits for the store to take its waiter out of line
+/// (on stores that keep waiters in line) before leaving that to the background: a
+/// busy store must not stretch the caller's wait bound by a whole round of writes.
+const LEAVE_LINE_GRACE: Duration = Duration::from_millis(100);
+
 /// The least time a single attempt gets, even from a call that may not wait
 /// (`wait(Duration::ZERO)`): one round trip to a store that is up takes far less.
 pub const MIN_ATTEMPT_TIME: Duration = Duration::from_secs(1);
@@ -282,7 +287,9 @@ impl Locker {
     ///
     /// The wait bound covers the whole call, every request to the store included; a
     /// call that may not wait at all (`wait(Duration::ZERO)`) still gives the store up
-    /// to [`MIN_ATTEMPT_TIME`] to answer its one attempt.
+    /// to [`MIN_ATTEMPT_TIME`] to answer its one attempt. On stores that keep waiters in
+    /// line (etcd, ZooKeeper), a call that gives up also gives the store up to 100 ms to
+    /// take its waiter out of line, then leaves the rest to the background.
     ///
     /// Errors: [`ErrorKind::AcquireTimeout`] when the wait bound passes while the lock
     /// is held. If the store cannot be reached on the first try, the error comes back
@@ -318,13 +325,31 @@ impl Locker {
             Err(error) => {
                 telemetry::not_acquired(&name, error, started.elapsed());
                 if keeps_line {
-                    let _ = self.inner.backend.release(&name, &owner).await;
+                    self.leave_line(&name, &owner).await;
                 } else {
                     self.undo_uncertain(&name, &owner, error);
                 }
             }
         }
         result.map(|(guard, _)| guard)
+    }
+
+    /// Takes a waiter that stopped waiting out of the store's line. The call's wait
+    /// bound has passed (or the store failed), so the store gets only
+    /// [`LEAVE_LINE_GRACE`] to answer before the call returns; the rest goes on in the
+    /// background, as when an acquire is dropped.
+    async fn leave_line(&self, name: &LockName, owner: &OwnerId) {
+        let release = self.inner.backend.release(name, owner);
+        if tokio::time::timeout(LEAVE_LINE_GRACE, release)
+            .await
+            .is_err()
+        {
+            tokio::spawn(release_until_not_held(
+                Arc::clone(&self.inner.backend),
+                name.clone(),
+                owner.clone(),
+            ));
+        }
     }
 
     async fn acquire_as(
