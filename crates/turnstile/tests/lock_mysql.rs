@@ -78,14 +78,7 @@ async fn connections_the_server_ended_are_replaced_not_reported() {
     let locker = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
     let name = unique_name("idle");
     for idle in [Duration::from_millis(200), Duration::from_millis(1_200)] {
-        let mut held = Vec::new();
-        for n in 0..4 {
-            let one = format!("{name}-{n}");
-            held.push(locker.acquire(&one, &LockOptions::new()).await.unwrap());
-        }
-        for guard in held {
-            assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
-        }
+        conformance::hold_at_once_then_release(&locker, &name, 4).await;
         let ids = server.sql(&format!(
             "SELECT id FROM information_schema.processlist WHERE db = '{database}'"
         ));

@@ -1149,14 +1149,7 @@ async fn connections_the_server_ended_are_replaced_not_reported() {
         let locker = Locker::connect(&format!("{url}{mode}")).await.unwrap();
         let name = unique_name("idle");
         for idle in [Duration::from_millis(200), Duration::from_millis(1_200)] {
-            let mut held = Vec::new();
-            for n in 0..4 {
-                let one = format!("{name}-{n}");
-                held.push(locker.acquire(&one, &LockOptions::new()).await.unwrap());
-            }
-            for guard in held {
-                guard.release().await.unwrap();
-            }
+            conformance::hold_at_once_then_release(&locker, &name, 4).await;
             assert!(terminate_sessions(&admin, "").await > 0);
             tokio::time::sleep(idle).await;
             let guard = locker

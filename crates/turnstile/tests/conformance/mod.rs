@@ -57,6 +57,19 @@ pub fn assert_above_every_earlier_token(
     );
 }
 
+/// Holds `count` locks at once (`{name}-0`, `{name}-1`, …), then releases them all: on
+/// a session engine, that leaves `count` sessions idle in its pool.
+pub async fn hold_at_once_then_release(locker: &Locker, name: &str, count: usize) {
+    let mut held = Vec::new();
+    for n in 0..count {
+        let one = format!("{name}-{n}");
+        held.push(locker.acquire(&one, &LockOptions::new()).await.unwrap());
+    }
+    for guard in held {
+        assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+    }
+}
+
 pub async fn mutual_exclusion_under_contention(store: impl TestStore) {
     let lock = name("mutex");
     let counter = Arc::new(AtomicU64::new(0));
