@@ -266,7 +266,7 @@ impl Locker {
                 // This call does not wait: leave the line a refused attempt may have
                 // joined.
                 if self.inner.backend.keeps_waiters_in_line() {
-                    let _ = self.inner.backend.release(&name, &owner).await;
+                    self.leave_line(&name, &owner).await;
                 }
                 Ok(None)
             }
@@ -334,8 +334,9 @@ impl Locker {
         result.map(|(guard, _)| guard)
     }
 
-    /// Takes a waiter that stopped waiting out of the store's line. The call's wait
-    /// bound has passed (or the store failed), so the store gets only
+    /// Takes a waiter that stopped waiting (or a refused attempt) out of the store's
+    /// line. The call's wait bound has passed (or the store failed, or the call may not
+    /// wait), so the store gets only
     /// [`LEAVE_LINE_GRACE`] to answer before the call returns; the rest goes on in the
     /// background, as when an acquire is dropped.
     async fn leave_line(&self, name: &LockName, owner: &OwnerId) {
