@@ -472,6 +472,8 @@ pub struct Idempotency {
     /// The same store, every call timed: what the engine calls.
     timed: Arc<dyn IdempotencyStore>,
     options: IdempotencyOptions,
+    /// The claims' watchdog deadlines, on one shared timer.
+    timers: crate::timer::Timers,
 }
 
 impl fmt::Debug for Idempotency {
@@ -514,6 +516,7 @@ impl Idempotency {
             store,
             timed: Arc::new(timed),
             options: IdempotencyOptions::default(),
+            timers: crate::timer::Timers::new(),
         }
     }
 
@@ -620,7 +623,7 @@ impl Idempotency {
             self.options.lease / 100 + Duration::from_millis(2),
             sent,
         );
-        let keeper = Keeper::start(Arc::clone(&lease), true, None);
+        let keeper = Keeper::start(Arc::clone(&lease), true, None, &self.timers);
         Ok(Begun::Started(RunningClaim {
             store: Arc::clone(&self.timed),
             scope: scope.clone(),

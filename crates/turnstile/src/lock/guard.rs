@@ -17,6 +17,7 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
+use crate::timer::Timers;
 
 /// How a lock's lease is renewed: `extend` on its store, for its owner.
 struct LockRenewal {
@@ -121,17 +122,30 @@ impl fmt::Debug for LockGuard {
     }
 }
 
+/// A lock acquired for `owner`, with `token`, by a request sent at `sent`: what a new
+/// guard keeps.
+pub(crate) struct Acquired {
+    pub(crate) name: LockName,
+    pub(crate) owner: OwnerId,
+    pub(crate) token: FencingToken,
+    pub(crate) sent: Instant,
+}
+
 impl LockGuard {
-    /// Starts keeping a lock that was acquired by a request sent at `sent`.
+    /// Starts keeping an acquired lock, with its watchdog's deadlines on `timers`.
     pub(crate) fn start(
         backend: Arc<dyn LockBackend>,
         queue: Arc<LocalQueue>,
-        name: LockName,
-        owner: OwnerId,
-        token: FencingToken,
-        sent: Instant,
+        acquired: Acquired,
         options: &LockOptions,
+        timers: &Timers,
     ) -> LockGuard {
+        let Acquired {
+            name,
+            owner,
+            token,
+            sent,
+        } = acquired;
         let lease = Lease::new(
             LockRenewal {
                 backend: Arc::clone(&backend),
@@ -164,7 +178,12 @@ impl LockGuard {
                 held.queue.wake_waiter();
             }
         });
-        let keeper = Keeper::start(lease, options.get_watchdog(), options.get_max_hold());
+        let keeper = Keeper::start(
+            lease,
+            options.get_watchdog(),
+            options.get_max_hold(),
+            timers,
+        );
         LockGuard {
             held,
             keeper,
