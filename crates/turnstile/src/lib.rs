@@ -73,7 +73,6 @@ pub mod outbox;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod sql;
 pub mod store;
-mod timer;
 
 pub use error::{Error, ErrorKind, Result};
 

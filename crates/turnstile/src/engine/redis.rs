@@ -11,7 +11,6 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::lock::{ReleaseSignals, ReleaseWatch};
-use crate::timer::Timers;
 
 /// Maps a driver error: connection trouble is [`ErrorKind::StoreUnavailable`]; a
 /// refused password or a missing ACL permission is [`ErrorKind::Configuration`].
@@ -82,28 +81,9 @@ pub(crate) async fn connect_manager(
     connect_timeout: Duration,
     response_timeout: Duration,
 ) -> Result<ConnectionManager> {
-    open_manager(client, url, connect_timeout, Some(response_timeout)).await
-}
-
-/// [`connect_manager`] without redis-rs's response timeout: for a
-/// [`RedisConnection::single`], which applies its own.
-pub(crate) async fn connect_untimed_manager(
-    client: Client,
-    url: &str,
-    connect_timeout: Duration,
-) -> Result<ConnectionManager> {
-    open_manager(client, url, connect_timeout, None).await
-}
-
-async fn open_manager(
-    client: Client,
-    url: &str,
-    connect_timeout: Duration,
-    response_timeout: Option<Duration>,
-) -> Result<ConnectionManager> {
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(connect_timeout))
-        .set_response_timeout(response_timeout)
+        .set_response_timeout(Some(response_timeout))
         .set_number_of_retries(1)
         .set_max_delay(Duration::from_millis(500));
     let unavailable = || {
@@ -297,74 +277,26 @@ impl Notifier {
     }
 }
 
-/// A connection to one Redis server (self-reconnecting), to a Redis Cluster (which
-/// routes each command by its keys' slot and follows `MOVED` and failovers), or to the
-/// master that Redis Sentinel names. Cheap to clone; clones share the connection. Use
-/// it for your own commands through [`redis::aio::ConnectionLike`]; every command gets
-/// the store's response timeout.
+/// A connection to one Redis server (self-reconnecting), or to a Redis Cluster (which
+/// routes each command by its keys' slot and follows `MOVED` and failovers).
 #[derive(Clone)]
-pub struct RedisConnection {
-    inner: Connection,
-}
-
-#[derive(Clone)]
-enum Connection {
-    Single {
-        manager: ConnectionManager,
-        /// Applied here rather than by redis-rs, on one shared timer: redis-rs arms a
-        /// tokio timer per command, which costs a wake-up of the runtime's driver on
-        /// most lock operations (see `crate::timer`).
-        response_timeout: Duration,
-        timers: Timers,
-    },
+pub enum RedisConnection {
+    /// One server.
+    Single(ConnectionManager),
+    /// A cluster.
     Cluster(redis::cluster_async::ClusterConnection),
+    /// The master that Redis Sentinel names, found again after a failover.
     Sentinel(Arc<SentinelConnection>),
 }
 
 impl std::fmt::Debug for RedisConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self.inner {
-            Connection::Single { .. } => "RedisConnection::Single",
-            Connection::Cluster(_) => "RedisConnection::Cluster",
-            Connection::Sentinel(_) => "RedisConnection::Sentinel",
+        f.write_str(match self {
+            RedisConnection::Single(_) => "RedisConnection::Single",
+            RedisConnection::Cluster(_) => "RedisConnection::Cluster",
+            RedisConnection::Sentinel(_) => "RedisConnection::Sentinel",
         })
     }
-}
-
-impl RedisConnection {
-    /// One server, over a manager opened by [`connect_untimed_manager`], with
-    /// `response_timeout` for every command.
-    pub(crate) fn single(manager: ConnectionManager, response_timeout: Duration) -> Self {
-        RedisConnection {
-            inner: Connection::Single {
-                manager,
-                response_timeout,
-                timers: Timers::new(),
-            },
-        }
-    }
-
-    pub(crate) fn cluster(connection: redis::cluster_async::ClusterConnection) -> Self {
-        RedisConnection {
-            inner: Connection::Cluster(connection),
-        }
-    }
-
-    pub(crate) fn sentinel(connection: Arc<SentinelConnection>) -> Self {
-        RedisConnection {
-            inner: Connection::Sentinel(connection),
-        }
-    }
-
-    /// Whether this is a Redis Cluster connection.
-    pub(crate) fn is_cluster(&self) -> bool {
-        matches!(self.inner, Connection::Cluster(_))
-    }
-}
-
-/// The error redis-rs gives a command that outlived its response timeout.
-fn response_timed_out() -> redis::RedisError {
-    std::io::Error::from(std::io::ErrorKind::TimedOut).into()
 }
 
 impl redis::aio::ConnectionLike for RedisConnection {
@@ -372,22 +304,10 @@ impl redis::aio::ConnectionLike for RedisConnection {
         &'a mut self,
         cmd: &'a redis::Cmd,
     ) -> redis::RedisFuture<'a, redis::Value> {
-        match &mut self.inner {
-            Connection::Single {
-                manager,
-                response_timeout,
-                timers,
-            } => {
-                let deadline = tokio::time::Instant::now() + *response_timeout;
-                Box::pin(async move {
-                    timers
-                        .timeout_at(deadline, manager.req_packed_command(cmd))
-                        .await
-                        .unwrap_or_else(|_| Err(response_timed_out()))
-                })
-            }
-            Connection::Cluster(connection) => connection.req_packed_command(cmd),
-            Connection::Sentinel(connection) => {
+        match self {
+            RedisConnection::Single(connection) => connection.req_packed_command(cmd),
+            RedisConnection::Cluster(connection) => connection.req_packed_command(cmd),
+            RedisConnection::Sentinel(connection) => {
                 let connection = Arc::clone(connection);
                 Box::pin(async move { connection.send(cmd).await })
             }
@@ -400,27 +320,14 @@ impl redis::aio::ConnectionLike for RedisConnection {
         offset: usize,
         count: usize,
     ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
-        match &mut self.inner {
-            Connection::Single {
-                manager,
-                response_timeout,
-                timers,
-            } => {
-                let deadline = tokio::time::Instant::now() + *response_timeout;
-                Box::pin(async move {
-                    timers
-                        .timeout_at(
-                            deadline,
-                            manager.req_packed_commands(pipeline, offset, count),
-                        )
-                        .await
-                        .unwrap_or_else(|_| Err(response_timed_out()))
-                })
-            }
-            Connection::Cluster(connection) => {
+        match self {
+            RedisConnection::Single(connection) => {
                 connection.req_packed_commands(pipeline, offset, count)
             }
-            Connection::Sentinel(connection) => {
+            RedisConnection::Cluster(connection) => {
+                connection.req_packed_commands(pipeline, offset, count)
+            }
+            RedisConnection::Sentinel(connection) => {
                 let mut current = connection.current();
                 Box::pin(async move { current.req_packed_commands(pipeline, offset, count).await })
             }
@@ -428,10 +335,10 @@ impl redis::aio::ConnectionLike for RedisConnection {
     }
 
     fn get_db(&self) -> i64 {
-        match &self.inner {
-            Connection::Single { manager, .. } => manager.get_db(),
-            Connection::Cluster(connection) => connection.get_db(),
-            Connection::Sentinel(connection) => connection.current().get_db(),
+        match self {
+            RedisConnection::Single(connection) => connection.get_db(),
+            RedisConnection::Cluster(connection) => connection.get_db(),
+            RedisConnection::Sentinel(connection) => connection.current().get_db(),
         }
     }
 }
@@ -440,7 +347,7 @@ impl redis::aio::ConnectionLike for RedisConnection {
 /// that server is gone or no longer a master (`READONLY` after a failover) makes it ask
 /// the sentinels again, connect to the master they name now, and send the command once
 /// more there; the Pub/Sub notifier follows too.
-pub(crate) struct SentinelConnection {
+pub struct SentinelConnection {
     sentinels: Vec<String>,
     master_name: String,
     /// One discovery at a time.

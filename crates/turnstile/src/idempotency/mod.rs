@@ -472,8 +472,6 @@ pub struct Idempotency {
     /// The same store, every call timed: what the engine calls.
     timed: Arc<dyn IdempotencyStore>,
     options: IdempotencyOptions,
-    /// The claims' watchdog deadlines, on one shared timer.
-    timers: crate::timer::Timers,
 }
 
 impl fmt::Debug for Idempotency {
@@ -516,7 +514,6 @@ impl Idempotency {
             store,
             timed: Arc::new(timed),
             options: IdempotencyOptions::default(),
-            timers: crate::timer::Timers::new(),
         }
     }
 
@@ -623,7 +620,7 @@ impl Idempotency {
             self.options.lease / 100 + Duration::from_millis(2),
             sent,
         );
-        let keeper = Keeper::start(Arc::clone(&lease), true, None, &self.timers);
+        let keeper = Keeper::start(Arc::clone(&lease), true, None);
         Ok(Begun::Started(RunningClaim {
             store: Arc::clone(&self.timed),
             scope: scope.clone(),

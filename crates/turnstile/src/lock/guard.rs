@@ -17,7 +17,6 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
-use crate::timer::Timers;
 
 /// How a lock's lease is renewed: `extend` on its store, for its owner.
 struct LockRenewal {
@@ -122,30 +121,17 @@ impl fmt::Debug for LockGuard {
     }
 }
 
-/// A lock acquired for `owner`, with `token`, by a request sent at `sent`: what a new
-/// guard keeps.
-pub(crate) struct Acquired {
-    pub(crate) name: LockName,
-    pub(crate) owner: OwnerId,
-    pub(crate) token: FencingToken,
-    pub(crate) sent: Instant,
-}
-
 impl LockGuard {
-    /// Starts keeping an acquired lock, with its watchdog's deadlines on `timers`.
+    /// Starts keeping a lock that was acquired by a request sent at `sent`.
     pub(crate) fn start(
         backend: Arc<dyn LockBackend>,
         queue: Arc<LocalQueue>,
-        acquired: Acquired,
+        name: LockName,
+        owner: OwnerId,
+        token: FencingToken,
+        sent: Instant,
         options: &LockOptions,
-        timers: &Timers,
     ) -> LockGuard {
-        let Acquired {
-            name,
-            owner,
-            token,
-            sent,
-        } = acquired;
         let lease = Lease::new(
             LockRenewal {
                 backend: Arc::clone(&backend),
@@ -178,12 +164,7 @@ impl LockGuard {
                 held.queue.wake_waiter();
             }
         });
-        let keeper = Keeper::start(
-            lease,
-            options.get_watchdog(),
-            options.get_max_hold(),
-            timers,
-        );
+        let keeper = Keeper::start(lease, options.get_watchdog(), options.get_max_hold());
         LockGuard {
             held,
             keeper,

@@ -16,7 +16,6 @@ use tokio_util::sync::CancellationToken;
 
 use super::{BoxFuture, ExtendOutcome, LossReason, telemetry};
 use crate::error::{Error, ErrorKind, Result};
-use crate::timer::{Scheduled, Timers};
 
 /// Renews one lease in its store.
 pub(crate) trait Renew: Send + Sync + 'static {
@@ -197,67 +196,26 @@ impl Future for LostSignal {
 /// the lost signal when the local validity deadline or the hold cap passes, or a renewal
 /// finds the lease gone. Stopped (at once, without a last renewal) by [`stop`](Self::stop)
 /// or when dropped.
-///
-/// The task has nothing to do before the lease's first event (its first renewal, its
-/// deadline or the hold cap), and most locks are released long before that, so it is
-/// spawned only then, by a deadline on the owner's shared [`Timers`]: a lock held for
-/// microseconds costs a map entry, not a task and a timer.
 pub(crate) struct Keeper {
     stop: CancellationToken,
-    task: Arc<Mutex<KeeperTask>>,
-    /// Spawns the task at the first event; dropped (cancelled) on stop.
-    start: Option<Scheduled>,
-}
-
-enum KeeperTask {
-    Waiting,
-    Running(JoinHandle<()>),
-    Stopped,
+    task: Option<JoinHandle<()>>,
 }
 
 impl Keeper {
-    pub(crate) fn start(
-        lease: Arc<Lease>,
-        watchdog: bool,
-        hold_cap: Option<Duration>,
-        timers: &Timers,
-    ) -> Keeper {
+    pub(crate) fn start(lease: Arc<Lease>, watchdog: bool, hold_cap: Option<Duration>) -> Keeper {
         let stop = CancellationToken::new();
         // A cap too far off to represent is no cap.
         let cap_at = hold_cap.and_then(|cap| lease.started.checked_add(cap));
-        let first_renewal = watchdog.then(|| lease.started + lease.ttl / 3);
-        let first_event = [Some(lease.valid_until()), first_renewal, cap_at]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or_else(|| lease.valid_until());
-        let task = Arc::new(Mutex::new(KeeperTask::Waiting));
-        // The task runs on the runtime that took the lease, whichever runs the timer.
-        let runtime = tokio::runtime::Handle::current();
-        let start = timers.schedule(first_event, {
-            let (task, stop) = (Arc::clone(&task), stop.clone());
-            move || {
-                let mut task = task.lock().unwrap_or_else(|p| p.into_inner());
-                if matches!(*task, KeeperTask::Waiting) {
-                    *task = KeeperTask::Running(runtime.spawn(keep(lease, watchdog, cap_at, stop)));
-                }
-            }
-        });
+        let task = tokio::spawn(keep(lease, watchdog, cap_at, stop.clone()));
         Keeper {
             stop,
-            task,
-            start: Some(start),
+            task: Some(task),
         }
     }
 
     pub(crate) fn stop(&mut self) {
         self.stop.cancel();
-        self.start.take();
-        let task = std::mem::replace(
-            &mut *self.task.lock().unwrap_or_else(|p| p.into_inner()),
-            KeeperTask::Stopped,
-        );
-        if let KeeperTask::Running(task) = task {
+        if let Some(task) = self.task.take() {
             task.abort();
         }
     }
@@ -401,7 +359,7 @@ mod tests {
         let unreachable = || Err(Error::new(ErrorKind::StoreUnavailable, "down"));
         let (lease, calls) = lease(2, unreachable);
         let started = Instant::now();
-        let _keeper = Keeper::start(Arc::clone(&lease), true, None, &Timers::new());
+        let _keeper = Keeper::start(Arc::clone(&lease), true, None);
         // After two good renewals (1 s, 2 s) the third, at 3 s, fails: suspended, not lost.
         sleep_until(started + TTL + Duration::from_millis(1)).await;
         assert!(lease.is_suspended(), "a failed renewal suspends the lease");
@@ -427,7 +385,7 @@ mod tests {
     async fn an_unanswered_renewal_suspends_the_lease_until_the_deadline() {
         let started = Instant::now();
         let lease = Lease::new(Hanging, LeaseKind::Lock, "t".into(), TTL, DRIFT, started);
-        let _keeper = Keeper::start(Arc::clone(&lease), true, None, &Timers::new());
+        let _keeper = Keeper::start(Arc::clone(&lease), true, None);
         // The first renewal leaves at TTL/3; a sixth of the TTL later it is overdue.
         sleep_until(started + TTL / 3 + TTL / 6 - Duration::from_millis(1)).await;
         assert!(!lease.is_suspended());
@@ -443,7 +401,7 @@ mod tests {
         let taken = || Ok(ExtendOutcome::Lost(LossReason::TakenOver));
         let (lease, _) = lease(1, taken);
         let started = Instant::now();
-        let _keeper = Keeper::start(Arc::clone(&lease), true, None, &Timers::new());
+        let _keeper = Keeper::start(Arc::clone(&lease), true, None);
         assert_eq!(lease.lost_signal().await, LossReason::TakenOver);
         // The second renewal, at 2 TTL/3, found it.
         assert_eq!(started.elapsed(), 2 * TTL / 3);
@@ -454,7 +412,7 @@ mod tests {
         let never = || unreachable!("no renewal without the watchdog");
         let (lease, calls) = lease(0, never);
         let started = Instant::now();
-        let _keeper = Keeper::start(Arc::clone(&lease), false, None, &Timers::new());
+        let _keeper = Keeper::start(Arc::clone(&lease), false, None);
         assert_eq!(lease.lost_signal().await, LossReason::LeaseElapsed);
         assert_eq!(started.elapsed(), TTL - DRIFT);
         assert_eq!(calls.load(Ordering::SeqCst), 0);
@@ -464,12 +422,7 @@ mod tests {
     async fn the_hold_cap_fires_while_renewals_succeed() {
         let (lease, _) = lease(u32::MAX, || unreachable!());
         let started = Instant::now();
-        let _keeper = Keeper::start(
-            Arc::clone(&lease),
-            true,
-            Some(Duration::from_secs(10)),
-            &Timers::new(),
-        );
+        let _keeper = Keeper::start(Arc::clone(&lease), true, Some(Duration::from_secs(10)));
         assert_eq!(lease.lost_signal().await, LossReason::MaxHoldReached);
         assert_eq!(started.elapsed(), Duration::from_secs(10));
     }
@@ -477,7 +430,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_stopped_keeper_renews_no_more() {
         let (lease, calls) = lease(u32::MAX, || unreachable!());
-        let mut keeper = Keeper::start(Arc::clone(&lease), true, None, &Timers::new());
+        let mut keeper = Keeper::start(Arc::clone(&lease), true, None);
         tokio::time::sleep(TTL / 3 + Duration::from_millis(1)).await;
         assert_eq!(calls.load(Ordering::SeqCst), 1);
         keeper.stop();

@@ -9,7 +9,6 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::guard::Acquired;
 use super::queue::{Handoff, HandoffOffer, LocalQueue};
 use super::telemetry;
 
@@ -19,7 +18,6 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
-use crate::timer::Timers;
 
 /// How long a waiter sleeps before checking again when the store does not say how long
 /// the holder's lease has left.
@@ -52,7 +50,6 @@ struct Bound<'a> {
     deadline: Option<Instant>,
     /// The deadline for one request: the call's, but at least [`MIN_ATTEMPT_TIME`].
     attempt_deadline: Option<Instant>,
-    timers: &'a Timers,
 }
 
 impl<'a> Bound<'a> {
@@ -71,7 +68,6 @@ impl<'a> Bound<'a> {
             wait,
             deadline,
             attempt_deadline,
-            timers: &locker.inner.timers,
         }
     }
 
@@ -91,8 +87,7 @@ impl<'a> Bound<'a> {
         let Some(deadline) = self.attempt_deadline else {
             return request.await;
         };
-        self.timers
-            .timeout_at(deadline, request)
+        tokio::time::timeout_at(deadline, request)
             .await
             .unwrap_or_else(|_| {
                 Err(Error::new(
@@ -110,9 +105,7 @@ impl<'a> Bound<'a> {
     /// Waits for something local (the queue) within the call's own wait bound.
     async fn run_waiting<T>(&self, wait: impl Future<Output = Result<T>>) -> Result<T> {
         match self.deadline {
-            Some(deadline) => self
-                .timers
-                .timeout_at(deadline, wait)
+            Some(deadline) => tokio::time::timeout_at(deadline, wait)
                 .await
                 .unwrap_or_else(|_| Err(self.timed_out())),
             None => wait.await,
@@ -167,8 +160,6 @@ struct Inner {
     /// A moving average of how long one acquisition request to the store takes, in µs
     /// (0 before the first): what a waiter elsewhere needs, once woken, to get in.
     acquire_micros: std::sync::atomic::AtomicU64,
-    /// The deadlines of this locker's calls and guards, on one shared timer.
-    timers: Timers,
 }
 
 impl Inner {
@@ -221,7 +212,6 @@ impl Locker {
                 backend,
                 queues: Mutex::default(),
                 acquire_micros: std::sync::atomic::AtomicU64::new(0),
-                timers: Timers::new(),
             }),
         }
     }
@@ -473,14 +463,11 @@ impl Locker {
                 let guard = LockGuard::start(
                     Arc::clone(&self.inner.backend),
                     Arc::clone(&queue),
-                    Acquired {
-                        name: name.clone(),
-                        owner: owner.clone(),
-                        token,
-                        sent,
-                    },
+                    name.clone(),
+                    owner.clone(),
+                    token,
+                    sent,
                     options,
-                    &self.inner.timers,
                 );
                 return Ok((guard, true));
             }
@@ -566,14 +553,11 @@ impl Locker {
                 Ok(Attempt::Acquired(LockGuard::start(
                     Arc::clone(backend),
                     Arc::clone(queue),
-                    Acquired {
-                        name: name.clone(),
-                        owner: owner.clone(),
-                        token,
-                        sent,
-                    },
+                    name.clone(),
+                    owner.clone(),
+                    token,
+                    sent,
                     options,
-                    &self.inner.timers,
                 )))
             }
             TryAcquire::Held { remaining_ttl } => Ok(Attempt::Held { remaining_ttl }),

@@ -77,8 +77,8 @@ use super::{
 };
 pub use crate::engine::redis::RedisConnection;
 use crate::engine::redis::{
-    ClusterNotifier, Notifier, SentinelConnection, connect_cluster, connect_untimed_manager,
-    map_error, open_client,
+    ClusterNotifier, Notifier, SentinelConnection, connect_cluster, connect_manager, map_error,
+    open_client,
 };
 use crate::error::{Error, ErrorKind, Result};
 
@@ -360,10 +360,15 @@ impl RedisLockStore {
             return RedisLockStore::connect_sentinel(&sentinels, &master, config).await;
         }
         let client = open_client(url, config.tls_root_certificate.as_deref())?;
-        let connection =
-            connect_untimed_manager(client.clone(), url, config.connect_timeout).await?;
+        let connection = connect_manager(
+            client.clone(),
+            url,
+            config.connect_timeout,
+            config.response_timeout,
+        )
+        .await?;
         let mut store = RedisLockStore {
-            connection: RedisConnection::single(connection, config.response_timeout),
+            connection: RedisConnection::Single(connection),
             notifier: Notifications::Single(Notifier::new(
                 client,
                 config.connect_timeout,
@@ -394,7 +399,7 @@ impl RedisLockStore {
         let notifier = Notifier::new(client, config.connect_timeout, config.response_timeout);
         connection.follow_with(&notifier);
         let mut store = RedisLockStore {
-            connection: RedisConnection::sentinel(connection),
+            connection: RedisConnection::Sentinel(connection),
             notifier: Notifications::Single(notifier),
             config,
             scripts: Arc::new(scripts()),
@@ -417,7 +422,7 @@ impl RedisLockStore {
         let notifier = ClusterNotifier::new(connection.clone(), config.response_timeout, received);
         // Scripts load on each node at their first use there (`NOSCRIPT`, then `EVAL`).
         Ok(RedisLockStore {
-            connection: RedisConnection::cluster(connection),
+            connection: RedisConnection::Cluster(connection),
             notifier: Notifications::Cluster(notifier),
             config,
             scripts: Arc::new(scripts()),
@@ -427,7 +432,7 @@ impl RedisLockStore {
 
     /// Loads every script once so the first calls go straight to `EVALSHA`.
     async fn load_scripts(&mut self) -> Result<()> {
-        if self.connection.is_cluster() {
+        if matches!(self.connection, RedisConnection::Cluster(_)) {
             return Ok(());
         }
         let scripts = Arc::clone(&self.scripts);
