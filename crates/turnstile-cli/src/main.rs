@@ -507,7 +507,12 @@ fn main() -> ExitCode {
         }
     };
     // The service uses both cores; every other command is one task at a time.
-    let mut builder = if matches!(cli.command, Command::Serve(_)) {
+    // `bench lock` runs on the multi-thread runtime too with BENCH_RUNTIME=multi_thread,
+    // as a service would run the library.
+    let multi_thread = matches!(cli.command, Command::Serve(_))
+        || (matches!(cli.command, Command::Bench(BenchCommand::Lock(_)))
+            && std::env::var("BENCH_RUNTIME").is_ok_and(|runtime| runtime == "multi_thread"));
+    let mut builder = if multi_thread {
         tokio::runtime::Builder::new_multi_thread()
     } else {
         tokio::runtime::Builder::new_current_thread()

@@ -82,6 +82,44 @@ async fn pausing_the_server_fires_the_lost_signal_at_the_deadline() {
     faults::assert_at_deadline(seen, deadline);
 }
 
+/// Every command on the store's connection (the store's own scripts and the
+/// application's commands alike) is cut off at the response timeout when the server
+/// stops answering, and the connection works again once it answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_to_a_frozen_server_end_at_the_response_timeout() {
+    let server = RedisServer::spawn();
+    let timeout = Duration::from_millis(300);
+    let store = RedisLockStore::connect_with(
+        &server.url(),
+        RedisLockConfig::new().response_timeout(timeout),
+    )
+    .await
+    .unwrap();
+    let mut connection = store.connection().clone();
+    let locker = Locker::new(store);
+    server.pause();
+    let started = tokio::time::Instant::now();
+    let error = redis::cmd("PING")
+        .query_async::<String>(&mut connection)
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(error.is_timeout(), "{error}");
+    assert!(took >= timeout && took < timeout * 4, "{took:?}");
+    let started = tokio::time::Instant::now();
+    let error = locker.status("frozen").await.unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
+    assert!(took >= timeout && took < timeout * 4, "{took:?}");
+    server.resume();
+    let pong: String = redis::cmd("PING")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(pong, "PONG");
+    assert!(locker.status("frozen").await.unwrap().is_none());
+}
+
 /// A restart that loses every key frees the lock; the old holder's next renewal finds
 /// the new holder and says so (`TakenOver`) within TTL/3 of the restart, plus the
 /// reconnection; tokens keep increasing.
