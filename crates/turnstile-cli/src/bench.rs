@@ -2,7 +2,8 @@
 //! commands (`--raw`) in the same process, so the two can be compared honestly.
 //!
 //! Environment: `REDIS_PORT` (6390; used when no `--store` is given), `BENCH_SECS` (5),
-//! `WORKERS` (8), `LOCK_TTL_MS` (10000), `ACQUIRE_TIMEOUT_MS` (5000).
+//! `WORKERS` (8), `LOCK_TTL_MS` (10000), `ACQUIRE_TIMEOUT_MS` (5000), `BENCH_RUNTIME`
+//! (`current_thread`, the default, or `multi_thread`: the runtime a service would run).
 
 use std::process::ExitCode;
 use std::rc::Rc;
