@@ -251,7 +251,13 @@ pub(crate) struct KeptConnections<DB: sqlx::Database> {
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 struct Shelf<DB: sqlx::Database> {
-    idle: std::sync::Mutex<Vec<(sqlx::pool::PoolConnection<DB>, std::time::Instant)>>,
+    idle: std::sync::Mutex<
+        Vec<(
+            sqlx::pool::PoolConnection<DB>,
+            std::time::Instant,
+            SessionFacts,
+        )>,
+    >,
     /// Wakes a statement waiting for the pool when a connection is put back here
     /// instead: the pool alone would never hand it out again.
     returned: tokio::sync::Notify,
@@ -313,6 +319,7 @@ impl<DB: sqlx::Database> KeptConnections<DB> {
             return Ok(Lent {
                 connection: Some(self.pool.acquire().await?),
                 shelf: None,
+                facts: SessionFacts::default(),
             });
         };
         let limit = self.pool.options().get_acquire_timeout();
@@ -324,27 +331,43 @@ impl<DB: sqlx::Database> KeptConnections<DB> {
                 // after the look still wakes this statement.
                 returned.as_mut().enable();
                 let kept = shelf.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-                if let Some((mut connection, since)) = kept {
+                if let Some((mut connection, since, facts)) = kept {
                     if since.elapsed() < PING_IF_IDLE_FOR
                         || sqlx::Connection::ping(&mut *connection).await.is_ok()
                     {
-                        return Ok(connection);
+                        return Ok((connection, facts));
                     }
                     // Gone while it sat here: closed (dropped), and the next one is tried.
                     continue;
                 }
                 tokio::select! {
-                    connection = self.pool.acquire() => return connection,
+                    connection = self.pool.acquire() => {
+                        return connection.map(|connection| (connection, SessionFacts::default()));
+                    }
                     () = &mut returned => {}
                 }
             }
         })
         .await;
+        let (connection, facts) = taken.unwrap_or(Err(sqlx::Error::PoolTimedOut))?;
         Ok(Lent {
-            connection: Some(taken.unwrap_or(Err(sqlx::Error::PoolTimedOut))?),
+            connection: Some(connection),
             shelf: Some(Arc::clone(shelf)),
+            facts,
         })
     }
+}
+
+/// What a store has learnt about a kept connection's session, kept with it on the
+/// shelf so that later statements need not ask again. A connection that went back to
+/// the pool (or came from it) knows nothing.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SessionFacts {
+    /// The server's id for the session (MySQL's `CONNECTION_ID()`).
+    pub(crate) server_id: Option<u64>,
+    /// The idle timeout last set on the session, in seconds (MySQL's `wait_timeout`).
+    pub(crate) idle_timeout_secs: Option<u64>,
 }
 
 /// A connection taken for one statement: put back on the shelf by [`keep`](Self::keep)
@@ -353,6 +376,7 @@ impl<DB: sqlx::Database> KeptConnections<DB> {
 pub(crate) struct Lent<DB: sqlx::Database> {
     connection: Option<sqlx::pool::PoolConnection<DB>>,
     shelf: Option<Arc<Shelf<DB>>>,
+    facts: SessionFacts,
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -366,16 +390,26 @@ impl<DB: sqlx::Database> Lent<DB> {
             .detach()
     }
 
-    /// Puts the connection back for the next statement.
+    /// Puts the connection back for the next statement, with what is known of it.
     pub(crate) fn keep(mut self) {
         if let (Some(connection), Some(shelf)) = (self.connection.take(), &self.shelf) {
-            shelf
-                .idle
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((connection, std::time::Instant::now()));
+            shelf.idle.lock().unwrap_or_else(|p| p.into_inner()).push((
+                connection,
+                std::time::Instant::now(),
+                self.facts,
+            ));
             shelf.returned.notify_one();
         }
+    }
+
+    /// What is known of the session.
+    pub(crate) fn facts(&self) -> SessionFacts {
+        self.facts
+    }
+
+    /// Records what the last statement established about the session.
+    pub(crate) fn learn(&mut self, facts: SessionFacts) {
+        self.facts = facts;
     }
 }
 

@@ -9,6 +9,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use conformance::TestStore;
+use sqlx::AssertSqlSafe;
 use turnstile::fence::FencingToken;
 use turnstile::lock::mysql::MysqlLockStore;
 use turnstile::lock::{LockOptions, Locker, LossReason, ReleaseOutcome};
@@ -424,6 +425,130 @@ async fn concurrent_holders_of_both_kinds_get_tokens_in_lock_order() {
             .expect("holders made no progress")
             .unwrap();
     }
+}
+
+/// A named lock and a transaction-scoped lock asked for a brand-new name at nearly the
+/// same instant, 300 times: at most one of them gets it. The named acquire runs on a
+/// session the store has used before, so it is the one-statement acquire, which checks
+/// for a transaction-scoped holder only on names marked as used that way: the mark and
+/// the order of the two sides' steps are what keep them apart. The transaction-scoped
+/// lock takes several round trips, so the named acquire starts 0 to 3 ms later, to land
+/// at every step of it. When each sees the other's step, both stand back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_kinds_on_a_new_name_at_once_never_both_hold() {
+    let url = shared_mariadb().fresh_database("kindrace");
+    let store = MysqlLockStore::connect(&url).await.unwrap();
+    let locker = Locker::new(store.clone());
+    let app = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .unwrap();
+    let options = LockOptions::new().ttl(Duration::from_secs(5));
+    // Named locks are global on the server: names no other test uses.
+    let prefix = unique_name("kr");
+    let warm = locker
+        .acquire(&format!("{prefix}-warm"), &options)
+        .await
+        .unwrap();
+    warm.release().await.unwrap();
+    let (mut both, mut named, mut scoped, mut neither) = (0, 0, 0, 0);
+    for n in 0..300 {
+        let name = format!("{prefix}-{n}");
+        let mut transaction = app.begin().await.unwrap();
+        let delay = Duration::from_micros(100 * (n % 30));
+        let named_acquire = async {
+            // Yielding, not sleeping: tokio's timer counts whole milliseconds.
+            let start = tokio::time::Instant::now();
+            while start.elapsed() < delay {
+                tokio::task::yield_now().await;
+            }
+            locker.try_acquire(&name, &options).await
+        };
+        let (guard, token) = tokio::join!(
+            named_acquire,
+            store.lock_in_transaction(&mut transaction, &name)
+        );
+        let guard = guard.unwrap();
+        match (&guard, &token) {
+            (Some(_), Ok(_)) => both += 1,
+            (Some(_), Err(error)) => {
+                assert_eq!(error.kind(), turnstile::ErrorKind::Held, "{error}");
+                named += 1;
+            }
+            (None, Ok(_)) => scoped += 1,
+            // Each saw the other's step and stood back: safe, and both may try again.
+            (None, Err(error)) => {
+                assert_eq!(error.kind(), turnstile::ErrorKind::Held, "{error}");
+                neither += 1;
+            }
+        }
+        transaction.rollback().await.unwrap();
+        if let Some(guard) = guard {
+            guard.release().await.unwrap();
+        }
+    }
+    assert_eq!(both, 0, "both kinds held a new name {both} times of 300");
+    assert!(
+        named > 0 && scoped > 0,
+        "one side always won ({named} named, {scoped} scoped, {neither} neither): no race was run"
+    );
+}
+
+/// Tables made before names were marked as used with transaction-scoped locks get the
+/// mark's column when the store connects, and every name with a transaction-scoped row
+/// is marked, so that the one-statement acquire checks it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tables_from_before_the_mark_are_migrated_and_marked() {
+    let url = shared_mariadb().fresh_database("oldmark");
+    let admin = sqlx::MySqlPool::connect(&url).await.unwrap();
+    let name = unique_name("oldx");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE turnstile_tokens (name VARBINARY(512) PRIMARY KEY,
+             token BIGINT UNSIGNED NOT NULL, holder_token BIGINT UNSIGNED, owner CHAR(32),
+             connection_id BIGINT UNSIGNED) ENGINE = MEMORY;
+         CREATE TABLE turnstile_xact_locks (name VARBINARY(512) PRIMARY KEY) ENGINE = InnoDB;
+         INSERT INTO turnstile_xact_locks VALUES ('{name}');
+         INSERT INTO turnstile_tokens (name, token) VALUES ('plain', 5);"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    let store = MysqlLockStore::connect(&url).await.unwrap();
+    let marked: Vec<(Vec<u8>, bool)> =
+        sqlx::query_as("SELECT name, xact_used FROM turnstile_tokens ORDER BY name")
+            .fetch_all(&admin)
+            .await
+            .unwrap();
+    let mut expected = vec![
+        (name.clone().into_bytes(), true),
+        (b"plain".to_vec(), false),
+    ];
+    expected.sort();
+    assert_eq!(marked, expected);
+    // A transaction holding the marked name's row keeps a named acquirer out, also on
+    // a session the store has used before (the one-statement acquire).
+    let locker = Locker::new(store.clone());
+    let options = LockOptions::new().ttl(Duration::from_secs(5));
+    let warm = locker
+        .acquire(&format!("{name}-warm"), &options)
+        .await
+        .unwrap();
+    warm.release().await.unwrap();
+    let mut transaction = admin.begin().await.unwrap();
+    let token = store
+        .lock_in_transaction(&mut transaction, &name)
+        .await
+        .unwrap();
+    assert!(locker.try_acquire(&name, &options).await.unwrap().is_none());
+    transaction.rollback().await.unwrap();
+    let guard = locker
+        .try_acquire(&name, &options)
+        .await
+        .unwrap()
+        .expect("free again");
+    assert!(guard.fencing_token() > token);
+    guard.release().await.unwrap();
 }
 
 /// A holder whose session was killed learns of the loss at its next renewal even when

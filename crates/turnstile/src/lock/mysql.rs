@@ -52,7 +52,11 @@
 //! - **Transaction-scoped locks** ([`lock_in_transaction`](MysqlLockStore::lock_in_transaction))
 //!   lock the name's row in `{prefix}_xact_locks` and only then issue their token; a
 //!   named-lock acquirer checks that row with `NOWAIT` right after `GET_LOCK` and answers
-//!   "held" while a transaction has it.
+//!   "held" while a transaction has it. It checks only names marked (in their token row)
+//!   as used with transaction-scoped locks: a transaction-scoped locker sets the mark
+//!   before it looks at the named lock, and the acquirer reads it after taking the named
+//!   lock, in one statement, so one of the two always sees the other. Marked rows are not
+//!   pruned.
 //! - **Expiry**: the server's clock (`wait_timeout`), in whole seconds.
 //! - **Restart / failover**: a restart ends every session, so every lock is freed and
 //!   every holder's next renewal fails: the lost signal fires within TTL/3. Named locks
@@ -75,7 +79,7 @@ use std::time::Duration;
 
 use futures_util::TryStreamExt;
 use sha2::{Digest, Sha256};
-use sqlx::mysql::{MySql, MySqlPool, MySqlPoolOptions};
+use sqlx::mysql::{MySql, MySqlPool, MySqlPoolOptions, MySqlQueryResult, MySqlRow};
 use sqlx::{AssertSqlSafe, Either, Row};
 use tokio::time::Instant;
 
@@ -89,7 +93,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::hex::hex;
 use crate::sql::{
-    KeptConnections, Statement, map_error, sent_again_if_gone, statement, validate_identifier,
+    KeptConnections, SessionFacts, Statement, map_error, sent_again_if_gone, statement,
+    validate_identifier,
 };
 use crate::store::split_url_options;
 
@@ -205,6 +210,16 @@ type Session = super::session::Session<Dedicated<MySql>, String>;
 struct Sql {
     tokens: String,
     xact_locks: String,
+    /// One statement (see `fast_acquire`).
+    fast_acquire: Statement,
+    /// After `fast_acquire` met a name used with transaction-scoped locks.
+    check_xact_row: Statement,
+    issue_to_holder: Statement,
+    /// Step 0 of a transaction-scoped lock.
+    mark_xact_used: Statement,
+    has_xact_used_column: Statement,
+    add_xact_used_column: Statement,
+    mark_all_xact_used: Statement,
     issue_token: Statement,
     xact_row_exists: Statement,
     prune_tokens: Statement,
@@ -299,6 +314,47 @@ impl MysqlLockStore {
         // `token` is the last token issued for the name; `holder_token`, `owner` and
         // `connection_id` describe the named-lock holder that took it last.
         let sql = Sql {
+            fast_acquire: statement(format!(
+                "INSERT INTO {tokens} (name, token, holder_token, owner, connection_id)
+                 SELECT ?, LAST_INSERT_ID({CLOCK_US}), {CLOCK_US}, ?, CONNECTION_ID() FROM DUAL
+                   WHERE GET_LOCK(?, 0) = 1
+                 ON DUPLICATE KEY UPDATE
+                   token = IF(xact_used, token + 0 * LAST_INSERT_ID({XACT_USED_MARK}),
+                              LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US}))),
+                   holder_token = IF(xact_used, holder_token, token),
+                   owner = IF(xact_used, owner, ?),
+                   connection_id = IF(xact_used, connection_id, CONNECTION_ID())"
+            )),
+            check_xact_row: statement(format!(
+                "SELECT COUNT(*) FROM {xact_locks} WHERE name = ? FOR UPDATE NOWAIT"
+            )),
+            issue_to_holder: statement(format!(
+                "UPDATE {tokens} SET token = LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US})),
+                   holder_token = token, owner = ?, connection_id = CONNECTION_ID()
+                 WHERE name = ?"
+            )),
+            // The row is given a token of the clock if it is new: no holder has it, and
+            // the next token is larger.
+            mark_xact_used: statement(format!(
+                "INSERT INTO {tokens} (name, token, xact_used) VALUES (?, {CLOCK_US}, TRUE)
+                 ON DUPLICATE KEY UPDATE xact_used = TRUE"
+            )),
+            has_xact_used_column: statement(format!(
+                "SELECT COUNT(*) FROM information_schema.columns
+                 WHERE table_schema = DATABASE() AND table_name = '{}_tokens'
+                   AND column_name = 'xact_used'",
+                config.prefix
+            )),
+            add_xact_used_column: statement(format!(
+                "ALTER TABLE {tokens} ADD COLUMN xact_used BOOLEAN NOT NULL DEFAULT FALSE"
+            )),
+            // Names used with transaction-scoped locks before the mark existed, or before
+            // a restart emptied the MEMORY table, have a row in xact_locks.
+            mark_all_xact_used: statement(format!(
+                "INSERT INTO {tokens} (name, token, xact_used)
+                 SELECT name, {CLOCK_US}, TRUE FROM {xact_locks}
+                 ON DUPLICATE KEY UPDATE xact_used = TRUE"
+            )),
             issue_token: statement(format!(
                 "INSERT INTO {tokens} (name, token) VALUES (?, LAST_INSERT_ID({CLOCK_US}))
                  ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US}))"
@@ -309,10 +365,13 @@ impl MysqlLockStore {
             // locker the way an upsert's gap locks do.
             xact_row_exists: statement(format!("SELECT COUNT(*) FROM {xact_locks} WHERE name = ?")),
             // A name is unused when its last token is older than the limit and nobody
-            // holds its named lock (the key computed as `lock_key` does).
+            // holds its named lock (the key computed as `lock_key` does). The row of a
+            // name used with transaction-scoped locks stays: its mark is what sends
+            // named-lock acquirers to check the transaction's row lock.
             prune_tokens: statement(format!(
                 "DELETE FROM {tokens}
                  WHERE token < {CLOCK_US} - ? * 1000000
+                   AND NOT xact_used
                    AND IS_USED_LOCK(IF(name REGEXP '^[a-z0-9_:./-]{{1,60}}$',
                                        CONCAT('ts:', name),
                                        CONCAT('ts#', LEFT(SHA2(name, 256), 61)))) IS NULL"
@@ -339,7 +398,8 @@ impl MysqlLockStore {
                         token BIGINT UNSIGNED NOT NULL,
                         holder_token BIGINT UNSIGNED,
                         owner CHAR(32),
-                        connection_id BIGINT UNSIGNED) ENGINE = {engine}",
+                        connection_id BIGINT UNSIGNED,
+                        xact_used BOOLEAN NOT NULL DEFAULT FALSE) ENGINE = {engine}",
                     engine = if config.synchronous_tokens { "InnoDB" } else { "MEMORY" }
                 )),
                 statement(format!(
@@ -392,6 +452,19 @@ impl MysqlLockStore {
             for create in &self.sql.create {
                 sqlx::query(create.sql()).execute(&mut *connection).await?;
             }
+            // Tables made before the mark (a rebuilt MEMORY table keeps the size the
+            // session set above).
+            let has_mark: i64 = sqlx::query_scalar(self.sql.has_xact_used_column.sql())
+                .fetch_one(&mut *connection)
+                .await?;
+            if has_mark == 0 {
+                sqlx::query(self.sql.add_xact_used_column.sql())
+                    .execute(&mut *connection)
+                    .await?;
+            }
+            sqlx::query(self.sql.mark_all_xact_used.sql())
+                .execute(&mut *connection)
+                .await?;
             Ok::<_, sqlx::Error>(())
         }
         .await;
@@ -426,6 +499,14 @@ impl MysqlLockStore {
         let name = name.into_lock_name()?;
         let key = lock_key(&name);
         let fail = |error| map_error(error, "cannot take the transaction-scoped lock");
+        // 0. The mark that sends named-lock acquirers of this name to check the row lock
+        //    (they check it after taking the named lock; this sets it before looking at
+        //    the named lock in step 2, so one of the two sees the other).
+        sqlx::query(self.sql.mark_xact_used.sql())
+            .bind(name.as_str().as_bytes())
+            .execute(&self.issuer)
+            .await
+            .map_err(fail)?;
         // 1. The lock: the row lock on the name's row, held until the caller's
         //    transaction ends. The row is created first if missing; if `prune` deletes it
         //    between the two steps, the lock finds no row and it goes round again.
@@ -539,8 +620,10 @@ impl MysqlLockStore {
     }
 }
 
-/// One round trip that takes the named lock and, if it got it, records the holder and
-/// issues its token:
+/// The acquire on a session the store knows nothing about yet (fresh from the pool):
+/// one round trip that sets the lease, takes the named lock and, if it got it, records
+/// the holder and issues its token, and tells the session's id. Later acquires on the
+/// same session use the one statement of `MysqlLockStore::fast_acquire`.
 /// 1. the lease (`wait_timeout`) is set in the statement that calls `GET_LOCK`, so it
 ///    covers the lock from the first instant;
 /// 2. a transaction-scoped holder's row lock is checked with `NOWAIT` after `GET_LOCK`
@@ -549,15 +632,13 @@ impl MysqlLockStore {
 ///    statement that records the holder.
 ///
 /// A session that did not get the lock keeps the lease as its `wait_timeout` in the
-/// pool (see `recycle`). Every statement of the batch is one more response the client
-/// wakes up for, so there are as few as the steps allow (three; there were six): the
-/// row check also reports whether `GET_LOCK` succeeded and the session's connection id,
-/// and the token comes back in the `INSERT`'s own reply (its OK packet carries the
-/// argument of `LAST_INSERT_ID(expr)`), not from a fourth statement.
+/// pool (see `recycle`). The row check also reports whether `GET_LOCK` succeeded and
+/// the session's connection id, and the token comes back in the `INSERT`'s own reply
+/// (its OK packet carries the argument of `LAST_INSERT_ID(expr)`).
 ///
-/// Sent as text, not prepared: a prepared statement per lock name would churn the
-/// statement cache. Everything spliced in is safe as it stands: the key holds only
-/// `[a-z0-9_:./#-]`, the name goes in as a hex literal, the owner is hex digits.
+/// Sent as text: a batch cannot be prepared. Everything spliced in is safe as it
+/// stands: the key holds only `[a-z0-9_:./#-]`, the name goes in as a hex literal, the
+/// owner is hex digits.
 fn acquire_batch(
     sql: &Sql,
     name: &LockName,
@@ -602,6 +683,78 @@ fn wait_timeout_secs(ttl: Duration) -> u64 {
     ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0)
 }
 
+/// What `fast_acquire` sets `LAST_INSERT_ID` to, instead of issuing a token, when the
+/// name is marked as used with transaction-scoped locks. Real tokens are microseconds
+/// since 1970, far above it.
+const XACT_USED_MARK: u64 = 1;
+
+/// What an acquire's statements answered.
+enum Reply {
+    /// The batch's replies, on a session the store knew nothing about yet.
+    Batch(Vec<Either<MySqlQueryResult, MySqlRow>>),
+    /// The one statement's result, on a session whose id and lease are known.
+    Single {
+        result: MySqlQueryResult,
+        server_id: u64,
+    },
+}
+
+/// Whether a statement named a column the table does not have (1054): a table made by
+/// an older version, with migration off.
+fn is_missing_column(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+        .is_some_and(|my| my.number() == 1054)
+}
+
+impl MysqlLockStore {
+    /// The acquire in one prepared statement, on a session whose lease (`wait_timeout`)
+    /// is already the one wanted and whose id is known: `GET_LOCK`, then the token in
+    /// the same statement (see `Sql::fast_acquire`). Each statement of a batch is a
+    /// response the client wakes up for: on the machine of `BENCHMARKS.md` the
+    /// three-statement batch cost about 100 µs more than this one.
+    ///
+    /// A transaction-scoped holder is checked for only on names marked as used with
+    /// transaction-scoped locks. The order is what makes that enough: this statement
+    /// takes the named lock before it reads the mark (the mark lives in the row its
+    /// `ON DUPLICATE KEY UPDATE` reads, after `GET_LOCK` in its `WHERE` let the row
+    /// through), and a transaction-scoped locker sets the mark before it looks at the
+    /// named lock. So either it sees this session's named lock and gives up, or this
+    /// statement sees the mark and the row lock is checked (`NOWAIT`) before a token is
+    /// issued. Marks are kept until the server restarts, which also ends every
+    /// transaction and frees every named lock.
+    async fn fast_acquire(
+        &self,
+        connection: &mut Dedicated<MySql>,
+        name: &LockName,
+        key: &str,
+        owner: &OwnerId,
+    ) -> std::result::Result<MySqlQueryResult, sqlx::Error> {
+        let result = sqlx::query(self.sql.fast_acquire.sql())
+            .bind(name.as_str().as_bytes())
+            .bind(owner.as_str())
+            .bind(key)
+            .bind(owner.as_str())
+            .execute(&mut **connection)
+            .await?;
+        if result.last_insert_id() != XACT_USED_MARK {
+            return Ok(result);
+        }
+        // The named lock is ours; a transaction may hold the row lock (then this fails
+        // with a lock wait, and the caller closes the session, freeing the named lock).
+        sqlx::query(self.sql.check_xact_row.sql())
+            .bind(name.as_str().as_bytes())
+            .fetch_one(&mut **connection)
+            .await?;
+        sqlx::query(self.sql.issue_to_holder.sql())
+            .bind(owner.as_str())
+            .bind(name.as_str().as_bytes())
+            .execute(&mut **connection)
+            .await
+    }
+}
+
 impl LockBackend for MysqlLockStore {
     fn try_acquire<'a>(
         &'a self,
@@ -614,24 +767,38 @@ impl LockBackend for MysqlLockStore {
                 return Ok(TryAcquire::Acquired { token });
             }
             let key = lock_key(name);
-            let query = acquire_batch(&self.sql, name, &key, owner, wait_timeout_secs(ttl));
-            let query = query.as_str();
+            let lease = wait_timeout_secs(ttl);
+            let key = key.as_str();
             // A pooled session the server had ended (the pool pings only idle ones) is
-            // replaced: the batch is sent again on another.
-            let sent_batch = sent_again_if_gone(self.sessions.size(), || async move {
+            // replaced: the statements are sent again on another.
+            let sent = sent_again_if_gone(self.sessions.size(), || async move {
                 let connection = self.sessions.take().await?;
                 // Until it is registered below, a connection that may hold the lock is
                 // closed if this future is dropped or a statement fails, never pooled.
                 let mut connection = Dedicated::new(connection);
                 let sent = Instant::now();
-                let replies = sqlx::raw_sql(AssertSqlSafe(query))
-                    .fetch_many(&mut *connection)
-                    .try_collect::<Vec<_>>()
-                    .await?;
-                Ok((connection, replies, sent))
+                let reply = match connection.facts() {
+                    SessionFacts {
+                        server_id: Some(server_id),
+                        idle_timeout_secs: Some(set),
+                    } if set == lease => Reply::Single {
+                        result: self.fast_acquire(&mut connection, name, key, owner).await?,
+                        server_id,
+                    },
+                    _ => {
+                        let batch = acquire_batch(&self.sql, name, key, owner, lease);
+                        Reply::Batch(
+                            sqlx::raw_sql(AssertSqlSafe(batch))
+                                .fetch_many(&mut *connection)
+                                .try_collect::<Vec<_>>()
+                                .await?,
+                        )
+                    }
+                };
+                Ok((connection, reply, sent))
             })
             .await;
-            let (connection, replies, sent) = match sent_batch {
+            let (mut connection, reply, sent) = match sent {
                 Ok(sent) => sent,
                 Err(error @ (sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)) => {
                     return Err(unavailable(
@@ -658,35 +825,72 @@ impl LockBackend for MysqlLockStore {
                         ),
                     ));
                 }
+                Err(error) if is_missing_column(&error) => {
+                    return Err(Error::new(
+                        ErrorKind::Configuration,
+                        format!(
+                            "the tokens table {} predates this version of Turnstile: run \
+                             `turnstile migrate --store URL` (or connect with migration on)",
+                            self.sql.tokens
+                        ),
+                    )
+                    .with_source(error));
+                }
                 Err(error) => return Err(map_error(error, "cannot acquire the lock")),
             };
-            let bad = |error| map_error(error, "bad reply to GET_LOCK");
-            // Replies in order: SET's result, the row check's row and result, the
-            // INSERT's result.
-            let (Some(Either::Right(row)), Some(Either::Left(inserted))) =
-                (replies.get(1), replies.get(3))
-            else {
-                return Err(Error::new(ErrorKind::Store, "no reply to GET_LOCK"));
+            let (server_id, token) = match reply {
+                Reply::Single { result, server_id } => {
+                    if result.rows_affected() == 0 && result.last_insert_id() == 0 {
+                        connection.recycle();
+                        return Ok(TryAcquire::Held {
+                            remaining_ttl: None,
+                        });
+                    }
+                    (server_id, result.last_insert_id())
+                }
+                Reply::Batch(replies) => {
+                    let bad = |error| map_error(error, "bad reply to GET_LOCK");
+                    // Replies in order: SET's result, the row check's row and result,
+                    // the INSERT's result.
+                    let (Some(Either::Right(row)), Some(Either::Left(inserted))) =
+                        (replies.get(1), replies.get(3))
+                    else {
+                        return Err(Error::new(ErrorKind::Store, "no reply to GET_LOCK"));
+                    };
+                    let got: Option<i64> = row.try_get("got").map_err(bad)?;
+                    let server_id: u64 = row.try_get("id").map_err(bad)?;
+                    // The batch set the lease: the next acquire on this session can
+                    // skip it.
+                    connection.learn(SessionFacts {
+                        server_id: Some(server_id),
+                        idle_timeout_secs: Some(lease),
+                    });
+                    if got != Some(1) {
+                        connection.recycle();
+                        return Ok(TryAcquire::Held {
+                            remaining_ttl: None,
+                        });
+                    }
+                    if inserted.rows_affected() == 0 {
+                        return Err(Error::new(
+                            ErrorKind::Store,
+                            "the server issued no fencing token with GET_LOCK",
+                        ));
+                    }
+                    (server_id, inserted.last_insert_id())
+                }
             };
-            let got: Option<i64> = row.try_get("got").map_err(bad)?;
-            if got != Some(1) {
-                connection.recycle();
-                return Ok(TryAcquire::Held {
-                    remaining_ttl: None,
-                });
-            }
-            let connection_id: u64 = row.try_get("id").map_err(bad)?;
-            if inserted.rows_affected() == 0 || inserted.last_insert_id() == 0 {
+            if token <= XACT_USED_MARK {
                 return Err(Error::new(
                     ErrorKind::Store,
                     "the server issued no fencing token with GET_LOCK",
                 ));
             }
-            let token = FencingToken::new(inserted.last_insert_id());
+            let token = FencingToken::new(token);
             let session = Session {
                 connection: Some(connection),
-                server_id: connection_id,
-                key,
+                server_id,
+                key: key.to_owned(),
                 token,
                 ttl,
                 last_contact: sent,
@@ -888,31 +1092,29 @@ impl SessionEngine for MysqlLockStore {
         ttl: Duration,
         held_ttl: Duration,
     ) -> Result<FencingToken> {
-        // Text, not prepared, for the reason given at `acquire_batch`; the token comes
-        // back in the UPDATE's own reply, as there. The lease is set only when it
-        // changes: in a run of hand-overs with one TTL the batch is a single statement
-        // with a single reply.
+        // The token comes back in the UPDATE's own reply, as in `fast_acquire`. The lease
+        // is set only when it changes (a round trip more, rare): in a run of hand-overs
+        // with one TTL this is one prepared statement.
+        let fail = |error| map_error(error, "cannot hand the lock over");
         let lease = wait_timeout_secs(ttl);
-        let set_lease = if lease == wait_timeout_secs(held_ttl) {
-            String::new()
-        } else {
-            format!("SET SESSION wait_timeout = {lease};")
-        };
-        let query = format!(
-            "{set_lease}
-             UPDATE {tokens} SET token = LAST_INSERT_ID(GREATEST(token + 1, {CLOCK_US})), holder_token = token,
-               owner = '{owner}', connection_id = CONNECTION_ID() WHERE name = X'{name}'",
-            tokens = self.sql.tokens,
-            owner = to.as_str(),
-            name = hex(name.as_str().as_bytes()),
-        );
-        let results = sqlx::raw_sql(AssertSqlSafe(query))
-            .execute_many(&mut **connection)
-            .try_collect::<Vec<_>>()
+        if lease != wait_timeout_secs(held_ttl) {
+            sqlx::raw_sql(AssertSqlSafe(format!("SET SESSION wait_timeout = {lease}")))
+                .execute(&mut **connection)
+                .await
+                .map_err(fail)?;
+            connection.learn(SessionFacts {
+                idle_timeout_secs: Some(lease),
+                ..connection.facts()
+            });
+        }
+        let updated = sqlx::query(self.sql.issue_to_holder.sql())
+            .bind(to.as_str())
+            .bind(name.as_str().as_bytes())
+            .execute(&mut **connection)
             .await
-            .map_err(|error| map_error(error, "cannot hand the lock over"))?;
-        match results.last() {
-            Some(updated) if updated.rows_affected() == 1 && updated.last_insert_id() != 0 => {
+            .map_err(fail)?;
+        match updated {
+            updated if updated.rows_affected() == 1 && updated.last_insert_id() != 0 => {
                 Ok(FencingToken::new(updated.last_insert_id()))
             }
             // The name's row is gone (pruned by hand while held): no token to hand on.

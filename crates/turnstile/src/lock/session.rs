@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::sql::Lent;
+use crate::sql::{Lent, SessionFacts};
 use tokio::time::Instant;
 
 use super::{
@@ -42,6 +42,21 @@ impl<DB: sqlx::Database> Dedicated<DB> {
     pub(crate) fn recycle(mut self) {
         if let Some(connection) = self.connection.take() {
             connection.keep();
+        }
+    }
+
+    /// What is known of the session (see [`SessionFacts`]).
+    pub(crate) fn facts(&self) -> SessionFacts {
+        self.connection
+            .as_ref()
+            .map(Lent::facts)
+            .unwrap_or_default()
+    }
+
+    /// Records what a statement established about the session.
+    pub(crate) fn learn(&mut self, facts: SessionFacts) {
+        if let Some(connection) = &mut self.connection {
+            connection.learn(facts);
         }
     }
 
