@@ -6,19 +6,56 @@ use std::time::Duration;
 use tokio::time::Instant;
 use turnstile::{Error, ErrorKind};
 
-/// A raw peer on a SQL database.
+/// A raw peer on a SQL database. Its connections are kept between statements (see
+/// [`Kept`]), so a lock cycle costs its statements' round trips and nothing more.
 pub(crate) enum RawSql {
     #[cfg(feature = "postgres")]
-    Postgres(sqlx::PgPool),
+    Postgres(Kept<sqlx::Postgres>),
     /// Session advisory locks (`pg_try_advisory_lock`), the floor of session mode: chosen
     /// by `turnstile_mode=session` in the URL.
     #[cfg(feature = "postgres")]
-    PostgresAdvisory(sqlx::PgPool),
+    PostgresAdvisory(Kept<sqlx::Postgres>),
     /// `GET_LOCK` with a token row written per acquire (an InnoDB commit), or, with
     /// `turnstile_tokens=off` in the URL, `GET_LOCK` alone: the primitive itself, the
     /// floor the library's tokens are measured against.
     #[cfg(feature = "mysql")]
-    Mysql { pool: sqlx::MySqlPool, tokens: bool },
+    Mysql {
+        connections: Kept<sqlx::MySql>,
+        tokens: bool,
+    },
+}
+
+/// Connections kept between statements instead of going back to the pool after each:
+/// sqlx pings a connection it hands out and one that comes back, two round trips per
+/// lock cycle that a raw floor must not pay (the library's stores keep theirs the same
+/// way).
+pub(crate) struct Kept<DB: sqlx::Database> {
+    pool: sqlx::Pool<DB>,
+    idle: std::sync::Mutex<Vec<sqlx::pool::PoolConnection<DB>>>,
+}
+
+impl<DB: sqlx::Database> Kept<DB> {
+    fn new(pool: sqlx::Pool<DB>) -> Self {
+        Kept {
+            pool,
+            idle: std::sync::Mutex::default(),
+        }
+    }
+
+    async fn take(&self) -> Result<sqlx::pool::PoolConnection<DB>, String> {
+        let kept = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match kept {
+            Some(connection) => Ok(connection),
+            None => self.pool.acquire().await.map_err(|e| e.to_string()),
+        }
+    }
+
+    fn put(&self, connection: sqlx::pool::PoolConnection<DB>) {
+        self.idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(connection);
+    }
 }
 
 /// A lock the raw peer holds.
@@ -53,12 +90,19 @@ fn without_turnstile_options(url: &str) -> String {
     }
 }
 
-/// A counter row incremented with two separate statements (read, then write).
+/// A counter row incremented with two separate statements (read, then write), on kept
+/// connections like the floors'.
 pub(crate) enum SqlCounter {
     #[cfg(feature = "postgres")]
-    Postgres { pool: sqlx::PgPool, name: String },
+    Postgres {
+        connections: Kept<sqlx::Postgres>,
+        name: String,
+    },
     #[cfg(feature = "mysql")]
-    Mysql { pool: sqlx::MySqlPool, name: String },
+    Mysql {
+        connections: Kept<sqlx::MySql>,
+        name: String,
+    },
 }
 
 #[cfg(feature = "postgres")]
@@ -103,7 +147,7 @@ impl SqlCounter {
                     .await
                     .map_err(setup_error)?;
                 Ok(SqlCounter::Postgres {
-                    pool,
+                    connections: Kept::new(pool),
                     name: run.to_owned(),
                 })
             }
@@ -117,7 +161,7 @@ impl SqlCounter {
                     .await
                     .map_err(setup_error)?;
                 Ok(SqlCounter::Mysql {
-                    pool,
+                    connections: Kept::new(pool),
                     name: run.to_owned(),
                 })
             }
@@ -131,22 +175,28 @@ impl SqlCounter {
     pub(crate) async fn get(&self) -> Result<i64, String> {
         match self {
             #[cfg(feature = "postgres")]
-            SqlCounter::Postgres { pool, name } => {
-                sqlx::query_scalar("SELECT value FROM turnstile_bench_counter WHERE name = $1")
-                    .bind(name)
-                    .fetch_optional(pool)
-                    .await
-                    .map(Option::unwrap_or_default)
-                    .map_err(|e| e.to_string())
+            SqlCounter::Postgres { connections, name } => {
+                let mut connection = connections.take().await?;
+                let value =
+                    sqlx::query_scalar("SELECT value FROM turnstile_bench_counter WHERE name = $1")
+                        .bind(name)
+                        .fetch_optional(&mut *connection)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                connections.put(connection);
+                Ok(value.unwrap_or_default())
             }
             #[cfg(feature = "mysql")]
-            SqlCounter::Mysql { pool, name } => {
-                sqlx::query_scalar("SELECT value FROM turnstile_bench_counter WHERE name = ?")
-                    .bind(name)
-                    .fetch_optional(pool)
-                    .await
-                    .map(Option::unwrap_or_default)
-                    .map_err(|e| e.to_string())
+            SqlCounter::Mysql { connections, name } => {
+                let mut connection = connections.take().await?;
+                let value =
+                    sqlx::query_scalar("SELECT value FROM turnstile_bench_counter WHERE name = ?")
+                        .bind(name)
+                        .fetch_optional(&mut *connection)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                connections.put(connection);
+                Ok(value.unwrap_or_default())
             }
         }
     }
@@ -154,27 +204,35 @@ impl SqlCounter {
     pub(crate) async fn set(&self, value: i64) -> Result<(), String> {
         match self {
             #[cfg(feature = "postgres")]
-            SqlCounter::Postgres { pool, name } => sqlx::query(
-                "INSERT INTO turnstile_bench_counter (name, value) VALUES ($1, $2)
-                 ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
-            )
-            .bind(name)
-            .bind(value)
-            .execute(pool)
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string()),
+            SqlCounter::Postgres { connections, name } => {
+                let mut connection = connections.take().await?;
+                sqlx::query(
+                    "INSERT INTO turnstile_bench_counter (name, value) VALUES ($1, $2)
+                     ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
+                )
+                .bind(name)
+                .bind(value)
+                .execute(&mut *connection)
+                .await
+                .map_err(|e| e.to_string())?;
+                connections.put(connection);
+                Ok(())
+            }
             #[cfg(feature = "mysql")]
-            SqlCounter::Mysql { pool, name } => sqlx::query(
-                "INSERT INTO turnstile_bench_counter (name, value) VALUES (?, ?)
-                 ON DUPLICATE KEY UPDATE value = VALUES(value)",
-            )
-            .bind(name)
-            .bind(value)
-            .execute(pool)
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string()),
+            SqlCounter::Mysql { connections, name } => {
+                let mut connection = connections.take().await?;
+                sqlx::query(
+                    "INSERT INTO turnstile_bench_counter (name, value) VALUES (?, ?)
+                     ON DUPLICATE KEY UPDATE value = VALUES(value)",
+                )
+                .bind(name)
+                .bind(value)
+                .execute(&mut *connection)
+                .await
+                .map_err(|e| e.to_string())?;
+                connections.put(connection);
+                Ok(())
+            }
         }
     }
 }
@@ -208,7 +266,7 @@ impl RawSql {
                         .connect_with(options)
                         .await
                         .map_err(unreachable_store)?;
-                    return Ok(RawSql::PostgresAdvisory(pool));
+                    return Ok(RawSql::PostgresAdvisory(Kept::new(pool)));
                 }
                 let pool = sqlx::postgres::PgPoolOptions::new()
                     .max_connections(8)
@@ -224,7 +282,7 @@ impl RawSql {
                         .await
                         .map_err(setup_error)?;
                 }
-                Ok(RawSql::Postgres(pool))
+                Ok(RawSql::Postgres(Kept::new(pool)))
             }
             #[cfg(feature = "mysql")]
             "mysql" | "mariadb" => {
@@ -239,7 +297,10 @@ impl RawSql {
                     .execute(&pool)
                     .await
                     .map_err(setup_error)?;
-                Ok(RawSql::Mysql { pool, tokens })
+                Ok(RawSql::Mysql {
+                    connections: Kept::new(pool),
+                    tokens,
+                })
             }
             other => Err(Error::new(
                 ErrorKind::UnsupportedStore,
@@ -261,14 +322,16 @@ impl RawSql {
         let owner = format!("{:032x}", rand::random::<u128>());
         match self {
             #[cfg(feature = "postgres")]
-            RawSql::Postgres(pool) => loop {
+            RawSql::Postgres(connections) => loop {
+                let mut connection = connections.take().await?;
                 let token: Option<i64> = sqlx::query_scalar(PG_ACQUIRE)
                     .bind(name)
                     .bind(&owner)
                     .bind(ttl_ms as f64)
-                    .fetch_optional(pool)
+                    .fetch_optional(&mut *connection)
                     .await
                     .map_err(|e| e.to_string())?;
+                connections.put(connection);
                 if token.is_some() {
                     return Ok(Some(RawSqlHeld::Postgres {
                         name: name.to_owned(),
@@ -280,8 +343,8 @@ impl RawSql {
                 }
             },
             #[cfg(feature = "postgres")]
-            RawSql::PostgresAdvisory(pool) => {
-                let mut connection = pool.acquire().await.map_err(|e| e.to_string())?;
+            RawSql::PostgresAdvisory(connections) => {
+                let mut connection = connections.take().await?;
                 loop {
                     let got: bool =
                         sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtextextended($1, 0))")
@@ -301,8 +364,11 @@ impl RawSql {
                 }
             }
             #[cfg(feature = "mysql")]
-            RawSql::Mysql { pool, tokens } => {
-                let mut connection = pool.acquire().await.map_err(|e| e.to_string())?;
+            RawSql::Mysql {
+                connections,
+                tokens,
+            } => {
+                let mut connection = connections.take().await?;
                 // Benchmark names are short and lower case: usable as named-lock keys.
                 let key: String = name.chars().take(64).collect();
                 loop {
@@ -336,41 +402,51 @@ impl RawSql {
     pub(crate) async fn release(&self, held: RawSqlHeld) -> Result<(), String> {
         match (self, held) {
             #[cfg(feature = "postgres")]
-            (RawSql::Postgres(pool), RawSqlHeld::Postgres { name, owner }) => sqlx::query(
-                "UPDATE turnstile_bench_raw_locks SET owner = NULL WHERE name = $1 AND owner = $2",
-            )
-            .bind(name)
-            .bind(owner)
-            .execute(pool)
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string()),
+            (RawSql::Postgres(connections), RawSqlHeld::Postgres { name, owner }) => {
+                let mut connection = connections.take().await?;
+                sqlx::query(
+                    "UPDATE turnstile_bench_raw_locks SET owner = NULL WHERE name = $1 AND owner = $2",
+                )
+                .bind(name)
+                .bind(owner)
+                .execute(&mut *connection)
+                .await
+                .map_err(|e| e.to_string())?;
+                connections.put(connection);
+                Ok(())
+            }
             #[cfg(feature = "postgres")]
             (
-                RawSql::PostgresAdvisory(_),
+                RawSql::PostgresAdvisory(connections),
                 RawSqlHeld::PostgresAdvisory {
                     mut connection,
                     name,
                 },
-            ) => sqlx::query("SELECT pg_advisory_unlock(hashtextextended($1, 0))")
-                .bind(name)
-                .execute(&mut *connection)
-                .await
-                .map(|_| ())
-                .map_err(|e| e.to_string()),
+            ) => {
+                sqlx::query("SELECT pg_advisory_unlock(hashtextextended($1, 0))")
+                    .bind(name)
+                    .execute(&mut *connection)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                connections.put(connection);
+                Ok(())
+            }
             #[cfg(feature = "mysql")]
             (
-                RawSql::Mysql { .. },
+                RawSql::Mysql { connections, .. },
                 RawSqlHeld::Mysql {
                     mut connection,
                     key,
                 },
-            ) => sqlx::query("DO RELEASE_LOCK(?)")
-                .bind(key)
-                .execute(&mut *connection)
-                .await
-                .map(|_| ())
-                .map_err(|e| e.to_string()),
+            ) => {
+                sqlx::query("DO RELEASE_LOCK(?)")
+                    .bind(key)
+                    .execute(&mut *connection)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                connections.put(connection);
+                Ok(())
+            }
             #[allow(unreachable_patterns)]
             _ => Err("a lock of one database handed to another".to_owned()),
         }
