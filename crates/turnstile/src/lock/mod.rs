@@ -172,7 +172,7 @@ impl OwnerId {
     /// A fresh random owner id.
     pub fn random() -> Self {
         OwnerId {
-            hex: format!("{:032x}", rand::random::<u128>()),
+            hex: crate::hex::hex(&rand::random::<u128>().to_be_bytes()),
         }
     }
 
