@@ -56,6 +56,19 @@ impl<DB: sqlx::Database> Kept<DB> {
             .unwrap_or_else(|p| p.into_inner())
             .push(connection);
     }
+
+    /// Runs one statement on a kept connection, and keeps it again if it succeeded.
+    async fn run<T>(
+        &self,
+        statement: impl AsyncFnOnce(&mut DB::Connection) -> Result<T, sqlx::Error>,
+    ) -> Result<T, String> {
+        let mut connection = self.take().await?;
+        let answer = statement(&mut connection)
+            .await
+            .map_err(|e| e.to_string())?;
+        self.put(connection);
+        Ok(answer)
+    }
 }
 
 /// A lock the raw peer holds.
@@ -173,66 +186,67 @@ impl SqlCounter {
     }
 
     pub(crate) async fn get(&self) -> Result<i64, String> {
-        match self {
+        let value = match self {
             #[cfg(feature = "postgres")]
             SqlCounter::Postgres { connections, name } => {
-                let mut connection = connections.take().await?;
-                let value =
-                    sqlx::query_scalar("SELECT value FROM turnstile_bench_counter WHERE name = $1")
+                connections
+                    .run(async |connection| {
+                        sqlx::query_scalar(
+                            "SELECT value FROM turnstile_bench_counter WHERE name = $1",
+                        )
                         .bind(name)
-                        .fetch_optional(&mut *connection)
+                        .fetch_optional(connection)
                         .await
-                        .map_err(|e| e.to_string())?;
-                connections.put(connection);
-                Ok(value.unwrap_or_default())
+                    })
+                    .await?
             }
             #[cfg(feature = "mysql")]
             SqlCounter::Mysql { connections, name } => {
-                let mut connection = connections.take().await?;
-                let value =
-                    sqlx::query_scalar("SELECT value FROM turnstile_bench_counter WHERE name = ?")
+                connections
+                    .run(async |connection| {
+                        sqlx::query_scalar(
+                            "SELECT value FROM turnstile_bench_counter WHERE name = ?",
+                        )
                         .bind(name)
-                        .fetch_optional(&mut *connection)
+                        .fetch_optional(connection)
                         .await
-                        .map_err(|e| e.to_string())?;
-                connections.put(connection);
-                Ok(value.unwrap_or_default())
+                    })
+                    .await?
             }
-        }
+        };
+        Ok(value.unwrap_or_default())
     }
 
     pub(crate) async fn set(&self, value: i64) -> Result<(), String> {
         match self {
             #[cfg(feature = "postgres")]
-            SqlCounter::Postgres { connections, name } => {
-                let mut connection = connections.take().await?;
-                sqlx::query(
-                    "INSERT INTO turnstile_bench_counter (name, value) VALUES ($1, $2)
-                     ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
-                )
-                .bind(name)
-                .bind(value)
-                .execute(&mut *connection)
+            SqlCounter::Postgres { connections, name } => connections
+                .run(async |connection| {
+                    sqlx::query(
+                        "INSERT INTO turnstile_bench_counter (name, value) VALUES ($1, $2)
+                         ON CONFLICT (name) DO UPDATE SET value = EXCLUDED.value",
+                    )
+                    .bind(name)
+                    .bind(value)
+                    .execute(connection)
+                    .await
+                })
                 .await
-                .map_err(|e| e.to_string())?;
-                connections.put(connection);
-                Ok(())
-            }
+                .map(|_| ()),
             #[cfg(feature = "mysql")]
-            SqlCounter::Mysql { connections, name } => {
-                let mut connection = connections.take().await?;
-                sqlx::query(
-                    "INSERT INTO turnstile_bench_counter (name, value) VALUES (?, ?)
-                     ON DUPLICATE KEY UPDATE value = VALUES(value)",
-                )
-                .bind(name)
-                .bind(value)
-                .execute(&mut *connection)
+            SqlCounter::Mysql { connections, name } => connections
+                .run(async |connection| {
+                    sqlx::query(
+                        "INSERT INTO turnstile_bench_counter (name, value) VALUES (?, ?)
+                         ON DUPLICATE KEY UPDATE value = VALUES(value)",
+                    )
+                    .bind(name)
+                    .bind(value)
+                    .execute(connection)
+                    .await
+                })
                 .await
-                .map_err(|e| e.to_string())?;
-                connections.put(connection);
-                Ok(())
-            }
+                .map(|_| ()),
         }
     }
 }
@@ -323,15 +337,16 @@ impl RawSql {
         match self {
             #[cfg(feature = "postgres")]
             RawSql::Postgres(connections) => loop {
-                let mut connection = connections.take().await?;
-                let token: Option<i64> = sqlx::query_scalar(PG_ACQUIRE)
-                    .bind(name)
-                    .bind(&owner)
-                    .bind(ttl_ms as f64)
-                    .fetch_optional(&mut *connection)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                connections.put(connection);
+                let token: Option<i64> = connections
+                    .run(async |connection| {
+                        sqlx::query_scalar(PG_ACQUIRE)
+                            .bind(name)
+                            .bind(&owner)
+                            .bind(ttl_ms as f64)
+                            .fetch_optional(connection)
+                            .await
+                    })
+                    .await?;
                 if token.is_some() {
                     return Ok(Some(RawSqlHeld::Postgres {
                         name: name.to_owned(),
@@ -402,19 +417,18 @@ impl RawSql {
     pub(crate) async fn release(&self, held: RawSqlHeld) -> Result<(), String> {
         match (self, held) {
             #[cfg(feature = "postgres")]
-            (RawSql::Postgres(connections), RawSqlHeld::Postgres { name, owner }) => {
-                let mut connection = connections.take().await?;
-                sqlx::query(
-                    "UPDATE turnstile_bench_raw_locks SET owner = NULL WHERE name = $1 AND owner = $2",
-                )
-                .bind(name)
-                .bind(owner)
-                .execute(&mut *connection)
+            (RawSql::Postgres(connections), RawSqlHeld::Postgres { name, owner }) => connections
+                .run(async |connection| {
+                    sqlx::query(
+                        "UPDATE turnstile_bench_raw_locks SET owner = NULL WHERE name = $1 AND owner = $2",
+                    )
+                    .bind(name)
+                    .bind(owner)
+                    .execute(connection)
+                    .await
+                })
                 .await
-                .map_err(|e| e.to_string())?;
-                connections.put(connection);
-                Ok(())
-            }
+                .map(|_| ()),
             #[cfg(feature = "postgres")]
             (
                 RawSql::PostgresAdvisory(connections),
