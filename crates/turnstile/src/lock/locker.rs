@@ -665,7 +665,8 @@ impl Locker {
     /// stores grow with every name ever used. Held locks are never touched, and the
     /// fencing tokens of a name used again later still increase (they are floored by the
     /// store's clock). On Redis there is nothing to do: lock keys go with their release
-    /// or lease, fence keys after the fence retention.
+    /// or lease, fence keys after the fence retention. On MySQL / MariaDB, the names ever
+    /// used with transaction-scoped locks are kept (see the MySQL engine's guarantees).
     ///
     /// Errors: [`ErrorKind::InvalidOptions`] for less than a second.
     pub async fn prune(&self, unused_for: Duration) -> Result<u64> {

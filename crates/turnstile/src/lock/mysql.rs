@@ -52,11 +52,16 @@
 //! - **Transaction-scoped locks** ([`lock_in_transaction`](MysqlLockStore::lock_in_transaction))
 //!   lock the name's row in `{prefix}_xact_locks` and only then issue their token; a
 //!   named-lock acquirer checks that row with `NOWAIT` right after `GET_LOCK` and answers
-//!   "held" while a transaction has it. It checks only names marked (in their token row)
-//!   as used with transaction-scoped locks: a transaction-scoped locker sets the mark
-//!   before it looks at the named lock, and the acquirer reads it after taking the named
-//!   lock, in one statement, so one of the two always sees the other. Marked rows are not
-//!   pruned.
+//!   "held" while a transaction has it. A fresh session's acquire checks every name;
+//!   the one-statement acquire of a session used before checks only names marked (in
+//!   their token row) as used with transaction-scoped locks: a transaction-scoped locker
+//!   sets the mark before it looks at the named lock, and the acquirer reads it after
+//!   taking the named lock, in one statement, so one of the two always sees the other.
+//!   Marks are never removed, and [`prune`](super::Locker::prune) keeps the rows of
+//!   marked names (deleting one could let an unmarked row replace it while a
+//!   transaction holds the lock). During an upgrade from an older version, no older
+//!   process may run `lock_in_transaction` or `prune` while newer ones take named
+//!   locks: older versions neither set nor keep the mark.
 //! - **Expiry**: the server's clock (`wait_timeout`), in whole seconds.
 //! - **Restart / failover**: a restart ends every session, so every lock is freed and
 //!   every holder's next renewal fails: the lost signal fires within TTL/3. Named locks
@@ -348,8 +353,10 @@ impl MysqlLockStore {
             add_xact_used_column: statement(format!(
                 "ALTER TABLE {tokens} ADD COLUMN xact_used BOOLEAN NOT NULL DEFAULT FALSE"
             )),
-            // Names used with transaction-scoped locks before the mark existed, or before
-            // a restart emptied the MEMORY table, have a row in xact_locks.
+            // Names used with transaction-scoped locks before the mark existed have a row
+            // in xact_locks. (After a restart has emptied a MEMORY table, a
+            // transaction-scoped locker marks its name again before it looks at the
+            // named lock, which is what the ordering needs.)
             mark_all_xact_used: statement(format!(
                 "INSERT INTO {tokens} (name, token, xact_used)
                  SELECT name, {CLOCK_US}, TRUE FROM {xact_locks}
@@ -506,7 +513,13 @@ impl MysqlLockStore {
             .bind(name.as_str().as_bytes())
             .execute(&self.issuer)
             .await
-            .map_err(fail)?;
+            .map_err(|error| {
+                if is_missing_column(&error) {
+                    self.needs_migration(error)
+                } else {
+                    fail(error)
+                }
+            })?;
         // 1. The lock: the row lock on the name's row, held until the caller's
         //    transaction ends. The row is created first if missing; if `prune` deletes it
         //    between the two steps, the lock finds no row and it goes round again.
@@ -709,6 +722,20 @@ fn is_missing_column(error: &sqlx::Error) -> bool {
 }
 
 impl MysqlLockStore {
+    /// The error for a statement that met tables made by an older version, with
+    /// migration off.
+    fn needs_migration(&self, error: sqlx::Error) -> Error {
+        Error::new(
+            ErrorKind::Configuration,
+            format!(
+                "the tokens table {} predates this version of Turnstile: run `turnstile \
+                 migrate --store URL` (or connect with migration on)",
+                self.sql.tokens
+            ),
+        )
+        .with_source(error)
+    }
+
     /// The acquire in one prepared statement, on a session whose lease (`wait_timeout`)
     /// is already the one wanted and whose id is known: `GET_LOCK`, then the token in
     /// the same statement (see `Sql::fast_acquire`). Each statement of a batch is a
@@ -722,8 +749,9 @@ impl MysqlLockStore {
     /// through), and a transaction-scoped locker sets the mark before it looks at the
     /// named lock. So either it sees this session's named lock and gives up, or this
     /// statement sees the mark and the row lock is checked (`NOWAIT`) before a token is
-    /// issued. Marks are kept until the server restarts, which also ends every
-    /// transaction and frees every named lock.
+    /// issued. Marks are never removed; a restart may empty a MEMORY table of them, but
+    /// it also ends every transaction and frees every named lock, and a transaction's
+    /// locker marks its name again first.
     async fn fast_acquire(
         &self,
         connection: &mut Dedicated<MySql>,
@@ -747,11 +775,17 @@ impl MysqlLockStore {
             .bind(name.as_str().as_bytes())
             .fetch_one(&mut **connection)
             .await?;
-        sqlx::query(self.sql.issue_to_holder.sql())
+        let issued = sqlx::query(self.sql.issue_to_holder.sql())
             .bind(owner.as_str())
             .bind(name.as_str().as_bytes())
             .execute(&mut **connection)
-            .await
+            .await?;
+        // The row gone (deleted by hand) would read as "not acquired" and the session,
+        // which holds the named lock, would go back on the shelf: an error closes it.
+        if issued.rows_affected() == 0 {
+            return Err(sqlx::Error::RowNotFound);
+        }
+        Ok(issued)
     }
 }
 
@@ -825,17 +859,7 @@ impl LockBackend for MysqlLockStore {
                         ),
                     ));
                 }
-                Err(error) if is_missing_column(&error) => {
-                    return Err(Error::new(
-                        ErrorKind::Configuration,
-                        format!(
-                            "the tokens table {} predates this version of Turnstile: run \
-                             `turnstile migrate --store URL` (or connect with migration on)",
-                            self.sql.tokens
-                        ),
-                    )
-                    .with_source(error));
-                }
+                Err(error) if is_missing_column(&error) => return Err(self.needs_migration(error)),
                 Err(error) => return Err(map_error(error, "cannot acquire the lock")),
             };
             let (server_id, token) = match reply {
