@@ -1,5 +1,5 @@
-//! MySQL / MariaDB: connection settings, the connected pool a store opens first, and
-//! the server clock.
+//! MySQL / MariaDB: connection settings, the connected pool a store opens first, the
+//! server clock, and the server's error numbers.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -12,6 +12,15 @@ use crate::error::{Error, ErrorKind, Result};
 /// the clock of lease ends and retention. Both parts read the statement's start time;
 /// neither depends on the session's time zone.
 pub(crate) const CLOCK_US: &str = "(UNIX_TIMESTAMP() * 1000000 + MICROSECOND(NOW(6)))";
+
+/// The server's error number (`ER_…`) of a failed statement; `None` for an error that
+/// did not come from the server.
+pub(crate) fn server_error_number(error: &sqlx::Error) -> Option<u16> {
+    error
+        .as_database_error()
+        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+        .map(sqlx::mysql::MySqlDatabaseError::number)
+}
 
 /// The driver's options for `url`, or an error that shows the expected form.
 pub(crate) fn connect_options(url: &str) -> Result<MySqlConnectOptions> {

@@ -226,10 +226,10 @@ fn text(bytes: Vec<u8>) -> Result<String> {
 
 /// MySQL's "lock wait timeout exceeded" (1205) and "deadlock found" (1213).
 fn is_lock_conflict(error: &sqlx::Error) -> bool {
-    error
-        .as_database_error()
-        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
-        .is_some_and(|db| matches!(db.number(), 1205 | 1213))
+    matches!(
+        crate::engine::mysql::server_error_number(error),
+        Some(1205 | 1213)
+    )
 }
 
 impl MysqlIdempotencyStore {

@@ -93,7 +93,7 @@ use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, OwnerId, ReleaseOutcome,
     ReleaseSignals, ReleaseWatch, TryAcquire,
 };
-use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
+use crate::engine::mysql::{CLOCK_US, connect_options, open_pool, server_error_number};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::hex::hex;
@@ -677,19 +677,13 @@ fn acquire_batch(
 /// Whether a statement failed because a row it needed was locked (`NOWAIT`: MySQL 3572,
 /// MariaDB 1205; an exhausted `innodb_lock_wait_timeout`: 1205).
 fn is_lock_wait(error: &sqlx::Error) -> bool {
-    error
-        .as_database_error()
-        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
-        .is_some_and(|my| matches!(my.number(), 1205 | 3572))
+    matches!(server_error_number(error), Some(1205 | 3572))
 }
 
 /// Whether a statement failed because a table is full (1114: a MEMORY table at its
 /// size limit).
 fn is_table_full(error: &sqlx::Error) -> bool {
-    error
-        .as_database_error()
-        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
-        .is_some_and(|my| my.number() == 1114)
+    server_error_number(error) == Some(1114)
 }
 
 fn wait_timeout_secs(ttl: Duration) -> u64 {
@@ -715,10 +709,7 @@ enum Reply {
 /// Whether a statement named a column the table does not have (1054): a table made by
 /// an older version, with migration off.
 fn is_missing_column(error: &sqlx::Error) -> bool {
-    error
-        .as_database_error()
-        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
-        .is_some_and(|my| my.number() == 1054)
+    server_error_number(error) == Some(1054)
 }
 
 impl MysqlLockStore {
@@ -895,12 +886,7 @@ impl LockBackend for MysqlLockStore {
                             remaining_ttl: None,
                         });
                     }
-                    if inserted.rows_affected() == 0 {
-                        return Err(Error::new(
-                            ErrorKind::Store,
-                            "the server issued no fencing token with GET_LOCK",
-                        ));
-                    }
+                    // An INSERT that wrote nothing reports id 0: refused below.
                     (server_id, inserted.last_insert_id())
                 }
             };
@@ -1137,19 +1123,17 @@ impl SessionEngine for MysqlLockStore {
             .execute(&mut **connection)
             .await
             .map_err(fail)?;
-        match updated {
-            updated if updated.rows_affected() == 1 && updated.last_insert_id() != 0 => {
-                Ok(FencingToken::new(updated.last_insert_id()))
-            }
-            // The name's row is gone (pruned by hand while held): no token to hand on.
-            _ => Err(Error::new(
-                ErrorKind::Store,
-                format!(
-                    "the hand-over found no token row for the lock in {}",
-                    self.sql.tokens
-                ),
-            )),
+        if updated.rows_affected() == 1 && updated.last_insert_id() != 0 {
+            return Ok(FencingToken::new(updated.last_insert_id()));
         }
+        // The name's row is gone (pruned by hand while held): no token to hand on.
+        Err(Error::new(
+            ErrorKind::Store,
+            format!(
+                "the hand-over found no token row for the lock in {}",
+                self.sql.tokens
+            ),
+        ))
     }
 
     async fn holder_id(&self, name: &LockName) -> Result<Option<u64>> {

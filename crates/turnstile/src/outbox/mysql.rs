@@ -384,9 +384,8 @@ fn is_deadlock(error: &Error) -> bool {
     error
         .source()
         .and_then(|source| source.downcast_ref::<sqlx::Error>())
-        .and_then(|error| error.as_database_error())
-        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
-        .is_some_and(|db| db.number() == 1213)
+        .and_then(crate::engine::mysql::server_error_number)
+        == Some(1213)
 }
 
 impl OutboxStore for MysqlOutbox {
