@@ -611,6 +611,55 @@ async fn releases_notify_waiters_and_only_when_someone_waits() {
     taken.release().await.unwrap();
 }
 
+/// A release says whether its notification went out, which is what the lock core's
+/// pause after a run of hand-overs goes by: yes only when a waiter marked the row; with
+/// notifications off, it cannot tell.
+#[tokio::test]
+async fn a_release_says_whether_it_woke_waiters_elsewhere() {
+    use turnstile::lock::{LockBackend, LockName, OwnerId, ReleaseOutcome, TryAcquire};
+    let url = shared_postgres().fresh_database("woke");
+    let store = PostgresLockStore::connect(&url).await.unwrap();
+    let ttl = Duration::from_secs(30);
+    let (holder, waiter) = (OwnerId::random(), OwnerId::random());
+    let acquired = |answer| matches!(answer, TryAcquire::Acquired { .. });
+
+    let quiet = LockName::new("quiet").unwrap();
+    assert!(acquired(
+        store.try_acquire(&quiet, &holder, ttl).await.unwrap()
+    ));
+    assert_eq!(
+        store.release_waking_others(&quiet, &holder).await.unwrap(),
+        (ReleaseOutcome::Released, Some(false))
+    );
+
+    let busy = LockName::new("busy").unwrap();
+    assert!(acquired(
+        store.try_acquire(&busy, &holder, ttl).await.unwrap()
+    ));
+    // The waiter's refused attempt marks the row.
+    assert!(!acquired(
+        store.try_acquire(&busy, &waiter, ttl).await.unwrap()
+    ));
+    assert_eq!(
+        store.release_waking_others(&busy, &holder).await.unwrap(),
+        (ReleaseOutcome::Released, Some(true))
+    );
+
+    let polling = PostgresLockStore::connect(&format!("{url}?turnstile_notify=off"))
+        .await
+        .unwrap();
+    assert!(acquired(
+        polling.try_acquire(&busy, &holder, ttl).await.unwrap()
+    ));
+    assert!(!acquired(
+        polling.try_acquire(&busy, &waiter, ttl).await.unwrap()
+    ));
+    assert_eq!(
+        polling.release_waking_others(&busy, &holder).await.unwrap(),
+        (ReleaseOutcome::Released, None)
+    );
+}
+
 /// A LISTEN connection that cannot be made at first (the server is down) is retried;
 /// waiters poll meanwhile and are notified again once it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

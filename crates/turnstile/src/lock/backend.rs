@@ -97,6 +97,23 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         false
     }
 
+    /// Releases like [`release`](Self::release) and says whether the release woke
+    /// waiters in other processes: `Some(true)` when the store told at least one waiter
+    /// it marked, `Some(false)` when it knows that nobody elsewhere waits, `None` when it
+    /// cannot tell (the default).
+    ///
+    /// The lock core asks after a run of hand-overs between its own tasks: when waiters
+    /// elsewhere were woken it stands back long enough for one of them to get in on a
+    /// loaded machine, and otherwise only briefly, so a process alone with its lock
+    /// loses little.
+    fn release_waking_others<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, Option<bool>)>> {
+        Box::pin(async move { Ok((self.release(name, owner).await?, None)) })
+    }
+
     /// Releases the lock held by `from` and tries to take it for `to`, used to hand a
     /// lock straight to the next waiter in the same process.
     ///

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::lease::{Keeper, Lease, LeaseKind, LostSignal, Renew};
-use super::queue::{Handoff, LocalQueue};
+use super::queue::{Handoff, LocalQueue, Successor};
 use super::telemetry;
 use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockName, LockOptions, LossReason, OwnerId,
@@ -50,10 +50,22 @@ impl Held {
     async fn release(&self) -> Result<ReleaseOutcome> {
         self.finish();
         let held_for = self.lease.started.elapsed();
-        let Some(offer) = self.queue.take_offer() else {
-            let outcome = self.backend.release(&self.name, &self.owner).await?;
-            telemetry::released(&self.name, outcome, false, Some(held_for));
-            return Ok(outcome);
+        let offer = match self.queue.take_offer() {
+            Successor::Local(offer) => offer,
+            Successor::Store => {
+                let outcome = self.backend.release(&self.name, &self.owner).await?;
+                telemetry::released(&self.name, outcome, false, Some(held_for));
+                return Ok(outcome);
+            }
+            Successor::StoreAfterRun => {
+                let (outcome, woke_others) = self
+                    .backend
+                    .release_waking_others(&self.name, &self.owner)
+                    .await?;
+                self.queue.run_released(woke_others);
+                telemetry::released(&self.name, outcome, false, Some(held_for));
+                return Ok(outcome);
+            }
         };
         let sent = Instant::now();
         let (released, acquired) = self

@@ -33,7 +33,9 @@ const LEAVE_LINE_GRACE: Duration = Duration::from_millis(100);
 pub const MIN_ATTEMPT_TIME: Duration = Duration::from_secs(1);
 
 /// After the hand-over cap, how long this process stands back when waiters elsewhere
-/// are woken by the same notification as this one (they need no poll interval).
+/// are woken by the same notification as this one (they need no poll interval), at
+/// most; the store saying it woke some lengthens the pause to this (see
+/// [`LockBackend::release_waking_others`](super::LockBackend::release_waking_others)).
 const YIELD_TO_NOTIFIED_WAITERS: Duration = Duration::from_millis(20);
 
 /// The shortest pause worth taking (the timer's resolution).
@@ -499,11 +501,27 @@ impl Locker {
                 // millisecond anyway, far more than intended (it cost a third of the
                 // contended throughput on Redis). Below that, there is no pause: the
                 // runs were short, and notified waiters race on equal terms.
+                let paused = Instant::now();
+                let until = |pause| {
+                    bound
+                        .deadline
+                        .map_or(paused + pause, |deadline| deadline.min(paused + pause))
+                };
                 if pause >= MIN_PAUSE {
-                    let until = bound.deadline.map_or(Instant::now() + pause, |deadline| {
-                        deadline.min(Instant::now() + pause)
-                    });
-                    tokio::time::sleep_until(until).await;
+                    tokio::time::sleep_until(until(pause)).await;
+                }
+                // The store said the release that ended the run woke waiters elsewhere
+                // (its answer came back with the release, before this contender was
+                // woken): one of them is on its way, so stand back long enough for it
+                // to arrive on a loaded machine, where a notification and the request
+                // it prompts can take several milliseconds. A third of the run at most:
+                // a waiter's mark outlives it by its holder's lease and a second, so a
+                // process alone again may still pay this for that long. (The pause
+                // cannot end at the next release notification: this process's own
+                // release comes back to its listener as one.)
+                let woken_need = YIELD_TO_NOTIFIED_WAITERS.min(run / 3);
+                if queue.run_woke_others() && woken_need > pause {
+                    tokio::time::sleep_until(until(woken_need)).await;
                 }
             }
         }

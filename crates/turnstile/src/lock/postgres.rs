@@ -672,6 +672,42 @@ impl PostgresLockStore {
         self.config.notifications && self.listener.ensure(&self.sql.channel, &self.signals).await
     }
 
+    /// Releases `owner`'s lock; also says whether the release sent a `NOTIFY` (a waiter
+    /// had marked the row).
+    async fn release_telling(
+        &self,
+        name: &LockName,
+        owner: &OwnerId,
+    ) -> Result<(ReleaseOutcome, bool)> {
+        // Had a first sending released the lock before its connection died, the
+        // second finds it gone and says it had expired: a false alarm, never a
+        // release reported that did not happen.
+        let row = sent_again_if_gone(self.pool_size(), || {
+            sqlx::query(self.sql.release.sql())
+                .bind(name.as_str())
+                .bind(owner.as_str())
+                .bind(&self.sql.channel)
+                .fetch_one(&self.ops)
+        })
+        .await
+        .map_err(|error| map_error(error, "cannot release the lock"))?;
+        let bad = |error| map_error(error, "bad reply");
+        let live: Option<bool> = row.try_get("live").map_err(bad)?;
+        let released: i64 = row.try_get("released").map_err(bad)?;
+        let taken: bool = row.try_get("taken").map_err(bad)?;
+        let notified: i64 = row.try_get("notified").map_err(bad)?;
+        if released > 0 {
+            // Same-process waiters need not wait for the notification's round trip.
+            self.signals.notify(name.as_str());
+        }
+        let outcome = match (released > 0, live, taken) {
+            (true, Some(true), _) => ReleaseOutcome::Released,
+            (_, _, true) => ReleaseOutcome::HeldByOther,
+            _ => ReleaseOutcome::AlreadyExpired,
+        };
+        Ok((outcome, notified > 0))
+    }
+
     /// How many release notifications this store's `LISTEN` connection has delivered:
     /// a way to see that waiters are woken by notifications and not by polling.
     pub fn notifications_received(&self) -> u64 {
@@ -824,35 +860,20 @@ impl LockBackend for PostgresLockStore {
         name: &'a LockName,
         owner: &'a OwnerId,
     ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
+        Box::pin(async move { Ok(self.release_telling(name, owner).await?.0) })
+    }
+
+    /// Says whether the release's `NOTIFY` went out: it does only while a waiter in
+    /// some process has marked the row (`waiting_until`), which this process's own
+    /// waiters do not need to do while one of its tasks holds the lock.
+    fn release_waking_others<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, Option<bool>)>> {
         Box::pin(async move {
-            // Had a first sending released the lock before its connection died, the
-            // second finds it gone and says it had expired: a false alarm, never a
-            // release reported that did not happen.
-            let row = sent_again_if_gone(self.pool_size(), || {
-                sqlx::query(self.sql.release.sql())
-                    .bind(name.as_str())
-                    .bind(owner.as_str())
-                    .bind(&self.sql.channel)
-                    .fetch_one(&self.ops)
-            })
-            .await
-            .map_err(|error| map_error(error, "cannot release the lock"))?;
-            let live: Option<bool> = row.try_get("live").map_err(|e| map_error(e, "bad reply"))?;
-            let released: i64 = row
-                .try_get("released")
-                .map_err(|e| map_error(e, "bad reply"))?;
-            let taken: bool = row
-                .try_get("taken")
-                .map_err(|e| map_error(e, "bad reply"))?;
-            if released > 0 {
-                // Same-process waiters need not wait for the notification's round trip.
-                self.signals.notify(name.as_str());
-            }
-            Ok(match (released > 0, live, taken) {
-                (true, Some(true), _) => ReleaseOutcome::Released,
-                (_, _, true) => ReleaseOutcome::HeldByOther,
-                _ => ReleaseOutcome::AlreadyExpired,
-            })
+            let (outcome, notified) = self.release_telling(name, owner).await?;
+            Ok((outcome, self.config.notifications.then_some(notified)))
         })
     }
 

@@ -29,10 +29,25 @@ pub(crate) struct LocalQueue {
     /// kept the lock in its run of hand-overs. The next local contender stands back for
     /// a moment (at most an eighth of that) so that waiters elsewhere can get in.
     yield_to_others: Mutex<Option<Duration>>,
+    /// What the store said of the release that ended the last run of hand-overs:
+    /// whether it woke waiters elsewhere (see `LockBackend::release_waking_others`).
+    /// Cleared when a run ends, so the contender never reads an older run's answer.
+    woke_others: Mutex<Option<bool>>,
     /// When the current run of hand-overs began (the lock came from the store).
     run_started: Mutex<Option<Instant>>,
     /// Guards of this locker that hold the lock and have not started releasing it.
     local_holders: AtomicUsize,
+}
+
+/// Who gets the lock from a releasing holder of this process.
+pub(crate) enum Successor {
+    /// The sleeping contender, by a direct hand-over.
+    Local(HandoffOffer),
+    /// Whoever asks the store first: nobody here was waiting.
+    Store,
+    /// Whoever asks the store first, because the lock passed between this process's
+    /// tasks as often as it may in a row.
+    StoreAfterRun,
 }
 
 /// A sleeping contender's offer to take the lock over from a local holder.
@@ -78,21 +93,25 @@ impl LocalQueue {
 
     /// A releasing holder takes the waiting contender's offer, unless the lock has
     /// passed between local waiters too many times in a row.
-    pub(crate) fn take_offer(&self) -> Option<HandoffOffer> {
+    pub(crate) fn take_offer(&self) -> Successor {
         let mut waiting = self.waiting();
+        let Some(offer) = waiting.as_ref() else {
+            return Successor::Store;
+        };
         // A contender whose acquire was dropped while it slept left its offer behind:
         // handing over to it would only be undone again (a wasted write and token).
-        if waiting.as_ref()?.reply.is_closed() {
+        if offer.reply.is_closed() {
             *waiting = None;
-            return None;
+            return Successor::Store;
         }
         if self.handoffs_in_a_row.fetch_add(1, Ordering::Relaxed) + 1 > MAX_HANDOFFS_IN_A_ROW {
             self.handoffs_in_a_row.store(0, Ordering::Relaxed);
             let run = lock(&self.run_started).map(|started| started.elapsed());
+            *lock(&self.woke_others) = None;
             *lock(&self.yield_to_others) = Some(run.unwrap_or_default());
-            return None;
+            return Successor::StoreAfterRun;
         }
-        waiting.take()
+        waiting.take().map_or(Successor::Store, Successor::Local)
     }
 
     /// Whether the contender should stand back once before its next attempt, with
@@ -100,6 +119,18 @@ impl LocalQueue {
     /// clears it.
     pub(crate) fn take_yield(&self) -> Option<Duration> {
         lock(&self.yield_to_others).take()
+    }
+
+    /// Records whether the release that ended a run of hand-overs woke waiters
+    /// elsewhere, as the store tells it.
+    pub(crate) fn run_released(&self, woke_others: Option<bool>) {
+        *lock(&self.woke_others) = woke_others;
+    }
+
+    /// Whether the release that ended the last run woke waiters elsewhere, if the store
+    /// said so and its answer has arrived.
+    pub(crate) fn run_woke_others(&self) -> bool {
+        lock(&self.woke_others).unwrap_or(false)
     }
 
     /// Wakes the sleeping contender, if any, to ask the store again: drops its offer,
