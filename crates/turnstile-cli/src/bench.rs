@@ -3,7 +3,10 @@
 //!
 //! Environment: `REDIS_PORT` (6390; used when no `--store` is given), `BENCH_SECS` (5),
 //! `WORKERS` (8), `LOCK_TTL_MS` (10000), `ACQUIRE_TIMEOUT_MS` (5000), `BENCH_RUNTIME`
-//! (`current_thread`, the default, or `multi_thread`: the runtime a service would run).
+//! (`current_thread`, the default, or `multi_thread`: the runtime a service would run),
+//! `BENCH_CPU_CORES` (say `0,1`: report how busy these cores were per uncontended
+//! cycle, from `/proc/stat`, so that a pinned server's and client's costs can be told
+//! apart).
 
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -669,6 +672,74 @@ pub(crate) struct Uncontended {
     pub(crate) acquire_us: Vec<f64>,
     pub(crate) elapsed: f64,
     pub(crate) errors: u64,
+    /// How busy each core of `BENCH_CPU_CORES` was during the phase.
+    pub(crate) cores: Vec<CoreBusy>,
+}
+
+/// A core's busy share over a phase, from `/proc/stat`: with the server pinned to one
+/// core and the client to another, what each side spends on a cycle, which latency
+/// alone cannot tell (a loopback round trip here is mostly waiting).
+pub(crate) struct CoreBusy {
+    pub(crate) core: usize,
+    /// Busy ticks / all ticks of that core over the phase.
+    pub(crate) share: f64,
+}
+
+/// Counts the ticks of the cores in `BENCH_CPU_CORES` from `start` to `finish`.
+pub(crate) struct CoreClock {
+    started: Vec<(usize, u64, u64)>,
+}
+
+impl CoreClock {
+    /// Starts counting; counts nothing where `/proc/stat` or the variable is missing.
+    pub(crate) fn start() -> CoreClock {
+        let cores: Vec<usize> = std::env::var("BENCH_CPU_CORES")
+            .unwrap_or_default()
+            .split(',')
+            .filter_map(|core| core.trim().parse().ok())
+            .collect();
+        let ticks = core_ticks();
+        CoreClock {
+            started: cores
+                .into_iter()
+                .filter_map(|core| ticks.iter().find(|(c, ..)| *c == core).copied())
+                .collect(),
+        }
+    }
+
+    /// The busy share of each counted core since `start`.
+    pub(crate) fn finish(&self) -> Vec<CoreBusy> {
+        let now = core_ticks();
+        self.started
+            .iter()
+            .filter_map(|&(core, busy, total)| {
+                let &(_, busy_now, total_now) = now.iter().find(|(c, ..)| *c == core)?;
+                let all = total_now.checked_sub(total).filter(|all| *all > 0)?;
+                Some(CoreBusy {
+                    core,
+                    share: busy_now.saturating_sub(busy) as f64 / all as f64,
+                })
+            })
+            .collect()
+    }
+}
+
+/// (core, busy ticks, all ticks) of every core in `/proc/stat`. Busy is user, nice,
+/// system, irq and softirq; idle, iowait and steal (the hypervisor's) are not.
+fn core_ticks() -> Vec<(usize, u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    stat.lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let core = fields.next()?.strip_prefix("cpu")?.parse().ok()?;
+            let ticks: Vec<u64> = fields.take(8).filter_map(|f| f.parse().ok()).collect();
+            let &[user, nice, system, idle, iowait, irq, softirq, steal] = ticks.as_slice() else {
+                return None;
+            };
+            let busy = user + nice + system + irq + softirq;
+            Some((core, busy, busy + idle + iowait + steal))
+        })
+        .collect()
 }
 
 /// The workload's JSON report (one line), the same for every peer.
@@ -685,6 +756,7 @@ pub(crate) fn report_json(
         acquire_us,
         elapsed: uncontended_elapsed,
         errors: uncontended_errors,
+        cores,
     } = uncontended;
     let uncontended_cycles = acquire_us.len() as u64;
     let contended_sections: u64 = reports.iter().map(|r| r.sections).sum();
@@ -694,7 +766,7 @@ pub(crate) fn report_json(
         .collect();
     waits.sort_by(f64::total_cmp);
     let per_worker: Vec<u64> = reports.iter().map(|r| r.sections).collect();
-    serde_json::json!({
+    let mut report = serde_json::json!({
         "peer": peer,
         "lang": "rust",
         "version": env!("CARGO_PKG_VERSION"),
@@ -720,7 +792,12 @@ pub(crate) fn report_json(
         "contended_wait_p99_ms": round(percentile(&waits, 99.0), 3),
         "contended_wait_max_ms": round(waits.last().copied().unwrap_or(0.0), 3),
         "wait_strategy": wait_strategy,
-    })
+    });
+    for CoreBusy { core, share } in cores {
+        let busy_us = share * uncontended_elapsed * 1e6 / uncontended_cycles.max(1) as f64;
+        report[format!("uncontended_core{core}_busy_us_per_cycle")] = round(busy_us, 1).into();
+    }
+    report
 }
 
 pub(crate) async fn run(args: BenchArgs) -> ExitCode {
@@ -787,6 +864,7 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
 
     // Phase A: one worker, a new lock name each cycle.
     let window = Duration::from_secs(work.secs);
+    let cores = CoreClock::start();
     let started = Instant::now();
     let deadline = started + window;
     let mut acquire_us = Vec::new();
@@ -811,6 +889,7 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
         }
     }
     let uncontended_elapsed = started.elapsed().as_secs_f64();
+    let cores = cores.finish();
     acquire_us.sort_by(f64::total_cmp);
 
     // Phase B: WORKERS tasks on one hot lock.
@@ -891,6 +970,7 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
             acquire_us,
             elapsed: uncontended_elapsed,
             errors: uncontended_errors,
+            cores,
         },
         &reports,
         contended_elapsed,

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use crate::bench::{RAW_RELEASE, Uncontended, WorkerReport, Workload, report_json};
+use crate::bench::{CoreClock, RAW_RELEASE, Uncontended, WorkerReport, Workload, report_json};
 use crate::exit;
 
 /// One blocking connection and the workload's commands on it.
@@ -131,6 +131,7 @@ fn measure(
 
     // Phase A: one worker, a new lock name each cycle.
     let window = Duration::from_secs(work.secs);
+    let cores = CoreClock::start();
     let started = Instant::now();
     let mut acquire_us = Vec::new();
     let mut errors = 0u64;
@@ -156,6 +157,7 @@ fn measure(
             acquire_us
         },
         errors,
+        cores: cores.finish(),
     };
 
     // Phase B: WORKERS threads on one hot lock.
