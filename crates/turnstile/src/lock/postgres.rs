@@ -80,6 +80,17 @@ use sqlx::AssertSqlSafe;
 
 pub(crate) use crate::engine::postgres::CLOCK_US;
 
+/// Seeds the name hash of session mode's advisory keys, so Turnstile's keys do not line
+/// up with an application's own `hashtextextended(name, 0)` keys.
+pub(crate) const ADVISORY_KEY_SEED: i64 = 0x7475_726e;
+
+/// The SQL for the advisory key of the name in `name` (a parameter or a column): session
+/// mode holds it for the lock's lifetime, and a lease-mode acquisition takes it for the
+/// length of its statement, which is how the two modes exclude each other.
+pub(crate) fn advisory_key(name: &str) -> String {
+    format!("hashtextextended({name}, {ADVISORY_KEY_SEED})")
+}
+
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
 
@@ -241,13 +252,16 @@ impl Sql {
         // while the lock is held. New tokens are `max(last + 1, database clock in µs)`,
         // so they keep increasing even if the row was pruned, and share their range with
         // the other engines.
+        // A lease-mode acquisition clears `holder`, which session mode sets: a name
+        // whose row has one is session mode's, and session mode refuses one without.
         let bump = |from: &str| {
             format!(
                 "INSERT INTO {tokens} AS t (name, token) SELECT name, {CLOCK_US} FROM {from}
-                 ON CONFLICT (name) DO UPDATE SET token = GREATEST(t.token + 1, EXCLUDED.token)
+                 ON CONFLICT (name) DO UPDATE SET token = GREATEST(t.token + 1, EXCLUDED.token), holder = NULL
                  RETURNING token"
             )
         };
+        let session_key = advisory_key("$1");
         let attempt_bump = bump("attempt");
         let moved_bump = bump("moved");
         // NULL for a row written by session mode, whose lease is the session's.
@@ -257,7 +271,9 @@ impl Sql {
             acquire: statement(format!(
                 "WITH attempt AS (
                     INSERT INTO {locks} AS l (name, owner, expires_at)
-                    VALUES ($1, $2, clock_timestamp() + make_interval(secs => $3::float8 / 1000))
+                    SELECT $1, $2, clock_timestamp() + make_interval(secs => $3::float8 / 1000)
+                    WHERE NOT EXISTS (SELECT 1 FROM {tokens} WHERE name = $1 AND holder IS NOT NULL)
+                      AND pg_try_advisory_xact_lock({session_key})
                     ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
                     WHERE isfinite(l.expires_at) AND (l.owner IS NULL OR l.expires_at <= clock_timestamp())
                     RETURNING name),
@@ -269,7 +285,8 @@ impl Sql {
                  SELECT (SELECT token FROM bumped) AS token,
                         (SELECT {remaining} FROM {locks} WHERE name = $1 AND owner IS NOT NULL) AS remaining_ms,
                         (SELECT owner FROM {locks} WHERE name = $1) AS holder,
-                        (SELECT NOT isfinite(expires_at) FROM {locks} WHERE name = $1) AS session_mode"
+                        (SELECT NOT isfinite(expires_at) FROM {locks} WHERE name = $1)
+                          OR EXISTS (SELECT 1 FROM {tokens} WHERE name = $1 AND holder IS NOT NULL) AS session_mode"
             )),
             // Only for an owner that already holds the lock: a renewal that also returns
             // the token. Nobody can have been issued a token since the owner took the

@@ -32,7 +32,14 @@
 //! - **Poolers**: needs a real session; it does **not** work behind a pooler in
 //!   transaction mode (the advisory lock would stay on a server connection that the
 //!   pooler hands to someone else). Use lease mode there.
-//! - Lease mode and session mode do not exclude each other: use one mode per lock name.
+//! - **One mode per name**: a name lease mode has used is refused here, and the other way
+//!   round, with an error saying so. The two also exclude each other when both ask for
+//!   a new name at once: session mode records the holder on the name's token row, a
+//!   lease-mode acquisition clears it while holding the name's advisory key for its
+//!   statement, and this engine's acquire refuses (and unlocks) when the row it upserts
+//!   has no holder. Older versions marked session-mode names with a row in the locks
+//!   table instead; during an upgrade, older lease-mode processes must not use names
+//!   that newer session-mode processes use.
 //! - **Waiting**: same-process waiters are woken directly; others re-check with a backoff
 //!   from 5 ms to 100 ms.
 
@@ -51,14 +58,13 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
-use crate::lock::postgres::{CLOCK_US, PostgresLockConfig, PostgresLockStore, one_mode_per_name};
+use crate::lock::postgres::{
+    CLOCK_US, PostgresLockConfig, PostgresLockStore, advisory_key, one_mode_per_name,
+};
 use crate::sql::{KeptConnections, Statement, map_error, sent_again_if_gone, statement};
 
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
-/// Seeds the name hash, so Turnstile's advisory keys do not line up with an
-/// application's own `hashtextextended(name, 0)` keys.
-const KEY_SEED: i64 = 0x7475_726e;
 
 /// The session's idle timeout for a lease of `ttl`: the server ends the session after
 /// the TTL without contact, plus a margin so that a holder whose renewal is merely late
@@ -68,6 +74,7 @@ fn server_lease(ttl: Duration) -> Duration {
 }
 
 struct Sql {
+    unlock: Statement,
     terminate_holder: Statement,
     prune: Statement,
     acquire: Statement,
@@ -150,40 +157,41 @@ impl PostgresSessionLockStore {
         // the pool, which would ping it on the way in.
         let sessions = KeptConnections::new(sessions);
         let (locks, tokens) = tables.table_names();
-        let key = format!("hashtextextended($1, {KEY_SEED})");
+        let key = advisory_key("$1");
         let sql = Sql {
-            // A session-mode name has a marker row in the locks table (expires_at
-            // -infinity), which lease mode refuses to take. The lease-mode check below
-            // reads the statement's snapshot, which misses a lease row inserted by a
-            // lease acquire running at the same instant; the marker's upsert does not:
-            // it waits for that row's transaction and sees its committed version. Only
-            // a marker there (or a new one) lets the session keep the advisory lock and
-            // get a token; a lease row makes it give the advisory lock back and refuse.
+            // A session-mode name's token row names its holder (`owner@pid`); a lease-mode
+            // acquisition clears that column in the same statement that takes its lease,
+            // and takes the advisory key for that statement. So with the advisory lock
+            // taken, the token row's upsert decides: it waits for a lease acquisition
+            // writing the row at the same instant and sees its committed version, which
+            // no snapshot would. A row without a holder (lease mode's) makes the session
+            // give the advisory lock back and refuse; a new row or one with a holder gets
+            // the token. A lease acquisition under way holds the key, so this statement's
+            // `pg_try_advisory_lock` fails meanwhile; one that finished has cleared the
+            // holder. A name that an older version marked in the locks table (and whose
+            // token row may have no holder) is session mode's too; lease mode refuses
+            // those marker rows, so reading the statement's snapshot for them is enough.
             acquire: statement(format!(
-                "WITH lease_mode AS (
-                    SELECT count(*) AS rows FROM {locks} WHERE name = $1 AND isfinite(expires_at)),
-                 got AS (SELECT pg_try_advisory_lock({key}) AS ok FROM lease_mode WHERE rows = 0),
-                 marked AS (
-                    INSERT INTO {locks} AS l (name, expires_at)
-                    SELECT $1, '-infinity' FROM got WHERE ok
-                    ON CONFLICT (name) DO UPDATE SET expires_at = l.expires_at
-                    WHERE NOT isfinite(l.expires_at)
-                    RETURNING 1),
-                 refused AS (
-                    SELECT pg_advisory_unlock({key}) FROM got
-                    WHERE ok AND NOT EXISTS (SELECT 1 FROM marked)),
+                "WITH got AS (SELECT pg_try_advisory_lock({key}) AS ok),
                  bumped AS (
                     INSERT INTO {tokens} AS t (name, token, holder)
-                    SELECT $1, {CLOCK_US}, $2 || '@' || pg_backend_pid() FROM marked
+                    SELECT $1, {CLOCK_US}, $2 || '@' || pg_backend_pid() FROM got WHERE ok
                     ON CONFLICT (name) DO UPDATE
                     SET token = GREATEST(t.token + 1, EXCLUDED.token), holder = EXCLUDED.holder
+                    WHERE t.holder IS NOT NULL
+                       OR EXISTS (SELECT 1 FROM {locks} WHERE name = $1 AND NOT isfinite(expires_at))
                     RETURNING token),
-                 lease AS (SELECT set_config('idle_session_timeout', $3, false) FROM marked)
-                 SELECT EXISTS (SELECT 1 FROM marked) AS ok,
-                        (SELECT rows FROM lease_mode) > 0
-                          OR (SELECT count(*) FROM refused) > 0 AS lease_mode,
+                 refused AS (
+                    SELECT pg_advisory_unlock({key}) FROM got
+                    WHERE ok AND NOT EXISTS (SELECT 1 FROM bumped)),
+                 lease AS (SELECT set_config('idle_session_timeout', $3, false) FROM bumped)
+                 SELECT EXISTS (SELECT 1 FROM bumped) AS ok,
+                        (SELECT count(*) FROM refused) > 0 AS lease_mode,
                         (SELECT token FROM bumped) AS token,
                         (SELECT count(*) FROM lease) AS leased, pg_backend_pid() AS pid"
+            )),
+            unlock: statement(format!(
+                "SELECT pg_advisory_unlock({key}), set_config('idle_session_timeout', $2, false)"
             )),
             terminate_holder: statement(format!(
                 "SELECT pg_terminate_backend(l.pid) FROM pg_locks l
@@ -192,21 +200,30 @@ impl PostgresSessionLockStore {
                    AND l.classid = (({key} >> 32) & 4294967295)::oid
                    AND l.objid = ({key} & 4294967295)::oid"
             )),
+            // Rows of session-mode names (a token row with a holder, and the marker rows
+            // older versions kept in the locks table) whose last token is old and whose
+            // advisory lock nobody holds now. A session taking the name meanwhile updates
+            // the token row first (the delete then sees its new token and keeps it) or
+            // waits for the delete and inserts a new one.
             prune: statement(format!(
                 "WITH gone AS (
-                    DELETE FROM {locks} l
-                    WHERE NOT isfinite(l.expires_at)
-                      AND EXISTS (SELECT 1 FROM {tokens} t WHERE t.name = l.name
-                                  AND t.token < {CLOCK_US} - ($1::float8 * 1000000)::int8)
+                    DELETE FROM {tokens} t
+                    WHERE t.holder IS NOT NULL
+                      AND t.token < {CLOCK_US} - ($1::float8 * 1000000)::int8
                       AND NOT EXISTS (
                         SELECT 1 FROM pg_locks p
                         WHERE p.locktype = 'advisory' AND p.granted AND p.objsubid = 1
                           AND p.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-                          AND p.classid = ((hashtextextended(l.name, {KEY_SEED}) >> 32) & 4294967295)::oid
-                          AND p.objid = (hashtextextended(l.name, {KEY_SEED}) & 4294967295)::oid)
-                    RETURNING l.name),
-                 tokens_gone AS (DELETE FROM {tokens} t USING gone WHERE t.name = gone.name)
-                 SELECT count(*) FROM gone"
+                          AND p.classid = (({name_key} >> 32) & 4294967295)::oid
+                          AND p.objid = ({name_key} & 4294967295)::oid)
+                    RETURNING t.name),
+                 markers_gone AS (
+                    DELETE FROM {locks} l
+                    WHERE NOT isfinite(l.expires_at)
+                      AND (l.name IN (SELECT name FROM gone)
+                           OR NOT EXISTS (SELECT 1 FROM {tokens} t WHERE t.name = l.name)))
+                 SELECT count(*) FROM gone",
+                name_key = advisory_key("t.name")
             )),
             reissue: statement(format!(
                 "WITH bumped AS (
@@ -499,15 +516,12 @@ impl SessionEngine for PostgresSessionLockStore {
         // the lock. The same statement puts back the idle timeout the server or role
         // configures (not the lease, and not "none"), for the session's return to the
         // pool.
-        sqlx::query_scalar::<_, bool>(sqlx::AssertSqlSafe(format!(
-            "SELECT pg_advisory_unlock(hashtextextended($1, {KEY_SEED})),
-                    set_config('idle_session_timeout', $2, false)"
-        )))
-        .bind(name.as_str())
-        .bind(idle_timeout_default)
-        .fetch_one(&mut **connection)
-        .await
-        .unwrap_or(false)
+        sqlx::query_scalar::<_, bool>(self.sql.unlock.sql())
+            .bind(name.as_str())
+            .bind(idle_timeout_default)
+            .fetch_one(&mut **connection)
+            .await
+            .unwrap_or(false)
     }
 
     async fn recycle(&self, connection: Dedicated<Postgres>) {
