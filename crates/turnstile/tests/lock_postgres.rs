@@ -894,6 +894,16 @@ async fn both_modes_on_a_new_name_at_once_never_both_hold() {
             lease.try_acquire(&name, &options),
             session.try_acquire(&name, &options)
         );
+        // A loser finds the name in the other mode and says so, whichever way the race
+        // went (a lease acquire may learn it only as its own statement runs).
+        for error in [a.as_ref().err(), b.as_ref().err()].into_iter().flatten() {
+            assert_eq!(
+                error.kind(),
+                ErrorKind::InvalidOptions,
+                "round {n}: {error}"
+            );
+            assert!(error.to_string().contains("one mode per name"), "{error}");
+        }
         if let (Ok(Some(a)), Ok(Some(b))) = (a, b) {
             both += 1;
             drop((a, b));

@@ -80,17 +80,6 @@ use sqlx::AssertSqlSafe;
 
 pub(crate) use crate::engine::postgres::CLOCK_US;
 
-/// Seeds the name hash of session mode's advisory keys, so Turnstile's keys do not line
-/// up with an application's own `hashtextextended(name, 0)` keys.
-pub(crate) const ADVISORY_KEY_SEED: i64 = 0x7475_726e;
-
-/// The SQL for the advisory key of the name in `name` (a parameter or a column): session
-/// mode holds it for the lock's lifetime, and a lease-mode acquisition takes it for the
-/// length of its statement, which is how the two modes exclude each other.
-pub(crate) fn advisory_key(name: &str) -> String {
-    format!("hashtextextended({name}, {ADVISORY_KEY_SEED})")
-}
-
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
 
@@ -252,16 +241,22 @@ impl Sql {
         // while the lock is held. New tokens are `max(last + 1, database clock in µs)`,
         // so they keep increasing even if the row was pruned, and share their range with
         // the other engines.
-        // A lease-mode acquisition clears `holder`, which session mode sets: a name
-        // whose row has one is session mode's, and session mode refuses one without.
+        // Session mode records its holder on the token row; lease mode's rows have none,
+        // and session mode refuses those. The acquire's snapshot shows the session-mode
+        // rows committed before it (and the acquire then takes nothing), but not one a
+        // session acquire committed since: the upsert waits for that and sees it, and
+        // then fails the whole statement (its lease row too) with an error carrying
+        // SESSION_MODE_NAME, which `one_mode_per_name` reports. The name in the message
+        // keeps the planner from raising it while it folds constants.
         let bump = |from: &str| {
             format!(
                 "INSERT INTO {tokens} AS t (name, token) SELECT name, {CLOCK_US} FROM {from}
-                 ON CONFLICT (name) DO UPDATE SET token = GREATEST(t.token + 1, EXCLUDED.token), holder = NULL
+                 ON CONFLICT (name) DO UPDATE SET token = CASE
+                     WHEN t.holder IS NULL THEN GREATEST(t.token + 1, EXCLUDED.token)
+                     ELSE ('{SESSION_MODE_NAME}' || t.name)::int8 END
                  RETURNING token"
             )
         };
-        let session_key = advisory_key("$1");
         let attempt_bump = bump("attempt");
         let moved_bump = bump("moved");
         // NULL for a row written by session mode, whose lease is the session's.
@@ -273,7 +268,6 @@ impl Sql {
                     INSERT INTO {locks} AS l (name, owner, expires_at)
                     SELECT $1, $2, clock_timestamp() + make_interval(secs => $3::float8 / 1000)
                     WHERE NOT EXISTS (SELECT 1 FROM {tokens} WHERE name = $1 AND holder IS NOT NULL)
-                      AND pg_try_advisory_xact_lock({session_key})
                     ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, expires_at = EXCLUDED.expires_at
                     WHERE isfinite(l.expires_at) AND (l.owner IS NULL OR l.expires_at <= clock_timestamp())
                     RETURNING name),
@@ -285,8 +279,10 @@ impl Sql {
                  SELECT (SELECT token FROM bumped) AS token,
                         (SELECT {remaining} FROM {locks} WHERE name = $1 AND owner IS NOT NULL) AS remaining_ms,
                         (SELECT owner FROM {locks} WHERE name = $1) AS holder,
-                        (SELECT NOT isfinite(expires_at) FROM {locks} WHERE name = $1)
-                          OR EXISTS (SELECT 1 FROM {tokens} WHERE name = $1 AND holder IS NOT NULL) AS session_mode"
+                        CASE WHEN NOT EXISTS (SELECT 1 FROM bumped) THEN
+                          (SELECT NOT isfinite(expires_at) FROM {locks} WHERE name = $1)
+                          OR EXISTS (SELECT 1 FROM {tokens} WHERE name = $1 AND holder IS NOT NULL)
+                        END AS session_mode"
             )),
             // Only for an owner that already holds the lock: a renewal that also returns
             // the token. Nobody can have been issued a token since the owner took the
@@ -738,6 +734,17 @@ impl PostgresLockStore {
     }
 }
 
+/// What a lease-mode acquire's failure says when a session-mode acquire took the name
+/// as it ran (see the token bump).
+const SESSION_MODE_NAME: &str = "turnstile: session mode holds ";
+
+/// Whether `error` is a lease-mode acquire finding that session mode took the name.
+fn is_session_mode_name(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .is_some_and(|error| error.message().contains(SESSION_MODE_NAME.trim_end()))
+}
+
 /// The error for a lock name taken in one mode and asked for in the other.
 pub(crate) fn one_mode_per_name(name: &LockName, used: &str, asked: &str) -> Error {
     Error::new(
@@ -802,6 +809,9 @@ impl LockBackend for PostgresLockStore {
                     return Ok(TryAcquire::Held {
                         remaining_ttl: None,
                     });
+                }
+                Err(error) if is_session_mode_name(&error) => {
+                    return Err(one_mode_per_name(name, "session", "lease"));
                 }
                 Err(error) => return Err(map_error(error, "cannot acquire the lock")),
             };

@@ -34,10 +34,10 @@
 //!   pooler hands to someone else). Use lease mode there.
 //! - **One mode per name**: a name lease mode has used is refused here, and the other way
 //!   round, with an error saying so. The two also exclude each other when both ask for
-//!   a new name at once: session mode records the holder on the name's token row, a
-//!   lease-mode acquisition clears it while holding the name's advisory key for its
-//!   statement, and this engine's acquire refuses (and unlocks) when the row it upserts
-//!   has no holder. Older versions marked session-mode names with a row in the locks
+//!   a new name at once: session mode records the holder on the name's token row,
+//!   lease mode's rows have none, and this engine's acquire refuses (and unlocks) when
+//!   the row it upserts has no holder; a lease-mode acquire fails when the row it
+//!   upserts has one. Older versions marked session-mode names with a row in the locks
 //!   table instead; during an upgrade, older lease-mode processes must not use names
 //!   that newer session-mode processes use.
 //! - **Waiting**: same-process waiters are woken directly; others re-check with a backoff
@@ -58,13 +58,20 @@ use super::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
-use crate::lock::postgres::{
-    CLOCK_US, PostgresLockConfig, PostgresLockStore, advisory_key, one_mode_per_name,
-};
+use crate::lock::postgres::{CLOCK_US, PostgresLockConfig, PostgresLockStore, one_mode_per_name};
 use crate::sql::{KeptConnections, Statement, map_error, sent_again_if_gone, statement};
 
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
+
+/// Seeds the name hash, so Turnstile's advisory keys do not line up with an
+/// application's own `hashtextextended(name, 0)` keys.
+const KEY_SEED: i64 = 0x7475_726e;
+
+/// The SQL for the advisory key of the name in `name` (a parameter or a column).
+fn advisory_key(name: &str) -> String {
+    format!("hashtextextended({name}, {KEY_SEED})")
+}
 
 /// The session's idle timeout for a lease of `ttl`: the server ends the session after
 /// the TTL without contact, plus a margin so that a holder whose renewal is merely late
@@ -159,16 +166,13 @@ impl PostgresSessionLockStore {
         let (locks, tokens) = tables.table_names();
         let key = advisory_key("$1");
         let sql = Sql {
-            // A session-mode name's token row names its holder (`owner@pid`); a lease-mode
-            // acquisition clears that column in the same statement that takes its lease,
-            // and takes the advisory key for that statement. So with the advisory lock
-            // taken, the token row's upsert decides: it waits for a lease acquisition
-            // writing the row at the same instant and sees its committed version, which
-            // no snapshot would. A row without a holder (lease mode's) makes the session
-            // give the advisory lock back and refuse; a new row or one with a holder gets
-            // the token. A lease acquisition under way holds the key, so this statement's
-            // `pg_try_advisory_lock` fails meanwhile; one that finished has cleared the
-            // holder. A name that an older version marked in the locks table (and whose
+            // A session-mode name's token row names its holder (`owner@pid`); lease
+            // mode's rows have none. With the advisory lock taken, the token row's upsert
+            // decides: it waits for a lease acquisition writing the row at the same
+            // instant and sees its committed version, which no snapshot would. A row
+            // without a holder makes the session give the advisory lock back and refuse;
+            // a new row or one with a holder gets the token. (A lease acquisition that
+            // meets this row as it runs fails; see lease mode's token bump.) A name that an older version marked in the locks table (and whose
             // token row may have no holder) is session mode's too; lease mode refuses
             // those marker rows, so reading the statement's snapshot for them is enough.
             acquire: statement(format!(
