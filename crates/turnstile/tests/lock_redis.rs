@@ -803,3 +803,59 @@ async fn exclusion_holds_and_nobody_loses_when_the_holders_connection_is_killed(
         detect_slack: Duration::ZERO,
     });
 }
+
+/// A release says whether its notification reached another store (another process)
+/// than the releasing one: not when only the releasing store itself listens.
+#[tokio::test]
+async fn a_release_says_whether_it_woke_waiters_elsewhere() {
+    use turnstile::lock::{LockBackend, OwnerId, TryAcquire};
+    let url = shared_redis().url();
+    let prefix = unique_name("woke");
+    let (holder_store, other_store) = (connect(&url, &prefix).await, connect(&url, &prefix).await);
+    let ttl = Duration::from_secs(30);
+    let name = LockName::new("busy").unwrap();
+    let holder = OwnerId::random();
+    let take = || async {
+        let answer = holder_store.try_acquire(&name, &holder, ttl).await.unwrap();
+        assert!(matches!(answer, TryAcquire::Acquired { .. }));
+    };
+
+    take().await;
+    assert_eq!(
+        holder_store
+            .release_waking_others(&name, &holder)
+            .await
+            .unwrap(),
+        (ReleaseOutcome::Released, Some(false))
+    );
+
+    // Only the releasing store listens: nobody elsewhere.
+    let own_watch = holder_store.watch_releases(&name).await.unwrap();
+    take().await;
+    assert_eq!(
+        holder_store
+            .release_waking_others(&name, &holder)
+            .await
+            .unwrap(),
+        (ReleaseOutcome::Released, Some(false))
+    );
+
+    let other_watch = other_store.watch_releases(&name).await.unwrap();
+    take().await;
+    assert_eq!(
+        holder_store
+            .release_waking_others(&name, &holder)
+            .await
+            .unwrap(),
+        (ReleaseOutcome::Released, Some(true))
+    );
+    drop((own_watch, other_watch));
+    // Released already: nothing was released, so nobody was woken.
+    assert_eq!(
+        holder_store
+            .release_waking_others(&name, &holder)
+            .await
+            .unwrap(),
+        (ReleaseOutcome::AlreadyExpired, None)
+    );
+}

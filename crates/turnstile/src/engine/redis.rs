@@ -145,6 +145,12 @@ pub(crate) struct Notifier {
 }
 
 impl Notifier {
+    /// Whether a waiter of this store listens on `channel` (so that a release's
+    /// notification reaches this store's own connection too).
+    pub(crate) fn is_watched(&self, channel: &str) -> bool {
+        self.signals.is_watched(channel)
+    }
+
     pub(crate) fn new(
         client: Client,
         connect_timeout: Duration,
@@ -579,6 +585,12 @@ pub(crate) struct ClusterNotifier {
 }
 
 impl ClusterNotifier {
+    /// Whether a waiter of this store listens on `channel` (so that a release's
+    /// notification reaches this store's own connection too).
+    pub(crate) fn is_watched(&self, channel: &str) -> bool {
+        self.signals.is_watched(channel)
+    }
+
     /// Feeds release messages from `pushes` (the cluster connection's push channel)
     /// to waiters.
     pub(crate) fn new(

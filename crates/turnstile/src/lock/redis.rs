@@ -167,8 +167,7 @@ if string.sub(value, 1, 33) ~= ARGV[1] .. ':' then
   return -1
 end
 redis.call('DEL', KEYS[1])
-redis.call(ARGV[3], ARGV[2], 'released')
-return 1
+return 1 + redis.call(ARGV[3], ARGV[2], 'released')
 ";
 
 const INSPECT: &str = r"
@@ -313,6 +312,14 @@ enum Notifications {
 }
 
 impl Notifications {
+    /// Whether a waiter of this store listens on `channel`.
+    fn is_watched(&self, channel: &str) -> bool {
+        match self {
+            Notifications::Single(notifier) => notifier.is_watched(channel),
+            Notifications::Cluster(notifier) => notifier.is_watched(channel),
+        }
+    }
+
     /// The command the release scripts announce with.
     fn publish_command(&self) -> &'static str {
         match self {
@@ -428,6 +435,20 @@ impl RedisLockStore {
             scripts: Arc::new(scripts()),
             url: format!("redis+cluster://{}", hosts.join(",")),
         })
+    }
+
+    /// Runs the release script: its answer for `release_outcome`.
+    async fn release_code(&self, name: &LockName, owner: &OwnerId) -> Result<i64> {
+        let mut connection = self.connection.clone();
+        self.scripts
+            .release
+            .key(self.lock_key(name))
+            .arg(owner.as_str())
+            .arg(self.release_channel(name))
+            .arg(self.notifier.publish_command())
+            .invoke_async(&mut connection)
+            .await
+            .map_err(|error| map_error(error, "cannot release the lock"))
     }
 
     /// Loads every script once so the first calls go straight to `EVALSHA`.
@@ -581,9 +602,11 @@ fn acquire_reply(acquired: i64, detail: Value) -> Result<TryAcquire> {
 }
 
 /// Reads the release scripts' answer: 1 released, -1 held by another, 0 expired.
+/// The release and hand-over scripts' answer: 1 or more released (the release script
+/// adds how many subscribers its notification reached), -1 held by another, 0 expired.
 fn release_outcome(code: i64) -> ReleaseOutcome {
     match code {
-        1 => ReleaseOutcome::Released,
+        1.. => ReleaseOutcome::Released,
         -1 => ReleaseOutcome::HeldByOther,
         _ => ReleaseOutcome::AlreadyExpired,
     }
@@ -659,19 +682,25 @@ impl LockBackend for RedisLockStore {
         name: &'a LockName,
         owner: &'a OwnerId,
     ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
+        Box::pin(async move { Ok(release_outcome(self.release_code(name, owner).await?)) })
+    }
+
+    /// Says whether the release's notification reached a subscriber besides this
+    /// store's own connection: every store listens through one, so another receiver is
+    /// another store (in practice, another process) waiting for the name or holding it.
+    fn release_waking_others<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+    ) -> BoxFuture<'a, Result<(ReleaseOutcome, Option<bool>)>> {
         Box::pin(async move {
-            let mut connection = self.connection.clone();
-            let answer: i64 = self
-                .scripts
-                .release
-                .key(self.lock_key(name))
-                .arg(owner.as_str())
-                .arg(self.release_channel(name))
-                .arg(self.notifier.publish_command())
-                .invoke_async(&mut connection)
-                .await
-                .map_err(|error| map_error(error, "cannot release the lock"))?;
-            Ok(release_outcome(answer))
+            let code = self.release_code(name, owner).await?;
+            let receivers = code - 1;
+            let ours = i64::from(self.notifier.is_watched(&self.release_channel(name)));
+            Ok((
+                release_outcome(code),
+                (code >= 1).then_some(receivers > ours),
+            ))
         })
     }
 
