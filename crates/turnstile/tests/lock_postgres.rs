@@ -621,41 +621,39 @@ async fn a_release_says_whether_it_woke_waiters_elsewhere() {
     let store = PostgresLockStore::connect(&url).await.unwrap();
     let ttl = Duration::from_secs(30);
     let (holder, waiter) = (OwnerId::random(), OwnerId::random());
-    let acquired = |answer| matches!(answer, TryAcquire::Acquired { .. });
+    // The holder takes `name` on `store`; with `contended`, the waiter's refused
+    // attempt then marks the row. What the holder's release says.
+    let cycle = async |store: &PostgresLockStore, name: &LockName, contended: bool| {
+        let acquired = |answer| matches!(answer, TryAcquire::Acquired { .. });
+        assert!(acquired(
+            store.try_acquire(name, &holder, ttl).await.unwrap()
+        ));
+        if contended {
+            assert!(!acquired(
+                store.try_acquire(name, &waiter, ttl).await.unwrap()
+            ));
+        }
+        store.release_waking_others(name, &holder).await.unwrap()
+    };
 
-    let quiet = LockName::new("quiet").unwrap();
-    assert!(acquired(
-        store.try_acquire(&quiet, &holder, ttl).await.unwrap()
-    ));
+    let (quiet, busy) = (
+        LockName::new("quiet").unwrap(),
+        LockName::new("busy").unwrap(),
+    );
     assert_eq!(
-        store.release_waking_others(&quiet, &holder).await.unwrap(),
+        cycle(&store, &quiet, false).await,
         (ReleaseOutcome::Released, Some(false))
     );
-
-    let busy = LockName::new("busy").unwrap();
-    assert!(acquired(
-        store.try_acquire(&busy, &holder, ttl).await.unwrap()
-    ));
-    // The waiter's refused attempt marks the row.
-    assert!(!acquired(
-        store.try_acquire(&busy, &waiter, ttl).await.unwrap()
-    ));
     assert_eq!(
-        store.release_waking_others(&busy, &holder).await.unwrap(),
+        cycle(&store, &busy, true).await,
         (ReleaseOutcome::Released, Some(true))
     );
 
     let polling = PostgresLockStore::connect(&format!("{url}?turnstile_notify=off"))
         .await
         .unwrap();
-    assert!(acquired(
-        polling.try_acquire(&busy, &holder, ttl).await.unwrap()
-    ));
-    assert!(!acquired(
-        polling.try_acquire(&busy, &waiter, ttl).await.unwrap()
-    ));
     assert_eq!(
-        polling.release_waking_others(&busy, &holder).await.unwrap(),
+        cycle(&polling, &busy, true).await,
         (ReleaseOutcome::Released, None)
     );
 }

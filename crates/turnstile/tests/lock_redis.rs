@@ -815,40 +815,24 @@ async fn a_release_says_whether_it_woke_waiters_elsewhere() {
     let ttl = Duration::from_secs(30);
     let name = LockName::new("busy").unwrap();
     let holder = OwnerId::random();
-    let take = || async {
+    // One acquire and release by the holder's store: what the release says.
+    let cycle = || async {
         let answer = holder_store.try_acquire(&name, &holder, ttl).await.unwrap();
         assert!(matches!(answer, TryAcquire::Acquired { .. }));
-    };
-
-    take().await;
-    assert_eq!(
         holder_store
             .release_waking_others(&name, &holder)
             .await
-            .unwrap(),
-        (ReleaseOutcome::Released, Some(false))
-    );
+            .unwrap()
+    };
+
+    assert_eq!(cycle().await, (ReleaseOutcome::Released, Some(false)));
 
     // Only the releasing store listens: nobody elsewhere.
     let own_watch = holder_store.watch_releases(&name).await.unwrap();
-    take().await;
-    assert_eq!(
-        holder_store
-            .release_waking_others(&name, &holder)
-            .await
-            .unwrap(),
-        (ReleaseOutcome::Released, Some(false))
-    );
+    assert_eq!(cycle().await, (ReleaseOutcome::Released, Some(false)));
 
     let other_watch = other_store.watch_releases(&name).await.unwrap();
-    take().await;
-    assert_eq!(
-        holder_store
-            .release_waking_others(&name, &holder)
-            .await
-            .unwrap(),
-        (ReleaseOutcome::Released, Some(true))
-    );
+    assert_eq!(cycle().await, (ReleaseOutcome::Released, Some(true)));
     drop((own_watch, other_watch));
     // Released already: nothing was released, so nobody was woken.
     assert_eq!(

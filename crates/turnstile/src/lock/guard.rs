@@ -52,17 +52,17 @@ impl Held {
         let held_for = self.lease.started.elapsed();
         let offer = match self.queue.take_offer() {
             Successor::Local(offer) => offer,
-            Successor::Store => {
-                let outcome = self.backend.release(&self.name, &self.owner).await?;
-                telemetry::released(&self.name, outcome, false, Some(held_for));
-                return Ok(outcome);
-            }
-            Successor::StoreAfterRun => {
-                let (outcome, woke_others) = self
-                    .backend
-                    .release_waking_others(&self.name, &self.owner)
-                    .await?;
-                self.queue.run_released(woke_others);
+            to_store => {
+                let outcome = if let Successor::StoreAfterRun = to_store {
+                    let (outcome, woke_others) = self
+                        .backend
+                        .release_waking_others(&self.name, &self.owner)
+                        .await?;
+                    self.queue.run_released(woke_others);
+                    outcome
+                } else {
+                    self.backend.release(&self.name, &self.owner).await?
+                };
                 telemetry::released(&self.name, outcome, false, Some(held_for));
                 return Ok(outcome);
             }

@@ -172,9 +172,10 @@ impl PostgresSessionLockStore {
             // instant and sees its committed version, which no snapshot would. A row
             // without a holder makes the session give the advisory lock back and refuse;
             // a new row or one with a holder gets the token. (A lease acquisition that
-            // meets this row as it runs fails; see lease mode's token bump.) A name that an older version marked in the locks table (and whose
-            // token row may have no holder) is session mode's too; lease mode refuses
-            // those marker rows, so reading the statement's snapshot for them is enough.
+            // meets this row as it runs fails; see lease mode's token bump.) A name that
+            // an older version marked in the locks table (and whose token row may have
+            // no holder) is session mode's too; lease mode refuses those marker rows, so
+            // reading the statement's snapshot for them is enough.
             acquire: statement(format!(
                 "WITH got AS (SELECT pg_try_advisory_lock({key}) AS ok),
                  bumped AS (

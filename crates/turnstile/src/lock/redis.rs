@@ -437,14 +437,15 @@ impl RedisLockStore {
         })
     }
 
-    /// Runs the release script: its answer for `release_outcome`.
-    async fn release_code(&self, name: &LockName, owner: &OwnerId) -> Result<i64> {
+    /// Runs the release script, announcing on `channel`: its answer for
+    /// `release_outcome`.
+    async fn release_code(&self, name: &LockName, owner: &OwnerId, channel: &str) -> Result<i64> {
         let mut connection = self.connection.clone();
         self.scripts
             .release
             .key(self.lock_key(name))
             .arg(owner.as_str())
-            .arg(self.release_channel(name))
+            .arg(channel)
             .arg(self.notifier.publish_command())
             .invoke_async(&mut connection)
             .await
@@ -682,7 +683,12 @@ impl LockBackend for RedisLockStore {
         name: &'a LockName,
         owner: &'a OwnerId,
     ) -> BoxFuture<'a, Result<ReleaseOutcome>> {
-        Box::pin(async move { Ok(release_outcome(self.release_code(name, owner).await?)) })
+        Box::pin(async move {
+            let channel = self.release_channel(name);
+            Ok(release_outcome(
+                self.release_code(name, owner, &channel).await?,
+            ))
+        })
     }
 
     /// Says whether the release's notification reached a subscriber besides this
@@ -694,9 +700,10 @@ impl LockBackend for RedisLockStore {
         owner: &'a OwnerId,
     ) -> BoxFuture<'a, Result<(ReleaseOutcome, Option<bool>)>> {
         Box::pin(async move {
-            let code = self.release_code(name, owner).await?;
+            let channel = self.release_channel(name);
+            let code = self.release_code(name, owner, &channel).await?;
             let receivers = code - 1;
-            let ours = i64::from(self.notifier.is_watched(&self.release_channel(name)));
+            let ours = i64::from(self.notifier.is_watched(&channel));
             Ok((
                 release_outcome(code),
                 (code >= 1).then_some(receivers > ours),
