@@ -505,6 +505,57 @@ async fn tokens_confine_callers_to_their_scopes_and_tenant() {
     assert_eq!(everything.body["held"].as_array().unwrap().len(), 2);
 }
 
+/// A store URL's credentials reach no one: a `?password=` in the URL is hidden from
+/// the admin's dashboard, tenants and readers see no store description at all, and the
+/// errors of a store that went down name no credential either.
+#[tokio::test]
+async fn a_store_password_reaches_no_token_and_no_error() {
+    const SECRET: &str = "hunter2-in-the-url";
+    let server = turnstile_test_support::PostgresServer::spawn();
+    let store = format!(
+        "{}?password={SECRET}&application_name=turnstile",
+        server.url()
+    );
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let service = Service::start_with(&store, &[], Arc::clone(&dir), Some(&tokens_document()));
+    let (admin, acme, reader) = (
+        service.as_token(ADMIN),
+        service.as_token(ACME),
+        service.as_token(READER),
+    );
+    for caller in [&acme, &reader] {
+        let seen = caller.get("/v1/dashboard").await;
+        assert_eq!(seen.status, StatusCode::OK);
+        assert_eq!(seen.body["store"], Value::Null, "a non-admin saw the store");
+    }
+    let seen = admin.get("/v1/dashboard").await;
+    let shown = seen.body["store"].as_str().unwrap();
+    assert!(shown.contains("password=***"), "{shown}");
+    assert!(!shown.contains(SECRET), "{shown}");
+
+    server.kill();
+    let mut answers = Vec::new();
+    for caller in [&admin, &acme] {
+        answers.push(caller.acquire("job", json!({"ttl_ms": 5000})).await);
+        answers.push(caller.get("/v1/locks/job").await);
+    }
+    assert!(
+        answers.iter().any(|answer| answer.status.is_server_error()),
+        "the store is down: {answers:?}"
+    );
+    for answer in &answers {
+        assert!(!answer.body.to_string().contains(SECRET), "{answer:?}");
+    }
+    drop(service);
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|ext| ext == "log") {
+            let log = std::fs::read_to_string(&path).unwrap();
+            assert!(!log.contains(SECRET), "{}: {log}", path.display());
+        }
+    }
+}
+
 #[tokio::test]
 async fn idempotency_keys_over_http_on_sqlite() {
     idempotency_keys_over_http(&Service::sqlite(), "sqlite").await;

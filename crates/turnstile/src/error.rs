@@ -42,6 +42,10 @@ pub enum ErrorKind {
     LockLost,
     /// A fencing token was rejected or cannot be represented by the protected store.
     Fencing,
+    /// The request with this idempotency key ran, but its outcome could not be stored
+    /// (too large for the store): repeats are told so and do not run again; use a new
+    /// key for a new request.
+    OutcomeNotStored,
 }
 
 impl ErrorKind {
@@ -61,6 +65,7 @@ impl ErrorKind {
             ErrorKind::KeyMismatch => "idempotency key reused",
             ErrorKind::LockLost => "lock lost",
             ErrorKind::Fencing => "fencing error",
+            ErrorKind::OutcomeNotStored => "outcome not stored",
         }
     }
 }
@@ -70,6 +75,7 @@ pub struct Error {
     kind: ErrorKind,
     message: String,
     loss: Option<LossReason>,
+    retry_after: Option<std::time::Duration>,
     source: Option<Box<dyn StdError + Send + Sync + 'static>>,
     /// Whether `Display` repeats the source: not when the message already says all it
     /// has to say (a server's own sentence, quoted).
@@ -86,6 +92,7 @@ impl Error {
             kind,
             message: message.into(),
             loss: None,
+            retry_after: None,
             source: None,
             show_source: true,
         }
@@ -113,6 +120,17 @@ impl Error {
         let mut error = Error::new(ErrorKind::LockLost, reason.to_string());
         error.loss = Some(reason);
         error
+    }
+
+    /// When trying again makes sense, where the store said: for
+    /// [`ErrorKind::InProgress`], how long the request in flight's lease has left.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        self.retry_after
+    }
+
+    pub(crate) fn with_retry_after(mut self, after: Option<std::time::Duration>) -> Self {
+        self.retry_after = after;
+        self
     }
 
     /// What kind of failure this is.

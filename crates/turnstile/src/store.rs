@@ -423,22 +423,66 @@ async fn open_postgres_idempotency(url: &str) -> Result<IdempotencyStoreArc> {
     ))
 }
 
-/// Removes the password from a URL for messages and logs.
-pub(crate) fn redact(url: &str) -> String {
+/// A URL with every credential it can carry hidden, for messages, logs and anything
+/// shown to people: the userinfo (`user:***@`, and a bare `***@` where the userinfo is
+/// one word, a token or a password alone), in each host of a comma-separated list, and
+/// the value of every query parameter whose name says it holds a secret (`password`,
+/// `pass`, `pwd`, `token`, `secret`, `auth`, `sslkey`, `apikey`, …).
+pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
-    let (authority, path) = match rest.find('/') {
-        Some(at) => rest.split_at(at),
-        None => (rest, ""),
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let authority = authority
+        .split(',')
+        .map(|host| match host.rsplit_once('@') {
+            Some((credentials, host)) => match credentials.split_once(':') {
+                Some((user, _password)) => format!("{user}:***@{host}"),
+                None => format!("***@{host}"),
+            },
+            None => host.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    let (path, query) = match tail.split_once('?') {
+        Some((path, query)) => (path, Some(query)),
+        None => (tail, None),
     };
-    match authority.rsplit_once('@') {
-        Some((credentials, host)) => match credentials.split_once(':') {
-            Some((user, _password)) => format!("{scheme}://{user}:***@{host}{path}"),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
-    }
+    let Some(query) = query else {
+        return format!("{scheme}://{authority}{path}");
+    };
+    let (query, fragment) = match query.split_once('#') {
+        Some((query, fragment)) => (query, format!("#{fragment}")),
+        None => (query, String::new()),
+    };
+    let query = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _)) if is_secret_parameter(name) => format!("{name}=***"),
+            _ => pair.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join("&");
+    format!("{scheme}://{authority}{path}?{query}{fragment}")
+}
+
+/// Whether a URL query parameter's name says that its value is a secret (or, like
+/// `sslkey`, points at one).
+fn is_secret_parameter(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    [
+        "pass",
+        "pwd",
+        "token",
+        "secret",
+        "auth",
+        "key",
+        "credential",
+        "signature",
+    ]
+    .iter()
+    .any(|word| name.contains(word))
 }
 
 /// Splits Turnstile's own `turnstile_*` options off a store URL's query string,
@@ -488,11 +532,40 @@ mod tests {
     use super::*;
 
     #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(redact("redis://u:secret@h:1/0"), "redis://u:***@h:1/0");
-        assert_eq!(redact("postgres://app@h/db"), "postgres://app@h/db");
-        assert_eq!(redact("redis://h:1"), "redis://h:1");
-        assert_eq!(redact("sqlite:///tmp/a"), "sqlite:///tmp/a");
+    fn every_credential_form_is_redacted() {
+        for (url, shown) in [
+            ("redis://u:secret@h:1/0", "redis://u:***@h:1/0"),
+            ("redis://:secret@h:1", "redis://:***@h:1"),
+            ("redis://TOKEN@h:1", "redis://***@h:1"),
+            ("postgres://app@h/db", "postgres://***@h/db"),
+            ("redis://h:1", "redis://h:1"),
+            ("sqlite:///tmp/a", "sqlite:///tmp/a"),
+            (
+                "postgres://h/db?password=secret&sslmode=require",
+                "postgres://h/db?password=***&sslmode=require",
+            ),
+            ("mysql://h/db?pass=s&PWD=s", "mysql://h/db?pass=***&PWD=***"),
+            (
+                "postgres://h/db?sslkey=/k.pem&sslpassword=s&sslrootcert=/ca.pem",
+                "postgres://h/db?sslkey=***&sslpassword=***&sslrootcert=/ca.pem",
+            ),
+            ("redis://h?token=s&auth=s", "redis://h?token=***&auth=***"),
+            (
+                "redis://h?access_token=s#frag",
+                "redis://h?access_token=***#frag",
+            ),
+            (
+                "redis+sentinel://u:a@h1:1,u:b@h2:2/mymaster?password=c",
+                "redis+sentinel://u:***@h1:1,u:***@h2:2/mymaster?password=***",
+            ),
+            (
+                "sqlite://keys.db?turnstile_migrate=off",
+                "sqlite://keys.db?turnstile_migrate=off",
+            ),
+        ] {
+            assert_eq!(redact(url), shown, "{url}");
+            assert!(!redact(url).contains("secret"), "{url}");
+        }
     }
 
     #[test]

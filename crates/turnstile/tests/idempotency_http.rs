@@ -57,6 +57,19 @@ async fn app(
                         return (StatusCode::BAD_GATEWAY, "provider down".to_owned())
                             .into_response();
                     }
+                    if body.contains("break") {
+                        // A body that fails half way, as a proxied upstream that drops
+                        // its connection would.
+                        let chunks: [Result<&'static str, std::io::Error>; 2] = [
+                            Ok("half a rec"),
+                            Err(std::io::Error::other("upstream reset")),
+                        ];
+                        return (
+                            StatusCode::CREATED,
+                            Body::from_stream(futures_util::stream::iter(chunks)),
+                        )
+                            .into_response();
+                    }
                     if body.contains("huge") {
                         return (StatusCode::CREATED, "x".repeat(4096)).into_response();
                     }
@@ -269,14 +282,23 @@ async fn server_errors_give_the_key_back_and_large_bodies_are_bounded() {
         IdempotencyOptions::new(),
     )
     .await;
-    let (status, _, _) = send(&app.router, request("/payments", "acme", Some("f"), "fail")).await;
+    // In the lease mode a 5xx is stored: the handler may have charged before it
+    // failed, and the retry must not charge again.
+    let (status, headers, _) =
+        send(&app.router, request("/payments", "acme", Some("f"), "fail")).await;
     assert_eq!(status, StatusCode::BAD_GATEWAY);
-    let (status, _, _) = send(&app.router, request("/payments", "acme", Some("f"), "fail")).await;
-    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    assert_eq!(headers["idempotent-replayed"], "false");
+    let (status, headers, body) =
+        send(&app.router, request("/payments", "acme", Some("f"), "fail")).await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::BAD_GATEWAY, "provider down")
+    );
+    assert_eq!(headers["idempotent-replayed"], "true");
     assert_eq!(
         app.runs.load(Ordering::SeqCst),
-        2,
-        "a 502 was replayed instead of retried"
+        1,
+        "a 502 was run again instead of replayed"
     );
 
     let (status, _, body) = send(
@@ -291,7 +313,7 @@ async fn server_errors_give_the_key_back_and_large_bodies_are_bounded() {
             types::REQUEST_TOO_LARGE.to_owned()
         )
     );
-    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
 
     // A response too large to store reaches its client whole; a repeat is told why it
     // gets no replay, and the handler does not run again.
@@ -314,7 +336,49 @@ async fn server_errors_give_the_key_back_and_large_bodies_are_bounded() {
             types::NOT_REPLAYABLE.to_owned()
         )
     );
-    assert_eq!(app.runs.load(Ordering::SeqCst), 3);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+/// A policy that gives 5xx back (the application's choice, for handlers whose
+/// effects a failure undoes): the retry runs again.
+#[tokio::test]
+async fn a_policy_can_give_server_errors_back() {
+    let app = app(
+        |layer| layer.store_status(|status| status.is_success()),
+        IdempotencyOptions::new(),
+    )
+    .await;
+    for _ in 0..2 {
+        let (status, headers, _) =
+            send(&app.router, request("/payments", "acme", Some("f"), "fail")).await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+        assert_eq!(headers["idempotent-replayed"], "false");
+    }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+/// A response body that breaks off half way is not a response: the client's body
+/// breaks off too, nothing is stored, and the retry runs the handler again instead of
+/// getting the half body replayed as a complete 201.
+#[tokio::test]
+async fn a_body_that_breaks_half_way_is_neither_stored_nor_replayed() {
+    let app = app(|layer| layer, IdempotencyOptions::new()).await;
+    for run in 1..=2 {
+        let response = app
+            .router
+            .clone()
+            .oneshot(request("/payments", "acme", Some("torn"), "break"))
+            .await
+            .unwrap();
+        assert_eq!(response.headers()["idempotent-replayed"], "false");
+        let body = response.into_body().collect().await;
+        assert!(
+            body.is_err(),
+            "run {run}: a torn body was passed on as complete: {:?}",
+            body.map(|collected| collected.to_bytes())
+        );
+        assert_eq!(app.runs.load(Ordering::SeqCst), run);
+    }
 }
 
 /// A store that is down: 503 with `Retry-After`, and the handler never runs.
@@ -346,4 +410,84 @@ async fn a_store_that_is_down_answers_503_and_runs_nothing() {
         1,
         "the handler ran without protection"
     );
+}
+
+/// Several `Idempotency-Key` headers are a 400; fingerprinted headers count with their
+/// names (`x-a: b` is not `x-b: b`); `Content-Type` is part of the default fingerprint;
+/// a duplicate in flight is told to come back when the first one's lease would end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_headers_and_retry_after_are_read_exactly() {
+    use http::HeaderValue;
+    let app = app(
+        |layer| {
+            layer.fingerprint_headers([
+                header::CONTENT_TYPE,
+                http::HeaderName::from_static("x-a"),
+                http::HeaderName::from_static("x-b"),
+            ])
+        },
+        IdempotencyOptions::new(),
+    )
+    .await;
+    let mut twice = request("/payments", "acme", Some("k1"), "x");
+    twice
+        .headers_mut()
+        .append("idempotency-key", HeaderValue::from_static("k2"));
+    let (status, _, body) = send(&app.router, twice).await;
+    assert_eq!(
+        (status, problem_type(&body)),
+        (StatusCode::BAD_REQUEST, types::KEY_MALFORMED.to_owned())
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 0);
+
+    let with = |key: &str, name: &'static str, value: &'static str| {
+        let mut request = request("/payments", "acme", Some(key), "x");
+        request
+            .headers_mut()
+            .insert(name, HeaderValue::from_static(value));
+        request
+    };
+    let (status, _, _) = send(&app.router, with("hdr", "x-a", "b")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _, body) = send(&app.router, with("hdr", "x-b", "b")).await;
+    assert_eq!(
+        (status, problem_type(&body)),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            types::KEY_REUSED.to_owned()
+        ),
+        "x-a: b and x-b: b fingerprinted alike"
+    );
+    let (status, _, _) = send(&app.router, with("ct", "content-type", "application/json")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _, body) = send(&app.router, with("ct", "content-type", "text/plain")).await;
+    assert_eq!(
+        (status, problem_type(&body)),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            types::KEY_REUSED.to_owned()
+        ),
+        "the same bytes with another Content-Type are another request"
+    );
+
+    let first = tokio::spawn(app.router.clone().oneshot(request(
+        "/payments",
+        "acme",
+        Some("busy"),
+        "x",
+    )));
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    let (status, headers, _) =
+        send(&app.router, request("/payments", "acme", Some("busy"), "x")).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    let after: u64 = headers[header::RETRY_AFTER]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (20..=30).contains(&after),
+        "Retry-After {after}: the first request's 30 s lease has about 30 s left"
+    );
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::CREATED);
 }

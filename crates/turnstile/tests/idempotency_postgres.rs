@@ -233,3 +233,40 @@ async fn cursors_follow_each_keys_sequence() {
     })
     .await;
 }
+
+/// A duplicate that waits on the record's row past its transaction's `lock_timeout`
+/// hears "in progress" (a 409 over HTTP), not a store error: the lock timeout aborted
+/// its transaction, and nothing more is asked of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_timeout_in_the_callers_transaction_is_in_progress() {
+    use turnstile::idempotency::{
+        ClaimAnswer, Fingerprint, IdempotencyKey, IdempotencyOptions, Scope,
+        TransactionalIdempotency,
+    };
+    let url = shared_postgres().fresh_database("idemlt");
+    let store = PostgresIdempotencyStore::connect(&url).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let (scope, key) = (
+        Scope::new("tenant-1").unwrap(),
+        IdempotencyKey::new("slow").unwrap(),
+    );
+    let (fingerprint, options) = (Fingerprint::of(&[b"x"]), IdempotencyOptions::new());
+    let mut first = pool.begin().await.unwrap();
+    let answer = store
+        .claim_in_transaction(&mut first, &scope, &key, &fingerprint, &options)
+        .await
+        .unwrap();
+    assert!(matches!(answer, ClaimAnswer::Started { .. }), "{answer:?}");
+    let mut second = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '200ms'")
+        .execute(&mut *second)
+        .await
+        .unwrap();
+    let answer = store
+        .claim_in_transaction(&mut second, &scope, &key, &fingerprint, &options)
+        .await
+        .expect("a lock timeout is an answer, not a store error");
+    assert_eq!(answer, ClaimAnswer::InProgress { lease_left: None });
+    second.rollback().await.unwrap();
+    first.rollback().await.unwrap();
+}

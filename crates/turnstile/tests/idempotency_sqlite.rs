@@ -267,3 +267,27 @@ async fn cursors_follow_each_keys_sequence() {
     })
     .await;
 }
+
+/// The global scope and a tenant called "global" never share a key.
+#[tokio::test]
+async fn the_global_scope_is_no_tenants_scope() {
+    use turnstile::idempotency::{Fingerprint, IdempotencyKey, Scope};
+    let dir = tempfile::tempdir().unwrap();
+    let keys = Idempotency::new(
+        SqliteIdempotencyStore::open(dir.path().join("g.db"))
+            .await
+            .unwrap(),
+    );
+    let (key, fingerprint) = (IdempotencyKey::new("k").unwrap(), Fingerprint::of(&[b"x"]));
+    let mut answers = Vec::new();
+    for scope in [Scope::global(), Scope::new("global").unwrap()] {
+        let answer: String = keys
+            .run_once(&scope, &key, &fingerprint, async |_| {
+                Ok::<_, turnstile::Error>(format!("ran in {scope}"))
+            })
+            .await
+            .unwrap();
+        answers.push(answer);
+    }
+    assert_eq!(answers, ["ran in (global)", "ran in global"]);
+}

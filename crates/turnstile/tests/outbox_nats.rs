@@ -26,6 +26,13 @@ trait TestOutbox: Send + Sync + 'static {
     async fn keeping(&self, retention: Duration) -> Self::Store;
     /// Enqueues `message` in its own transaction, committed or rolled back.
     async fn enqueue_one(&self, message: &Message, commit: bool);
+    /// Enqueues `message` on a connection outside any transaction.
+    async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64>;
+    /// Makes the database refuse to store messages of `topic` (a trigger), so that an
+    /// enqueue fails after its key's sequence number was taken.
+    async fn refuse_topic(&self, topic: &str);
+    /// Runs `sql` on the outbox's database (to lose a row, as a bad restore would).
+    async fn execute(&self, sql: &str);
 }
 
 struct Sqlite {
@@ -79,6 +86,26 @@ impl TestOutbox for Sqlite {
             transaction.rollback().await.unwrap();
         }
     }
+    async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64> {
+        let mut connection = self.outbox.pool().acquire().await.unwrap();
+        self.outbox.enqueue(&mut connection, message).await
+    }
+
+    async fn refuse_topic(&self, topic: &str) {
+        self.execute(&format!(
+            "CREATE TRIGGER refuse_{name} BEFORE INSERT ON turnstile_outbox
+             WHEN NEW.topic = '{topic}' BEGIN SELECT RAISE(ABORT, 'refused by the test'); END",
+            name = topic.replace(['.', '-'], "_")
+        ))
+        .await;
+    }
+
+    async fn execute(&self, sql: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(self.outbox.pool())
+            .await
+            .unwrap();
+    }
 }
 
 struct Postgres {
@@ -129,6 +156,29 @@ impl TestOutbox for Postgres {
         } else {
             transaction.rollback().await.unwrap();
         }
+    }
+    async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64> {
+        let mut connection = self.pool.acquire().await.unwrap();
+        self.outbox.enqueue(&mut connection, message).await
+    }
+
+    async fn refuse_topic(&self, topic: &str) {
+        let name = topic.replace(['.', '-'], "_");
+        self.execute(&format!(
+            "CREATE FUNCTION refuse_{name}() RETURNS trigger AS $$
+             BEGIN IF NEW.topic = '{topic}' THEN RAISE EXCEPTION 'refused by the test'; END IF;
+             RETURN NEW; END $$ LANGUAGE plpgsql;
+             CREATE TRIGGER refuse_{name} BEFORE INSERT ON turnstile_outbox
+             FOR EACH ROW EXECUTE FUNCTION refuse_{name}()"
+        ))
+        .await;
+    }
+
+    async fn execute(&self, sql: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&self.pool)
+            .await
+            .unwrap();
     }
 }
 
@@ -203,6 +253,28 @@ impl TestOutbox for Mysql {
         } else {
             transaction.rollback().await.unwrap();
         }
+    }
+    async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64> {
+        let mut connection = self.pool.acquire().await.unwrap();
+        self.outbox.enqueue(&mut connection, message).await
+    }
+
+    async fn refuse_topic(&self, topic: &str) {
+        self.execute(&format!(
+            "CREATE TRIGGER refuse_{name} BEFORE INSERT ON turnstile_outbox FOR EACH ROW
+             IF NEW.topic = '{topic}' THEN
+                SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused by the test';
+             END IF",
+            name = topic.replace(['.', '-'], "_")
+        ))
+        .await;
+    }
+
+    async fn execute(&self, sql: &str) {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&self.pool)
+            .await
+            .unwrap();
     }
 }
 
@@ -308,6 +380,7 @@ async fn three_relays_deliver_every_committed_message_once_in_key_order(outbox: 
         Duration::from_secs(120),
     )
     .await;
+    let watched = watch_publishes(shared_nats(), &subject).await;
     let shutdown = CancellationToken::new();
     let mut relays = Vec::new();
     // Three relays, each with its own connections, as three processes would have;
@@ -325,6 +398,7 @@ async fn three_relays_deliver_every_committed_message_once_in_key_order(outbox: 
         relay.await.unwrap().unwrap();
     }
     check_delivery(&read_all(&publisher, &stream_name).await, &committed);
+    check_published_once(&published_ids(watched).await, &committed);
 }
 
 async fn a_poison_message_parks_its_key_while_the_others_flow(outbox: impl TestOutbox) {
@@ -476,6 +550,195 @@ async fn delivered_messages_are_kept_for_audit_then_swept(outbox: impl TestOutbo
     check_delivery(&read_all(&publisher, &stream_name).await, &committed);
 }
 
+/// Every publish that reaches the NATS server on `subject.>`, seen by a plain
+/// subscriber: it gets each publish before JetStream's duplicate window drops a
+/// repeat, so it counts what the stream would hide.
+async fn watch_publishes(nats: &NatsServer, subject: &str) -> async_nats::Subscriber {
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let subscriber = client.subscribe(format!("{subject}.>")).await.unwrap();
+    client.flush().await.unwrap();
+    subscriber
+}
+
+/// The message ids `watch_publishes` saw, once the server has been quiet for a second.
+async fn published_ids(mut subscriber: async_nats::Subscriber) -> Vec<String> {
+    use futures_util::StreamExt;
+    let mut ids = Vec::new();
+    while let Ok(Some(message)) =
+        tokio::time::timeout(Duration::from_secs(1), subscriber.next()).await
+    {
+        let headers = message.headers.expect("outbox messages carry headers");
+        ids.push(headers.get("Nats-Msg-Id").unwrap().as_str().to_owned());
+    }
+    ids
+}
+
+/// Checks that each committed id was published once, counting the publishes the
+/// broker saw (not the stream's deduplicated copy).
+fn check_published_once(published: &[String], committed: &HashSet<String>) {
+    let once: HashSet<&String> = published.iter().collect();
+    assert_eq!(
+        once.len(),
+        published.len(),
+        "a relay published a message twice"
+    );
+    assert_eq!(
+        once.len(),
+        committed.len(),
+        "publishes do not match commits"
+    );
+}
+
+/// Enqueues on connections outside any transaction, four writers at once while two
+/// relays run: each enqueue must land as one step, or a relay delivers a key's later
+/// message before an earlier one has its row and never sees the earlier one again.
+async fn enqueues_outside_a_transaction_lose_nothing(outbox: impl TestOutbox) {
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("alone");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let watched = watch_publishes(shared_nats(), &subject).await;
+    let shutdown = CancellationToken::new();
+    let mut relays = Vec::new();
+    for _ in 0..2 {
+        let relay = Relay::new(outbox.another().await, publisher.clone()).with_options(
+            RelayOptions::new()
+                .max_keys(2)
+                .per_key(2)
+                .idle_poll(Duration::from_millis(1), Duration::from_millis(2)),
+        );
+        let shutdown = shutdown.clone();
+        relays.push(tokio::spawn(async move { relay.run(shutdown).await }));
+    }
+    let topic = format!("{subject}.created");
+    let writers = (0..4).map(|writer| {
+        let (outbox, topic) = (&outbox, topic.as_str());
+        async move {
+            let mut ids = Vec::new();
+            for n in 0..50 {
+                let message = Message::json(
+                    topic,
+                    format!("{topic}/key-{}", n % 3),
+                    &serde_json::json!({"writer": writer, "n": n}),
+                )
+                .unwrap();
+                outbox.enqueue_alone(&message).await.unwrap();
+                ids.push(message.id().to_owned());
+            }
+            ids
+        }
+    });
+    let committed: HashSet<String> = futures_util::future::join_all(writers)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    wait_until_empty(&outbox.store()).await;
+    shutdown.cancel();
+    for relay in relays {
+        relay.await.unwrap().unwrap();
+    }
+    check_delivery(&read_all(&publisher, &stream_name).await, &committed);
+    check_published_once(&published_ids(watched).await, &committed);
+}
+
+/// An enqueue outside a transaction whose message row is refused after its key's
+/// sequence number was taken takes the number back: no gap is left, the key is not
+/// parked, and the next message of the key is delivered.
+async fn a_failed_enqueue_leaves_no_gap(outbox: impl TestOutbox) {
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("nogap");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let refused_topic = format!("{subject}.refused");
+    outbox.refuse_topic(&refused_topic).await;
+    let key = format!("{subject}-account");
+    let refused = Message::new(refused_topic.as_str(), key.as_str(), b"no".to_vec()).unwrap();
+    assert!(outbox.enqueue_alone(&refused).await.is_err());
+    let store = outbox.store();
+    let status = store.status(10).await.unwrap();
+    assert_eq!(
+        status.pending, 0,
+        "the refused enqueue left its number: {status:?}"
+    );
+    let next = Message::new(format!("{subject}.created"), key.as_str(), b"yes".to_vec()).unwrap();
+    assert_eq!(outbox.enqueue_alone(&next).await.unwrap(), 1);
+    let relay = Relay::new(store.clone(), publisher.clone());
+    relay.run_once().await.unwrap();
+    check_delivery(
+        &read_all(&publisher, &stream_name).await,
+        &HashSet::from([next.id().to_owned()]),
+    );
+}
+
+/// A key whose next message is missing (a row lost to a bad restore or a hand-run
+/// DELETE) is never published past the hole: the messages before it go out, the key
+/// parks with the gap as its reason, and nothing after it is sent or settled.
+async fn a_missing_message_is_never_stepped_over(outbox: impl TestOutbox) {
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("gap");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let topic = format!("{subject}.created");
+    let key = format!("{subject}-gappy");
+    let messages: Vec<Message> = (1..=4)
+        .map(|n| Message::json(topic.as_str(), key.as_str(), &serde_json::json!({"n": n})).unwrap())
+        .collect();
+    for message in &messages {
+        outbox.enqueue_one(message, true).await;
+    }
+    outbox
+        .execute(&format!(
+            "DELETE FROM turnstile_outbox WHERE ordering_key = '{key}' AND seq = 2"
+        ))
+        .await;
+    let store = outbox.store();
+    let relay = Relay::new(store.clone(), publisher.clone()).with_options(
+        RelayOptions::new().max_attempts(2).backoff(Backoff {
+            base: Duration::from_millis(10),
+            max: Duration::from_millis(20),
+        }),
+    );
+    let mut parked = 0;
+    for _ in 0..300 {
+        parked += relay.run_once().await.unwrap().parked;
+        if parked > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let status = store.status(10).await.unwrap();
+    assert_eq!(parked, 1, "the key with a hole must park: {status:?}");
+    assert_eq!(status.parked[0].key, key);
+    assert_eq!(status.parked[0].pending, 3, "{status:?}");
+    let reason = status.parked[0].reason.clone().unwrap_or_default();
+    assert!(
+        reason.contains("sequence gap: message 2 is missing"),
+        "{reason}"
+    );
+    let delivered = read_all(&publisher, &stream_name).await;
+    assert_eq!(
+        delivered,
+        vec![(key.clone(), 1, messages[0].id().to_owned())],
+        "only the message before the hole may go out"
+    );
+}
+
 /// The checks, once per store.
 macro_rules! outbox_checks {
     ($module:ident, $outbox:expr) => {
@@ -504,6 +767,21 @@ macro_rules! outbox_checks {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn enqueues_outside_a_transaction_lose_nothing() {
+                super::enqueues_outside_a_transaction_lose_nothing($outbox).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_failed_enqueue_leaves_no_gap() {
+                super::a_failed_enqueue_leaves_no_gap($outbox).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_missing_message_is_never_stepped_over() {
+                super::a_missing_message_is_never_stepped_over($outbox).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_duplicate_window_shorter_than_redelivery_is_refused() {
                 super::a_duplicate_window_shorter_than_redelivery_is_refused($outbox).await;
             }
@@ -514,6 +792,33 @@ macro_rules! outbox_checks {
 outbox_checks!(sqlite, Sqlite::new().await);
 outbox_checks!(postgres, Postgres::new().await);
 outbox_checks!(mysql, Mysql::new().await);
+
+/// An enqueue on a connection whose transaction was begun as SQL (not through `sqlx`)
+/// stays in that transaction: the rollback takes the message back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mysql_enqueue_in_a_transaction_begun_as_sql_stays_in_it() {
+    let outbox = Mysql::new().await;
+    let mut connection = outbox.pool.acquire().await.unwrap();
+    sqlx::raw_sql("START TRANSACTION")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    let message = Message::new("sql.created", "begun-as-sql", b"x".to_vec()).unwrap();
+    outbox
+        .outbox
+        .enqueue(&mut connection, &message)
+        .await
+        .unwrap();
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+    let status = outbox.outbox.status(10).await.unwrap();
+    assert_eq!(
+        status.pending, 0,
+        "the rollback must take it back: {status:?}"
+    );
+}
 
 /// On PostgreSQL an idle relay is woken by `NOTIFY` (sent only because it marked
 /// itself idle), not by its poll: with a 30 s poll, a message from another process is

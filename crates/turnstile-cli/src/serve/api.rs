@@ -890,7 +890,12 @@ async fn complete(
         request.retention_ms,
         IdempotencyOptions::new().get_retention(),
     )?;
-    IdempotencyOptions::new().retention(retention).validate()?;
+    // Only the retention's range matters here: the claim's lease was checked when it
+    // was taken.
+    IdempotencyOptions::new()
+        .lease(Duration::from_secs(1))
+        .retention(retention)
+        .validate()?;
     let finish = service
         .timed(
             "complete",
@@ -1146,8 +1151,9 @@ async fn redrive(
 /// What the dashboard shows.
 #[derive(Serialize, ToSchema)]
 pub(crate) struct DashboardState {
-    /// The store, without its password.
-    store: String,
+    /// The store, with every credential hidden; shown to `admin` tokens only (others
+    /// get `null`: a store's host and database are no tenant's business).
+    store: Option<String>,
     /// The caller's token name and tenant.
     caller: String,
     /// Whether the caller may break locks.
@@ -1176,7 +1182,9 @@ async fn dashboard(
     principal.require(Scope::LocksRead)?;
     let snapshot = service.activity.snapshot(principal.tenant.as_deref());
     Ok(Json(DashboardState {
-        store: service.locker.backend().describe(),
+        store: principal
+            .allows(Scope::Admin)
+            .then(|| service.locker.backend().describe()),
         caller: match &principal.tenant {
             Some(tenant) => format!("{} (tenant {tenant})", principal.name),
             None => principal.name.clone(),

@@ -94,11 +94,20 @@ impl Scope {
 
     /// The one scope shared by every caller — for keys that no tenant or principal
     /// owns. It has to be asked for by name, so no route shares keys by accident.
+    ///
+    /// It is kept apart from every named scope by construction: it is stored as the
+    /// empty text, which [`Scope::new`] refuses, so a tenant called `global` has keys
+    /// of its own.
     pub fn global() -> Self {
-        Scope("global".to_owned())
+        Scope(String::new())
     }
 
-    /// The scope as text.
+    /// Whether this is [`Scope::global`].
+    pub fn is_global(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The scope as stored (empty for [`Scope::global`]).
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -106,7 +115,11 @@ impl Scope {
 
 impl fmt::Display for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        if self.is_global() {
+            f.write_str("(global)")
+        } else {
+            f.write_str(&self.0)
+        }
     }
 }
 
@@ -408,8 +421,10 @@ impl IdempotencyOptions {
         self
     }
 
-    /// How long a record is kept, from its creation (1 s to 1 year). A retry after that
-    /// runs again.
+    /// How long a record is kept, from its creation (1 s to 1 year, and at least the
+    /// lease), or from its completion when the work took longer than that. A claim
+    /// at work is never handed to another request while its lease is renewed, whatever
+    /// the retention. A retry after the retention runs again.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
         self
@@ -453,6 +468,13 @@ impl IdempotencyOptions {
             return bad(format!(
                 "the retention must be 1s to a year; got {:?}",
                 self.retention
+            ));
+        }
+        if self.retention < self.lease {
+            return bad(format!(
+                "the retention ({:?}) must be at least the claim lease ({:?}): a record must \
+                 outlive the claim that works on it",
+                self.retention, self.lease
             ));
         }
         if self.wait.is_some_and(|wait| wait > crate::lock::MAX_WAIT) {
@@ -550,6 +572,10 @@ impl Idempotency {
     /// - The claim lost while `work` runs (its lease taken over after renewals failed):
     ///   `work` is cancelled and the result is [`ErrorKind::LockLost`]; a completion the
     ///   store refuses because a newer claim holds the key is [`ErrorKind::Fencing`].
+    /// - After `work` returned `Ok`, a store that cannot be reached is tried again (the
+    ///   lease renewed meanwhile) until the outcome lands or the claim is lost; an
+    ///   outcome too large to store is recorded as not stored, and repeats get
+    ///   [`ErrorKind::OutcomeNotStored`] instead of running `work` again.
     pub async fn run_once<T, E, F, Fut>(
         &self,
         scope: &Scope,
@@ -578,7 +604,11 @@ impl Idempotency {
         };
         match result {
             Ok(value) => {
-                claim.complete(&encode(&value)?).await?;
+                claim
+                    .complete_or(&encode(&value)?, |error| {
+                        not_stored_marker(&error.to_string())
+                    })
+                    .await?;
                 Ok(value)
             }
             Err(error) => {
@@ -817,7 +847,27 @@ pub trait TransactionalIdempotency: Sync {
     }
 }
 
+/// The first bytes of an outcome that says the real one could not be stored: no JSON
+/// document starts with a NUL byte, so no stored value is ever taken for it.
+const NOT_STORED: &[u8] = b"\0turnstile:not-stored\0";
+
+fn not_stored_marker(reason: &str) -> Vec<u8> {
+    let mut marker = NOT_STORED.to_vec();
+    marker.extend_from_slice(reason.as_bytes());
+    marker
+}
+
 fn decode<T: DeserializeOwned>(scope: &Scope, key: &IdempotencyKey, outcome: &[u8]) -> Result<T> {
+    if let Some(reason) = outcome.strip_prefix(NOT_STORED) {
+        return Err(Error::new(
+            ErrorKind::OutcomeNotStored,
+            format!(
+                "key \"{key}\" in scope \"{scope}\" ran, but its outcome was not stored ({}); \
+                 use a new key for a new request",
+                String::from_utf8_lossy(reason)
+            ),
+        ));
+    }
     serde_json::from_slice(outcome).map_err(|error| {
         Error::new(
             ErrorKind::Store,
@@ -913,23 +963,73 @@ impl RunningClaim {
         self.lease.lost_signal()
     }
 
-    /// Stores `outcome`: [`ErrorKind::Fencing`] if a newer claim holds the key.
-    pub(crate) async fn complete(mut self, outcome: &[u8]) -> Result<()> {
+    /// Stores `outcome`: [`ErrorKind::Fencing`] if a newer claim holds the key. A
+    /// store that cannot be reached is tried again, the lease renewed meanwhile, until
+    /// the claim is lost: the work has run, and a completion dropped here would let a
+    /// retry run it again. An outcome the store refuses for good (too large) is
+    /// replaced by `not_stored(error)`, so that repeats are told, not run again.
+    pub(crate) async fn complete_or(
+        mut self,
+        outcome: &[u8],
+        not_stored: impl FnOnce(&Error) -> Vec<u8>,
+    ) -> Result<()> {
+        let mut finished = self.store_outcome(outcome).await;
+        if let Err(error) = &finished
+            && !matches!(
+                error.kind(),
+                ErrorKind::StoreUnavailable | ErrorKind::LockLost
+            )
+        {
+            telemetry::not_stored(&self.scope, &self.key, error);
+            finished = self.store_outcome(&not_stored(error)).await;
+        }
         self.keeper.stop();
         let (scope, key) = (&self.scope, &self.key);
-        match self
-            .store
-            .complete(scope, key, self.token, outcome, self.retention)
-            .await?
-        {
-            Finish::Done => {
+        match finished {
+            Ok(Finish::Done) => {
                 telemetry::completed(scope, key, self.lease.started.elapsed());
                 Ok(())
             }
-            Finish::Fenced => {
+            Ok(Finish::Fenced) => {
                 telemetry::fenced_out(scope, key, self.token);
                 Err(fenced(scope, key))
             }
+            Err(error) => {
+                telemetry::completion_failed(scope, key, &error);
+                Err(error)
+            }
+        }
+    }
+
+    /// One outcome stored, retrying an unreachable store with a growing pause while
+    /// the watchdog keeps the lease; gives up when the claim is lost.
+    async fn store_outcome(&self, outcome: &[u8]) -> Result<Finish> {
+        let (scope, key) = (&self.scope, &self.key);
+        let lost = self.lease.lost_signal();
+        tokio::pin!(lost);
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let error = match self
+                .store
+                .complete(scope, key, self.token, outcome, self.retention)
+                .await
+            {
+                Err(error) if error.kind() == ErrorKind::StoreUnavailable => error,
+                finished => return finished,
+            };
+            telemetry::completion_retried(scope, key, &error);
+            tokio::select! {
+                biased;
+                reason = &mut lost => {
+                    return Err(Error::new(
+                        ErrorKind::StoreUnavailable,
+                        format!("the outcome was not stored before the claim was lost ({reason})"),
+                    )
+                    .with_source(error));
+                }
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_secs(1));
         }
     }
 
@@ -989,6 +1089,7 @@ fn in_progress(scope: &Scope, key: &IdempotencyKey, lease_left: Option<Duration>
              retry later"
         ),
     )
+    .with_retry_after(lease_left)
 }
 
 /// The largest outcome a store keeps, in bytes (16 MiB): larger ones are refused rather
@@ -1035,7 +1136,9 @@ mod tests {
         assert!(Scope::new("tenant 7 / 東京").is_ok());
         assert!(Scope::new("").is_err());
         assert!(Scope::new("a\nb").is_err());
-        assert_eq!(Scope::global().as_str(), "global");
+        assert_ne!(Scope::global(), Scope::new("global").unwrap());
+        assert_ne!(Scope::global(), Scope::new("(global)").unwrap());
+        assert!(Scope::global().is_global() && !Scope::new("global").unwrap().is_global());
     }
 
     #[test]
@@ -1055,6 +1158,9 @@ mod tests {
             IdempotencyOptions::new().lease(Duration::from_millis(10)),
             IdempotencyOptions::new().retention(Duration::ZERO),
             IdempotencyOptions::new().wait(Duration::MAX),
+            IdempotencyOptions::new()
+                .lease(Duration::from_secs(30))
+                .retention(Duration::from_secs(5)),
         ] {
             assert_eq!(
                 bad.validate().unwrap_err().kind(),

@@ -71,7 +71,8 @@ impl Sql {
             |column: &str| format!("CAST(GREATEST(0, CEIL(({column} - {now}) / 1000)) AS SIGNED)");
         let claimed = "claim_id = ?";
         let read = format!(
-            "SELECT state, fingerprint = ? AS same, expires_at > {now} AS live,
+            "SELECT state, fingerprint = ? AS same,
+                    (expires_at > {now} OR (state = 'in_progress' AND lease_until > {now})) AS live,
                     {lease_left} AS lease_left_ms, outcome
              FROM {table} WHERE scope = ? AND `key` = ?",
             lease_left = millis_left("lease_until"),
@@ -121,7 +122,7 @@ impl Sql {
                     (scope, `key`, claim_id, state, fingerprint, token, lease_until, created_at, expires_at, outcome)
                  VALUES (?, ?, ?, 'in_progress', ?, LAST_INSERT_ID({now}), {now} + ?, {now}, {now} + ?, NULL)
                  ON DUPLICATE KEY UPDATE
-                    claim_id = IF(expires_at <= {now}
+                    claim_id = IF((expires_at <= {now} AND NOT (state = 'in_progress' AND lease_until > {now}))
                                   OR (fingerprint = ? AND (state = 'released'
                                       OR (state = 'in_progress' AND lease_until <= {now}))),
                                   ?, claim_id),
@@ -138,19 +139,21 @@ impl Sql {
             read_locked: statement(format!("{read} LOCK IN SHARE MODE")),
             read: statement(read),
             heartbeat: statement(format!(
-                "UPDATE {table} SET lease_until = {now} + ?
+                "UPDATE {table} SET lease_until = {now} + ?, expires_at = GREATEST(expires_at, lease_until)
                  WHERE scope = ? AND `key` = ? AND token = ? AND state = 'in_progress'"
             )),
             taken: statement(format!(
                 "SELECT COUNT(*) FROM {table}
                  WHERE scope = ? AND `key` = ? AND token <> ? AND state = 'in_progress'"
             )),
-            // Kept for the retention from its creation, and at least a second after
-            // completing (work that outlived the retention is still replayed to the
-            // retry that is surely coming).
+            // Kept for the retention from its creation, or from its completion when the
+            // work outlived the retention (the retry that is surely coming still gets
+            // the replay). MySQL assigns left to right: the second `expires_at` sees
+            // the first, and `expires_at - created_at` is the retention bound once.
             complete: statement(format!(
                 "UPDATE {table} SET state = 'completed', outcome = ?, lease_until = {now},
-                    expires_at = GREATEST(created_at + ?, {now} + 1000000)
+                    expires_at = created_at + ?,
+                    expires_at = IF(expires_at > {now}, expires_at, {now} + (expires_at - created_at))
                  WHERE scope = ? AND `key` = ? AND token = ? AND state = 'in_progress'"
             )),
             release: statement(format!(
@@ -161,7 +164,8 @@ impl Sql {
                 "SELECT state, fingerprint, token, {lease_left} AS lease_left_ms,
                         {expires_left} AS expires_ms, outcome
                  FROM {table}
-                 WHERE scope = ? AND `key` = ? AND expires_at > {now} AND state <> 'released'",
+                 WHERE scope = ? AND `key` = ? AND state <> 'released'
+                   AND (expires_at > {now} OR (state = 'in_progress' AND lease_until > {now}))",
                 lease_left = millis_left("lease_until"),
                 expires_left = millis_left("expires_at"),
             )),

@@ -122,7 +122,7 @@ impl Sql {
                         created_at = CASE WHEN r.expires_at > {now} THEN r.created_at ELSE EXCLUDED.created_at END,
                         expires_at = CASE WHEN r.expires_at > {now} THEN r.expires_at ELSE EXCLUDED.expires_at END,
                         outcome = NULL
-                    WHERE r.expires_at <= {now}
+                    WHERE (r.expires_at <= {now} AND NOT (r.state = 'in_progress' AND r.lease_until > {now}))
                        OR (r.fingerprint = EXCLUDED.fingerprint
                            AND (r.state = 'released' OR (r.state = 'in_progress' AND r.lease_until <= {now})))
                     RETURNING token),
@@ -132,7 +132,8 @@ impl Sql {
                       AND NOT EXISTS (SELECT 1 FROM attempt)
                     RETURNING 1)
                  SELECT (SELECT token FROM attempt) AS started, r.state,
-                        r.fingerprint = $3 AS same, r.expires_at > {now} AS live,
+                        r.fingerprint = $3 AS same,
+                        (r.expires_at > {now} OR (r.state = 'in_progress' AND r.lease_until > {now})) AS live,
                         {lease_left} AS lease_left_ms, r.outcome
                  FROM (SELECT 1) AS one LEFT JOIN {table} AS r ON r.scope = $1 AND r.key = $2",
                 lease = secs(4),
@@ -141,7 +142,8 @@ impl Sql {
             )),
             heartbeat: statement(format!(
                 "WITH renewed AS (
-                    UPDATE {table} SET lease_until = {now} + {lease}
+                    UPDATE {table} SET lease_until = {now} + {lease},
+                        expires_at = GREATEST(expires_at, {now} + {lease})
                     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'
                     RETURNING 1)
                  SELECT EXISTS (SELECT 1 FROM renewed) AS renewed,
@@ -149,13 +151,14 @@ impl Sql {
                                 AND token <> $3 AND state = 'in_progress') AS taken",
                 lease = secs(4),
             )),
-            // Kept for the retention from its creation, and at least a second after
-            // completing (work that outlived the retention is still replayed to the
-            // retry that is surely coming).
+            // Kept for the retention from its creation, or from its completion when the
+            // work outlived the retention (the retry that is surely coming still gets
+            // the replay).
             complete: statement(format!(
                 "WITH done AS (
                     UPDATE {table} SET state = 'completed', outcome = $4, lease_until = {now},
-                        expires_at = GREATEST(created_at + {retention}, {now} + interval '1 second')
+                        expires_at = CASE WHEN created_at + {retention} > {now}
+                            THEN created_at + {retention} ELSE {now} + {retention} END
                     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'
                     RETURNING waiting_until),
                  notified AS ({notify})
@@ -175,7 +178,8 @@ impl Sql {
             get: statement(format!(
                 "SELECT state, fingerprint, token, {lease_left} AS lease_left_ms,
                         {expires_left} AS expires_ms, outcome
-                 FROM {table} WHERE scope = $1 AND key = $2 AND expires_at > {now} AND state <> 'released'",
+                 FROM {table} WHERE scope = $1 AND key = $2 AND state <> 'released'
+                   AND (expires_at > {now} OR (state = 'in_progress' AND lease_until > {now}))",
                 lease_left = millis_left("lease_until"),
                 expires_left = millis_left("expires_at"),
             )),
@@ -210,6 +214,13 @@ impl Sql {
             channel,
         }
     }
+}
+
+/// What a claim statement found: an answer, or a lock timeout on the record's row,
+/// which inside a caller's transaction has aborted that transaction.
+enum Claimed {
+    Answer(ClaimAnswer),
+    LockTimedOut,
 }
 
 /// Idempotency records in a PostgreSQL table.
@@ -328,7 +339,7 @@ impl PostgresIdempotencyStore {
         fingerprint: &Fingerprint,
         lease: Duration,
         retention: Duration,
-    ) -> Result<ClaimAnswer>
+    ) -> Result<Claimed>
     where
         X: sqlx::PgExecutor<'e>,
     {
@@ -343,21 +354,21 @@ impl PostgresIdempotencyStore {
         {
             Ok(row) => row,
             // The record's row is locked past the store's lock timeout (a claim of
-            // the same key committing slowly): it is at work.
-            Err(error) if crate::sql::is_lock_timeout(&error) => {
-                return Ok(ClaimAnswer::InProgress { lease_left: None });
-            }
+            // the same key committing slowly): it is at work. Inside a caller's
+            // transaction that transaction is now aborted, so nothing more may be
+            // asked on it.
+            Err(error) if crate::sql::is_lock_timeout(&error) => return Ok(Claimed::LockTimedOut),
             Err(error) => return Err(map_error(error, "cannot claim the idempotency key")),
         };
         if let Some(token) = row.try_get::<Option<i64>, _>("started").map_err(bad)? {
-            return Ok(ClaimAnswer::Started {
+            return Ok(Claimed::Answer(ClaimAnswer::Started {
                 token: token_of(token),
-            });
+            }));
         }
         let state: Option<String> = row.try_get("state").map_err(bad)?;
         let same: Option<bool> = row.try_get("same").map_err(bad)?;
         let live: Option<bool> = row.try_get("live").map_err(bad)?;
-        Ok(match (state.as_deref(), same, live) {
+        Ok(Claimed::Answer(match (state.as_deref(), same, live) {
             (Some(_), Some(false), Some(true)) => ClaimAnswer::Mismatch,
             (Some("completed"), Some(true), Some(true)) => ClaimAnswer::Replay {
                 outcome: row
@@ -370,7 +381,7 @@ impl PostgresIdempotencyStore {
             },
             // A claimer that got in first is not in this statement's snapshot yet.
             _ => ClaimAnswer::InProgress { lease_left: None },
-        })
+        }))
     }
 
     fn signal_key(scope: &Scope, key: &IdempotencyKey) -> String {
@@ -487,8 +498,12 @@ impl TransactionalIdempotency for PostgresIdempotencyStore {
                     options.get_retention(),
                 )
                 .await?;
-            if answer != (ClaimAnswer::InProgress { lease_left: None }) {
-                return Ok(answer);
+            match answer {
+                // The aborted transaction can answer nothing more: the duplicate is
+                // at work, and the caller must roll back.
+                Claimed::LockTimedOut => return Ok(ClaimAnswer::InProgress { lease_left: None }),
+                Claimed::Answer(ClaimAnswer::InProgress { lease_left: None }) => {}
+                Claimed::Answer(answer) => return Ok(answer),
             }
             // The claim waited for another transaction's record, which its snapshot
             // predates: look again, now that it has committed.
@@ -560,7 +575,17 @@ impl IdempotencyStore for PostgresIdempotencyStore {
         lease: Duration,
         retention: Duration,
     ) -> BoxFuture<'a, Result<ClaimAnswer>> {
-        Box::pin(self.claim_on(&self.ops, scope, key, fingerprint, lease, retention))
+        Box::pin(async move {
+            Ok(
+                match self
+                    .claim_on(&self.ops, scope, key, fingerprint, lease, retention)
+                    .await?
+                {
+                    Claimed::Answer(answer) => answer,
+                    Claimed::LockTimedOut => ClaimAnswer::InProgress { lease_left: None },
+                },
+            )
+        })
     }
 
     fn heartbeat<'a>(

@@ -140,7 +140,9 @@ if not r or not in_progress(r) or r.token ~= ARGV[1] then
 end
 local waited = r.state == 'w'
 r.state, r.outcome, r.lease_until = 'c', ARGV[2], now_ms
-r.expires = math.max(tonumber(r.created) + tonumber(ARGV[3]), now_ms + 1000)
+-- Kept for the retention from its creation, or from now when the work outlived it.
+r.expires = tonumber(r.created) + tonumber(ARGV[3])
+if r.expires <= now_ms then r.expires = now_ms + tonumber(ARGV[3]) end
 store(r, r.expires)
 if waited then
   redis.call('PUBLISH', ARGV[4], 'completed')

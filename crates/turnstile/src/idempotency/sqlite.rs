@@ -73,6 +73,15 @@ struct Row_ {
     outcome: Option<Vec<u8>>,
 }
 
+impl Row_ {
+    /// Whether the record still stands: within its retention, or a claim whose lease
+    /// is live (a claim at work is never handed to another request, whatever the
+    /// retention says).
+    fn live(&self, now_ms: i64) -> bool {
+        self.expires_ms > now_ms || (self.state == "in_progress" && self.lease_until_ms > now_ms)
+    }
+}
+
 fn read(row: &SqliteRow) -> Result<Row_> {
     let bad = |error| map_error(error, "bad idempotency record");
     Ok(Row_ {
@@ -206,8 +215,8 @@ impl SqliteIdempotencyStore {
 type SqliteQuery<'q> = sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments>;
 
 /// Stores `outcome` for the claim holding `token`. Kept for the retention from its
-/// creation, and never less than a second after completing (work that outlived the
-/// retention is still replayed to the retry that is surely coming).
+/// creation, or from its completion when the work outlived the retention (the retry
+/// that is surely coming still gets the replay).
 fn complete_statement<'q>(
     scope: &'q Scope,
     key: &'q IdempotencyKey,
@@ -221,7 +230,7 @@ fn complete_statement<'q>(
     Ok(sqlx::query(
         "UPDATE turnstile_idempotency
          SET state = 'completed', outcome = ?4, lease_until_ms = ?5,
-             expires_ms = max(created_ms + ?6, ?5 + 1000)
+             expires_ms = CASE WHEN created_ms + ?6 > ?5 THEN created_ms + ?6 ELSE ?5 + ?6 END
          WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'",
     )
     .bind(scope.as_str())
@@ -355,7 +364,7 @@ async fn claim_on(
         .map(|row| read(&row))
         .transpose()?;
     let mut last_token = 0;
-    if let Some(row) = prior.filter(|row| row.expires_ms > now_ms) {
+    if let Some(row) = prior.filter(|row| row.live(now_ms)) {
         if row.fingerprint != fingerprint.as_bytes() {
             return Ok(ClaimAnswer::Mismatch);
         }
@@ -437,7 +446,7 @@ impl IdempotencyStore for SqliteIdempotencyStore {
             let token = token.to_i64()?;
             let (now_ms, _) = wall_clock();
             let renewed = sqlx::query(
-                "UPDATE turnstile_idempotency SET lease_until_ms = ?4
+                "UPDATE turnstile_idempotency SET lease_until_ms = ?4, expires_ms = max(expires_ms, ?4)
                  WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'in_progress'",
             )
             .bind(scope.as_str())
@@ -521,7 +530,7 @@ impl IdempotencyStore for SqliteIdempotencyStore {
             let Some(row) = row.map(|row| read(&row)).transpose()? else {
                 return Ok(None);
             };
-            if row.expires_ms <= now_ms || row.state == "released" {
+            if !row.live(now_ms) || row.state == "released" {
                 return Ok(None);
             }
             let fingerprint: [u8; 32] = row.fingerprint.as_slice().try_into().map_err(|_| {

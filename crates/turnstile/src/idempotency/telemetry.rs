@@ -2,7 +2,7 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | `turnstile_idempotency_outcomes_total` | counter | `outcome` = `started`, `replayed`, `in_progress`, `waited`, `mismatch`, `completed`, `released`, `fenced_out`, `store_error` |
+//! | `turnstile_idempotency_outcomes_total` | counter | `outcome` = `started`, `replayed`, `in_progress`, `waited`, `mismatch`, `completed`, `not_stored`, `released`, `fenced_out`, `store_error`, `completion_retried`, `completion_failed` |
 //! | `turnstile_idempotency_work_seconds` | histogram | — (from the claim to the stored outcome) |
 //! | `turnstile_idempotency_replay_seconds` | histogram | — (from the call to the replayed outcome, waiting included) |
 //! | `turnstile_idempotency_lease_lost_total` | counter | `reason` |
@@ -61,6 +61,21 @@ pub(crate) fn completed(scope: &Scope, key: &IdempotencyKey, took: Duration) {
 pub(crate) fn released(scope: &Scope, key: &IdempotencyKey) {
     count("released");
     tracing::debug!(%scope, %key, "the work failed; idempotency key given back for a retry");
+}
+
+pub(crate) fn completion_retried(scope: &Scope, key: &IdempotencyKey, error: &Error) {
+    count("completion_retried");
+    tracing::warn!(%scope, %key, %error, "storing the outcome failed; renewing the claim and trying again");
+}
+
+pub(crate) fn completion_failed(scope: &Scope, key: &IdempotencyKey, error: &Error) {
+    count("completion_failed");
+    tracing::error!(%scope, %key, %error, "the outcome could not be stored before the claim ran out: a retry after the lease runs the work again");
+}
+
+pub(crate) fn not_stored(scope: &Scope, key: &IdempotencyKey, error: &Error) {
+    count("not_stored");
+    tracing::warn!(%scope, %key, %error, "the outcome cannot be stored; the record says so, and repeats are told instead of running again");
 }
 
 pub(crate) fn fenced_out(scope: &Scope, key: &IdempotencyKey, token: FencingToken) {

@@ -71,6 +71,11 @@ pub const MAX_KEY_LEN: usize = 255;
 /// default).
 pub const MAX_PAYLOAD_LEN: usize = 16 * 1024 * 1024;
 
+/// The most header bytes one message carries, names and values together (as stored:
+/// JSON). Every store's header column takes this much, so an enqueue never fails on
+/// its headers half way through.
+pub const MAX_HEADERS_LEN: usize = 16 * 1024;
+
 /// Splits `turnstile_keep_delivered=SECONDS` off a store URL: the URL without it, and
 /// the retention.
 #[cfg_attr(
@@ -219,6 +224,16 @@ impl Message {
             ));
         }
         self.headers.push((name, value));
+        let stored = self.headers_json().len();
+        if stored > MAX_HEADERS_LEN {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "an outbox message's headers take at most {MAX_HEADERS_LEN} bytes; with {:?} they take {stored}",
+                    self.headers.last().map_or("", |(name, _)| name.as_str())
+                ),
+            ));
+        }
         Ok(self)
     }
 
@@ -247,15 +262,6 @@ impl Message {
         &self.payload
     }
 
-    #[cfg_attr(
-        not(any(
-            feature = "sqlite",
-            feature = "postgres",
-            feature = "mysql",
-            feature = "redis"
-        )),
-        allow(dead_code)
-    )]
     fn headers_json(&self) -> String {
         let map: serde_json::Map<String, serde_json::Value> = self
             .headers
@@ -332,7 +338,10 @@ pub struct LeasedKey {
     pub token: u64,
     /// Failed attempts so far at its head message.
     pub attempts: u32,
-    /// Its next undelivered messages, in sequence order, without gaps.
+    /// The last sequence number delivered (0: none): the first message must be the
+    /// next one, and a relay that finds another reports a gap instead of publishing.
+    pub acked: u64,
+    /// Its next undelivered messages, in sequence order, as the store holds them.
     pub messages: Vec<Stored>,
 }
 

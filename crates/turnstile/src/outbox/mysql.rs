@@ -20,15 +20,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::Row;
 use sqlx::mysql::{MySqlConnection, MySqlPool};
+use sqlx::{Connection, Row};
 use tokio::sync::Notify;
 
 use super::{
     Backoff, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status, Stored,
 };
 use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::lock::BoxFuture;
 use crate::sql::{Statement, map_error, statement, validate_identifier};
 use crate::store::{split_url_options, unknown_option};
@@ -259,7 +259,35 @@ impl MysqlOutbox {
     /// Writes `message` in the application's transaction on `connection`, after its
     /// key's last message. Enqueue last in the transaction: the key's row stays locked
     /// until it ends.
+    ///
+    /// The sequence number and the message row are two statements that must commit
+    /// together, or a relay could deliver a later message first and never see this
+    /// one. On a connection outside a transaction the enqueue therefore runs in a
+    /// transaction of its own (committed before it returns) where the server can say
+    /// that none is open (MariaDB's `@@in_transaction`); where it cannot (MySQL), an
+    /// enqueue outside a `sqlx` transaction is refused with
+    /// [`ErrorKind::InvalidOptions`](crate::ErrorKind::InvalidOptions) and writes
+    /// nothing.
     pub async fn enqueue(
+        &self,
+        connection: &mut MySqlConnection,
+        message: &Message,
+    ) -> Result<u64> {
+        let what = "cannot enqueue the message";
+        let seq = if connection.is_in_transaction() || open_transaction(connection).await? {
+            self.write_message(connection, message).await?
+        } else {
+            let mut transaction = connection.begin().await.map_err(fail(what))?;
+            let seq = self.write_message(&mut transaction, message).await?;
+            transaction.commit().await.map_err(fail(what))?;
+            self.committed.notify_one();
+            seq
+        };
+        super::telemetry::enqueued(message, seq);
+        Ok(seq)
+    }
+
+    async fn write_message(
         &self,
         connection: &mut MySqlConnection,
         message: &Message,
@@ -281,7 +309,6 @@ impl MysqlOutbox {
             .execute(&mut *connection)
             .await
             .map_err(fail(what))?;
-        super::telemetry::enqueued(message, seq);
         Ok(seq)
     }
 
@@ -300,6 +327,25 @@ impl MysqlOutbox {
             .map_err(fail("cannot commit the transaction"))?;
         self.committed.notify_one();
         Ok(())
+    }
+}
+
+/// Whether the server has a transaction open on `connection` that `sqlx` does not
+/// know of (a `START TRANSACTION` sent as SQL): MariaDB says so in `@@in_transaction`;
+/// a server that cannot say (MySQL) gets a refusal rather than a guess, because
+/// beginning a transaction inside an open one would commit the open one.
+async fn open_transaction(connection: &mut MySqlConnection) -> Result<bool> {
+    match sqlx::query_scalar::<_, u64>("SELECT CAST(@@in_transaction AS UNSIGNED)")
+        .fetch_one(&mut *connection)
+        .await
+    {
+        Ok(open) => Ok(open != 0),
+        Err(sqlx::Error::Database(_)) => Err(Error::new(
+            ErrorKind::InvalidOptions,
+            "enqueue outside a transaction: this server cannot say whether one is open \
+             (no @@in_transaction), so begin one with `pool.begin()` and enqueue on it",
+        )),
+        Err(error) => Err(map_error(error, "cannot enqueue the message")),
     }
 }
 
@@ -451,10 +497,11 @@ impl OutboxStore for MysqlOutbox {
             let rows = read.fetch_all(&self.pool).await.map_err(fail(what))?;
             let mut leased: Vec<LeasedKey> = keys
                 .into_iter()
-                .map(|(key, _, token, attempts)| LeasedKey {
+                .map(|(key, acked, token, attempts)| LeasedKey {
                     key,
                     token,
                     attempts,
+                    acked: unsigned(acked),
                     messages: Vec::new(),
                 })
                 .collect();

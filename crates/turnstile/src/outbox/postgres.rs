@@ -184,7 +184,7 @@ impl Sql {
                     ON CONFLICT (relay_id) DO UPDATE
                     SET idle_until = EXCLUDED.idle_until, seen_at = EXCLUDED.seen_at
                     RETURNING 1)
-                 SELECT l.ordering_key, l.lease_token, l.attempts, m.seq, m.id, m.topic, m.headers,
+                 SELECT l.ordering_key, l.lease_token, l.attempts, l.acked_seq, m.seq, m.id, m.topic, m.headers,
                         m.payload, EXTRACT(EPOCH FROM ({now} - m.created_at))::float8 AS age_s,
                         (SELECT count(*) FROM mark) AS marked
                  FROM leased l LEFT JOIN {outbox} m
@@ -455,6 +455,7 @@ impl OutboxStore for PostgresOutbox {
                             row.try_get::<i32, _>("attempts").map_err(fail(what))?,
                         )
                         .unwrap_or(0),
+                        acked: unsigned(row.try_get("acked_seq").map_err(fail(what))?),
                         messages: Vec::new(),
                     });
                 }

@@ -316,10 +316,26 @@ async fn publish_key(
         delivered_through: 0,
         failure: None,
     };
+    // A missing message is never stepped over: publishing past it would settle it as
+    // delivered. Enqueue is atomic on every store, so a gap means a lost or deleted
+    // row (or a writer outside the store's rules): the messages before it go out, and
+    // the gap counts as a permanent failure, which parks the key if it does not fill.
+    let in_order = key
+        .messages
+        .iter()
+        .zip(key.acked + 1..)
+        .take_while(|(stored, expected)| stored.seq == *expected)
+        .count();
+    let gap = (in_order < key.messages.len() || key.messages.is_empty()).then(|| {
+        let expected = key.acked + 1 + in_order as u64;
+        let found = key.messages.get(in_order).map(|stored| stored.seq);
+        telemetry::gap(&settlement.key, expected, found);
+        gap_failure(expected, found)
+    });
     let mut published = 0;
-    for stored in &key.messages {
+    for stored in &key.messages[..in_order] {
         if Instant::now() >= deadline {
-            break;
+            return (settlement, published);
         }
         let started = Instant::now();
         match publisher.publish(&stored.message, stored.seq).await {
@@ -331,9 +347,23 @@ async fn publish_key(
             Err(failure) => {
                 telemetry::failed(&stored.message, stored.seq, &failure);
                 settlement.failure = Some(failure);
-                break;
+                return (settlement, published);
             }
         }
     }
+    settlement.failure = gap;
     (settlement, published)
+}
+
+/// The failure a gap is settled with: permanent, so that a gap that does not fill
+/// parks its key after the relay's attempts, with this reason in `outbox status`.
+fn gap_failure(expected: u64, found: Option<u64>) -> Failure {
+    let found = found.map_or_else(|| "none".to_owned(), |seq| seq.to_string());
+    Failure {
+        permanent: true,
+        reason: format!(
+            "sequence gap: message {expected} is missing (the next stored is {found}); \
+             `turnstile outbox skip KEY {expected}` moves past it"
+        ),
+    }
 }

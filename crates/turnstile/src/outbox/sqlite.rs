@@ -146,11 +146,37 @@ impl SqliteOutbox {
     /// Writes `message` in the application's transaction on `connection` (a write
     /// transaction: `BEGIN IMMEDIATE`), after its key's last message. It is published
     /// once the transaction commits; a rollback takes it back.
+    ///
+    /// The sequence number and the message row are written as one step (inside a
+    /// savepoint): on a connection outside a transaction, the message commits on its
+    /// own, and a failed insert never leaves its number behind as a gap.
     pub async fn enqueue(
         &self,
         connection: &mut SqliteConnection,
         message: &Message,
     ) -> Result<u64> {
+        let what = "cannot enqueue the message";
+        // Outside a transaction SQLite's SAVEPOINT begins one and RELEASE commits it;
+        // inside one they nest. Either way the two statements below land together.
+        sqlx::query("SAVEPOINT turnstile_enqueue")
+            .execute(&mut *connection)
+            .await
+            .map_err(fail(what))?;
+        let written = Self::write_message(connection, message).await;
+        let end = if written.is_ok() {
+            "RELEASE turnstile_enqueue"
+        } else {
+            "ROLLBACK TO turnstile_enqueue; RELEASE turnstile_enqueue"
+        };
+        let ended = sqlx::raw_sql(end).execute(&mut *connection).await;
+        let seq = written?;
+        ended.map_err(fail(what))?;
+        super::telemetry::enqueued(message, seq);
+        Ok(seq)
+    }
+
+    async fn write_message(connection: &mut SqliteConnection, message: &Message) -> Result<u64> {
+        let what = "cannot enqueue the message";
         let seq: i64 = sqlx::query_scalar(
             "INSERT INTO turnstile_outbox_keys (ordering_key, last_seq) VALUES (?1, 1)
              ON CONFLICT (ordering_key) DO UPDATE SET last_seq = last_seq + 1
@@ -159,7 +185,7 @@ impl SqliteOutbox {
         .bind(message.key())
         .fetch_one(&mut *connection)
         .await
-        .map_err(fail("cannot enqueue the message"))?;
+        .map_err(fail(what))?;
         let (now_ms, _) = wall_clock();
         sqlx::query(
             "INSERT INTO turnstile_outbox (ordering_key, seq, id, topic, headers, payload, created_ms)
@@ -174,8 +200,7 @@ impl SqliteOutbox {
         .bind(now_ms)
         .execute(&mut *connection)
         .await
-        .map_err(fail("cannot enqueue the message"))?;
-        super::telemetry::enqueued(message, unsigned(seq));
+        .map_err(fail(what))?;
         Ok(unsigned(seq))
     }
 
@@ -259,6 +284,7 @@ impl OutboxStore for SqliteOutbox {
                     token: unsigned(row.try_get("lease_token").map_err(fail(what))?),
                     attempts: u32::try_from(row.try_get::<i64, _>("attempts").map_err(fail(what))?)
                         .unwrap_or(u32::MAX),
+                    acked: unsigned(acked),
                     key,
                     messages,
                 });

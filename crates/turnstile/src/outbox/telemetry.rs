@@ -8,6 +8,7 @@
 //! | `turnstile_outbox_lag_seconds` | histogram | — (enqueue to publish, by the database clock) |
 //! | `turnstile_outbox_failures_total` | counter | `kind` = `transient`, `permanent` |
 //! | `turnstile_outbox_parked_total` | counter | — |
+//! | `turnstile_outbox_gaps_total` | counter | — (a key whose next message is missing: nothing of it is published) |
 //! | `turnstile_outbox_fenced_total` | counter | — (settlements refused: the lease had moved on) |
 //! | `turnstile_outbox_pending` | gauge | — (undelivered messages of keys not parked; set by running relays every 5 s) |
 //! | `turnstile_outbox_oldest_pending_seconds` | gauge | — (the lag: age of the oldest undelivered message) |
@@ -54,6 +55,17 @@ pub(crate) fn parked(key: &str) {
     tracing::error!(
         key,
         "outbox key parked: its head message keeps failing; `turnstile outbox redrive` puts it back"
+    );
+}
+
+pub(crate) fn gap(key: &str, expected: u64, found: Option<u64>) {
+    metrics::counter!("turnstile_outbox_gaps_total").increment(1);
+    tracing::error!(
+        key,
+        expected,
+        found,
+        "outbox sequence gap: the key's next message is missing, so nothing after it is published; \
+         the key parks after the relay's attempts, and `turnstile outbox skip` moves past it"
     );
 }
 

@@ -339,7 +339,9 @@ pub async fn the_lease_is_renewed_while_the_work_runs(store: impl TestStore) {
 /// Records are kept for the retention, by the store's clock; then a retry runs again,
 /// and sweeping removes them.
 pub async fn retention_ends_and_sweeping_removes(store: impl TestStore) {
-    let options = IdempotencyOptions::new().retention(Duration::from_secs(1));
+    let options = IdempotencyOptions::new()
+        .lease(Duration::from_secs(1))
+        .retention(Duration::from_secs(1));
     let client = store.client().await.with_options(options).unwrap();
     let (scope, key, fingerprint) = (scope("ret"), key(), request("x"));
     let runs = Arc::new(AtomicUsize::new(0));
@@ -376,6 +378,61 @@ pub async fn retention_ends_and_sweeping_removes(store: impl TestStore) {
             .await
             .unwrap(),
         1
+    );
+}
+
+/// A claim at work outlives the record's retention: while its lease is renewed no
+/// other request gets the key (not a duplicate, not another body), and its completion
+/// is kept for the retention from the completion, not from the claim.
+pub async fn a_claim_at_work_outlives_the_retention(store: impl TestStore) {
+    let client = store.client().await;
+    let backend = client.store().clone();
+    let (scope, key, fingerprint) = (scope("outlive"), key(), request("x"));
+    let (lease, retention) = (Duration::from_secs(4), Duration::from_secs(2));
+    let ClaimAnswer::Started { token } = backend
+        .claim(&scope, &key, &fingerprint, lease, retention)
+        .await
+        .unwrap()
+    else {
+        panic!("free");
+    };
+    tokio::time::sleep(Duration::from_millis(2_300)).await;
+    assert_eq!(
+        backend.heartbeat(&scope, &key, token, lease).await.unwrap(),
+        ExtendOutcome::Extended
+    );
+    for other in [request("x"), request("another body")] {
+        let answer = backend
+            .claim(&scope, &key, &other, lease, retention)
+            .await
+            .unwrap();
+        assert!(
+            !matches!(answer, ClaimAnswer::Started { .. }),
+            "a claim at work was handed to another request past the retention: {answer:?}"
+        );
+    }
+    let record = backend.get(&scope, &key).await.unwrap();
+    assert_eq!(
+        record.map(|record| record.state),
+        Some(RecordState::InProgress)
+    );
+    assert_eq!(
+        backend
+            .complete(&scope, &key, token, b"done", retention)
+            .await
+            .unwrap(),
+        Finish::Done
+    );
+    // Past a second after the completion (the old floor), within the retention from it.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    assert_eq!(
+        backend
+            .claim(&scope, &key, &fingerprint, lease, retention)
+            .await
+            .unwrap(),
+        ClaimAnswer::Replay {
+            outcome: b"done".to_vec()
+        }
     );
 }
 
@@ -502,6 +559,7 @@ macro_rules! idempotency_conformance_tests {
             a_dead_workers_key_is_claimable_after_its_lease,
             the_lease_is_renewed_while_the_work_runs,
             retention_ends_and_sweeping_removes,
+            a_claim_at_work_outlives_the_retention,
             forgetting_a_key,
             bad_input_is_refused,
             stale_claims_are_listed,

@@ -32,15 +32,23 @@
 //! - The record lives in the scope the service's closure returns (a tenant, a
 //!   principal, [`Scope::global`]), combined with the method and the route template
 //!   (axum's `MatchedPath`): the same key on another route is another key.
-//! - The fingerprint covers method, route, the query (pairs sorted), chosen headers and
-//!   the body, framed and hashed; the same key with another fingerprint is a 422.
+//! - The fingerprint covers method, route, the query (pairs sorted), chosen headers
+//!   (`Content-Type` by default, each with its name) and the body, framed and hashed;
+//!   the same key with another fingerprint is a 422. More than one `Idempotency-Key`
+//!   header is a 400.
 //! - The first request runs the handler under a claim whose lease a watchdog renews; a
-//!   duplicate in flight gets 409 with `Retry-After`, or, with
+//!   duplicate in flight gets 409 with `Retry-After` (the time the first one's lease
+//!   has left, when the store says), or, with
 //!   [`IdempotencyOptions::wait`](super::IdempotencyOptions::wait), waits and gets the
 //!   replay. A store that cannot be reached answers 503 with `Retry-After`, and the
 //!   handler does not run.
-//! - Stored: 2xx, 3xx and deterministic 4xx responses (not 408, 409, 425, 429), by
-//!   default; 5xx and those give the key back so that a retry runs again. Replays carry
+//! - Stored, by default: every response but 408, 409, 425 and 429 (those give the key
+//!   back so that a retry runs again). In the lease mode that includes 5xx: the
+//!   handler may have had effects (a charged card) before it failed, and a retry must
+//!   not repeat them. In the same-transaction mode a 5xx rolls the handler's writes
+//!   back and gives the key back. [`IdempotencyLayer::store_status`] sets another
+//!   policy. A response whose body fails half way is neither stored nor passed on as
+//!   whole: the key goes back and the client's response breaks off too. Replays carry
 //!   the stored status, an allow-list of headers (`Content-Type`, `Location`,
 //!   `Content-Location`, `ETag`, `Last-Modified`, `Link`) and the body, plus
 //!   `Idempotent-Replayed: true` (first answers carry `false`).
@@ -83,6 +91,12 @@ use super::{Begun, Fingerprint, Idempotency, IdempotencyKey, Scope};
 use crate::error::{Error, ErrorKind};
 use crate::lock::BoxFuture;
 
+/// The largest response body the layer stores for replay (8 MiB): with its status and
+/// headers it fits every store's outcome limit
+/// ([`MAX_OUTCOME_LEN`](super::MAX_OUTCOME_LEN)) and MariaDB's default
+/// `max_allowed_packet` (16 MiB).
+pub const MAX_STORED_RESPONSE_BODY: usize = 8 * 1024 * 1024;
+
 /// The request header carrying the key.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The response header saying whether the answer is a replay.
@@ -99,7 +113,9 @@ struct Config {
     max_response_body: usize,
     replay_headers: Vec<HeaderName>,
     fingerprint_headers: Vec<HeaderName>,
-    store_status: fn(StatusCode) -> bool,
+    /// Which responses are stored; `None` is the default policy of the mode the
+    /// request ran in.
+    store_status: Option<fn(StatusCode) -> bool>,
     #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
     transactions: Option<Box<dyn transaction::TransactionSource>>,
 }
@@ -119,10 +135,21 @@ impl fmt::Debug for IdempotencyLayer {
     }
 }
 
-/// Whether a response is stored and replayed by default: 2xx, 3xx and the 4xx that a
-/// retry would only repeat; not 408, 409, 425 or 429 (a retry may well succeed) and no
-/// 5xx.
+/// Whether a response is stored and replayed by default in the lease mode: every
+/// status but 408, 409, 425 and 429 (answers that ask the client to come back), **5xx
+/// included**. A handler that charged a card through a provider and then failed its
+/// own write answers 500 after an effect that nothing undoes; giving the key back
+/// would let the retry charge again (Stripe stores 5xx for the same reason).
 pub fn stored_by_default(status: StatusCode) -> bool {
+    let code = status.as_u16();
+    (200..600).contains(&code) && !matches!(code, 408 | 409 | 425 | 429)
+}
+
+/// Whether a response is stored and replayed by default in the same-transaction mode
+/// ([`IdempotencyLayer::in_transactions`]): 2xx, 3xx and the 4xx that a retry would
+/// only repeat; not 408, 409, 425 or 429, and no 5xx, because there the rollback has
+/// undone the handler's writes, so the retry may safely run again.
+pub fn stored_in_transactions_by_default(status: StatusCode) -> bool {
     let code = status.as_u16();
     (200..500).contains(&code) && !matches!(code, 408 | 409 | 425 | 429)
 }
@@ -150,8 +177,8 @@ impl IdempotencyLayer {
                     header::LAST_MODIFIED,
                     header::LINK,
                 ],
-                fingerprint_headers: Vec::new(),
-                store_status: stored_by_default,
+                fingerprint_headers: vec![header::CONTENT_TYPE],
+                store_status: None,
                 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
                 transactions: None,
             }),
@@ -175,9 +202,10 @@ impl IdempotencyLayer {
     }
 
     /// The largest response body stored for replay (larger ones are passed on, not
-    /// stored).
+    /// stored), at most [`MAX_STORED_RESPONSE_BODY`] so that a stored response fits
+    /// every store.
     pub fn max_response_body(mut self, bytes: usize) -> Self {
-        self.config_mut().max_response_body = bytes;
+        self.config_mut().max_response_body = bytes.min(MAX_STORED_RESPONSE_BODY);
         self
     }
 
@@ -188,7 +216,9 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Request headers that are part of the fingerprint (none by default).
+    /// Request headers that are part of the fingerprint (`Content-Type` by default:
+    /// the same bytes as JSON and as a form are different requests). Each is hashed
+    /// with its name and its number of values.
     pub fn fingerprint_headers(mut self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         self.config_mut().fingerprint_headers = headers.into_iter().collect();
         self
@@ -227,10 +257,13 @@ impl IdempotencyLayer {
         Ok(self)
     }
 
-    /// Which responses are stored and replayed ([`stored_by_default`] unless set); the
-    /// others give the key back so that a retry runs the handler again.
+    /// Which responses are stored and replayed; the others give the key back so that a
+    /// retry runs the handler again. Unless set: [`stored_by_default`] in the lease
+    /// mode (5xx stored: the handler's effects may stand) and
+    /// [`stored_in_transactions_by_default`] for a handler whose writes ran in the
+    /// layer's transaction (5xx given back: the rollback undid them).
     pub fn store_status(mut self, stored: fn(StatusCode) -> bool) -> Self {
-        self.config_mut().store_status = stored;
+        self.config_mut().store_status = Some(stored);
         self
     }
 }
@@ -334,7 +367,9 @@ fn record_scope(scope: &Scope, parts: &Parts) -> Scope {
         .extensions
         .get::<MatchedPath>()
         .map_or_else(|| parts.uri.path(), MatchedPath::as_str);
-    let combined = format!("{scope} {} {route}", parts.method);
+    // The stored text, not the display: the global scope is empty here, so no named
+    // scope's combination can equal it.
+    let combined = format!("{} {} {route}", scope.as_str(), parts.method);
     Scope::new(combined.clone()).unwrap_or_else(|_| {
         let digest = Fingerprint::of(&[combined.as_bytes()]);
         Scope::new(format!("h:{}", crate::hex::hex(digest.as_bytes())))
@@ -356,12 +391,14 @@ fn fingerprint(config: &Config, parts: &Parts, body: &[u8]) -> Fingerprint {
         .collect();
     query.sort_unstable();
     let query = query.join("&");
+    // Each chosen header as its name, how many values it has, and the values: framed
+    // so that no two different sets of headers hash alike (`a: b` is not `b: b`).
     let mut headers = Vec::new();
     for name in &config.fingerprint_headers {
+        let values: Vec<&HeaderValue> = parts.headers.get_all(name).iter().collect();
         headers.push(name.as_str().as_bytes().to_vec());
-        for value in parts.headers.get_all(name) {
-            headers.push(value.as_bytes().to_vec());
-        }
+        headers.push(values.len().to_string().into_bytes());
+        headers.extend(values.iter().map(|value| value.as_bytes().to_vec()));
     }
     let mut framed: Vec<&[u8]> = vec![
         parts.method.as_str().as_bytes(),
@@ -389,17 +426,30 @@ fn mark(mut response: Response<Body>, replayed: bool) -> Response<Body> {
 /// use the engine directly (the same-transaction mode) and answer like the layer.
 pub fn error_response(error: &Error) -> Response<Body> {
     match error.kind() {
+        // Come back when the request in flight's lease would end (its worker may have
+        // died), or in a second when the store could not say.
         ErrorKind::InProgress => problem(
             StatusCode::CONFLICT,
             types::KEY_IN_USE,
             "A request with this Idempotency-Key is being processed",
             &error.to_string(),
-            Some(std::time::Duration::from_secs(1)),
+            Some(
+                error
+                    .retry_after()
+                    .unwrap_or(std::time::Duration::from_secs(1)),
+            ),
         ),
         ErrorKind::KeyMismatch => problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             types::KEY_REUSED,
             "This Idempotency-Key was used for a different request",
+            &error.to_string(),
+            None,
+        ),
+        ErrorKind::OutcomeNotStored => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            types::NOT_REPLAYABLE,
+            "The request was processed, but its response was not stored",
             &error.to_string(),
             None,
         ),
@@ -426,6 +476,21 @@ where
     S::Future: Send,
 {
     let (parts, body) = request.into_parts();
+    if parts
+        .headers
+        .get_all(IDEMPOTENCY_KEY)
+        .iter()
+        .nth(1)
+        .is_some()
+    {
+        return problem(
+            StatusCode::BAD_REQUEST,
+            types::KEY_MALFORMED,
+            "The request has more than one Idempotency-Key header",
+            "send exactly one Idempotency-Key header; which of several was meant cannot be told",
+            None,
+        );
+    }
     let key = match parts.headers.get(IDEMPOTENCY_KEY).map(parse_key) {
         Some(Ok(key)) => key,
         Some(Err(detail)) => {
@@ -527,7 +592,13 @@ where
         }
         response = call(&mut inner, request) => response,
     };
-    if !(config.store_status)(response.status()) {
+    let in_transaction = finisher.as_ref().is_some_and(|finisher| finisher.opened());
+    let stored = config.store_status.unwrap_or(if in_transaction {
+        stored_in_transactions_by_default
+    } else {
+        stored_by_default
+    });
+    if !stored(response.status()) {
         if let Some(finisher) = finisher {
             finisher.rollback().await;
         }
@@ -535,7 +606,24 @@ where
         return mark(response, false);
     }
     let (head, body) = response.into_parts();
-    let (prefix, rest) = read_prefix(body, config.max_response_body).await;
+    let (prefix, rest) = match read_prefix(body, config.max_response_body).await {
+        Ok(read) => read,
+        // The body broke off: what was read is no answer to store or to pass on as
+        // whole. The key goes back (nothing is recorded), and the client's response
+        // breaks off the same way, so that it retries instead of trusting half a body.
+        Err((prefix, error)) => {
+            if let Some(finisher) = finisher {
+                finisher.rollback().await;
+            }
+            claim.give_back().await;
+            tracing::warn!(%error, "the handler's response body failed; the Idempotency-Key is given back");
+            let body = Body::from_stream(futures_util::stream::iter([
+                Ok::<_, axum::Error>(prefix),
+                Err(error),
+            ]));
+            return mark(Response::from_parts(head, body), false);
+        }
+    };
     let outcome = match &rest {
         None => replay::encode(head.status, &head.headers, &config.replay_headers, &prefix),
         Some(_) => replay::encode_not_stored(&format!(
@@ -551,10 +639,17 @@ where
                 return error_response(&error);
             }
         }
-        // A refusal (a newer claim holds the key) changes nothing for this answer: the
-        // handler ran, and its response goes to this client.
+        // The handler ran, and its response goes to this client whatever becomes of
+        // the record. The completion is tried until the claim is lost (an outcome the
+        // store refuses for good is recorded as not stored); if even that fails, it
+        // is counted and logged (`completion_failed`), and a retry after the lease
+        // runs again. A refusal (a newer claim holds the key) changes nothing here.
         None => {
-            let _ = claim.complete(&outcome).await;
+            let _ = claim
+                .complete_or(&outcome, |error| {
+                    replay::encode_not_stored(&format!("the response could not be stored: {error}"))
+                })
+                .await;
         }
     }
     let body = match rest {
@@ -632,21 +727,26 @@ async fn read_limited(body: Body, limit: usize) -> Result<Bytes, String> {
 }
 
 /// Up to `limit` bytes of the body; if there is more, what was read and the rest of
-/// the body (to pass on unread).
-async fn read_prefix(mut body: Body, limit: usize) -> (Bytes, Option<Body>) {
+/// the body (to pass on unread). A body that fails before its end is an error, with
+/// what was read before it: a stream error is never taken for the end of the body.
+async fn read_prefix(
+    mut body: Body,
+    limit: usize,
+) -> Result<(Bytes, Option<Body>), (Bytes, axum::Error)> {
     let mut prefix = Vec::new();
     while let Some(frame) = body.frame().await {
-        let Ok(frame) = frame else {
-            break;
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(error) => return Err((Bytes::from(prefix), error)),
         };
         if let Ok(data) = frame.into_data() {
             prefix.extend_from_slice(&data);
             if prefix.len() > limit {
-                return (Bytes::from(prefix), Some(body));
+                return Ok((Bytes::from(prefix), Some(body)));
             }
         }
     }
-    (Bytes::from(prefix), None)
+    Ok((Bytes::from(prefix), None))
 }
 
 #[cfg(test)]
@@ -676,11 +776,15 @@ mod tests {
                 "{code}"
             );
         }
-        for code in [408, 409, 425, 429, 500, 502, 503] {
-            assert!(
-                !stored_by_default(StatusCode::from_u16(code).unwrap()),
-                "{code}"
-            );
+        for code in [500, 502, 503] {
+            let status = StatusCode::from_u16(code).unwrap();
+            assert!(stored_by_default(status), "{code}");
+            assert!(!stored_in_transactions_by_default(status), "{code}");
+        }
+        for code in [408, 409, 425, 429] {
+            let status = StatusCode::from_u16(code).unwrap();
+            assert!(!stored_by_default(status), "{code}");
+            assert!(!stored_in_transactions_by_default(status), "{code}");
         }
     }
 }

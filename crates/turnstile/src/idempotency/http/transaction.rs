@@ -19,6 +19,7 @@ use http::request::Parts;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::problem::{problem, types};
+use super::replay;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::idempotency::{RunningClaim, TransactionalIdempotency};
@@ -230,7 +231,15 @@ where
         Box::pin(async move {
             let mut transaction = match self.take() {
                 Ok(Some(transaction)) => transaction,
-                Ok(None) => return claim.complete(&outcome).await,
+                Ok(None) => {
+                    return claim
+                        .complete_or(&outcome, |error| {
+                            replay::encode_not_stored(&format!(
+                                "the response could not be stored: {error}"
+                            ))
+                        })
+                        .await;
+                }
                 Err(error) => {
                     claim.give_back().await;
                     return Err(error);
