@@ -276,7 +276,7 @@ async fn tenants_and_routes_never_share_a_key() {
 }
 
 #[tokio::test]
-async fn server_errors_give_the_key_back_and_large_bodies_are_bounded() {
+async fn server_errors_are_replayed_and_large_bodies_are_bounded() {
     let app = app(
         |layer| layer.max_request_body(1024).max_response_body(1024),
         IdempotencyOptions::new(),
