@@ -291,3 +291,31 @@ async fn the_global_scope_is_no_tenants_scope() {
     }
     assert_eq!(answers, ["ran in (global)", "ran in global"]);
 }
+
+/// Records are committed durably by default (`synchronous = FULL`, each commit on disk
+/// when it returns), and `turnstile_synchronous=normal` is the explicit opt-out.
+#[tokio::test]
+async fn records_are_committed_durably_unless_the_url_says_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("durable.db");
+    let synchronous = |store: SqliteIdempotencyStore| async move {
+        sqlx::query_scalar::<_, i64>("PRAGMA synchronous")
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+    };
+    // SQLite's numbers: 1 is NORMAL, 2 is FULL.
+    let opened = SqliteIdempotencyStore::open(&path).await.unwrap();
+    assert_eq!(synchronous(opened).await, 2);
+    let url = format!("sqlite://{}", path.display());
+    let opened = SqliteIdempotencyStore::open_url(&url).await.unwrap();
+    assert_eq!(synchronous(opened).await, 2);
+    let opened = SqliteIdempotencyStore::open_url(&format!("{url}?turnstile_synchronous=normal"))
+        .await
+        .unwrap();
+    assert_eq!(synchronous(opened).await, 1);
+    let error = SqliteIdempotencyStore::open_url(&format!("{url}?turnstile_synchronous=off"))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), turnstile::ErrorKind::InvalidUrl);
+}

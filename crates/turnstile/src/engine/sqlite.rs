@@ -17,6 +17,9 @@ pub(crate) struct SqliteUrl {
     pub(crate) path: PathBuf,
     /// Create the file and the tables if missing (`turnstile_migrate=off` turns it off).
     pub(crate) create: bool,
+    /// `turnstile_synchronous=full|normal`: how a commit reaches the disk, when the URL
+    /// says (each concept has its own default).
+    pub(crate) synchronous: Option<SqliteSynchronous>,
 }
 
 /// Parses `sqlite://PATH` (relative), `sqlite:///absolute/path` or `sqlite:PATH`.
@@ -32,18 +35,21 @@ pub(crate) fn parse_url(url: &str) -> Result<SqliteUrl> {
         })?;
     let (path, options) = crate::store::split_url_options(rest);
     let mut create = true;
+    let mut synchronous = None;
     for (key, value) in &options {
-        create = match (key.as_str(), value.as_str()) {
-            ("migrate", "on" | "true" | "1") => true,
-            ("migrate", "off" | "false" | "0") => false,
+        match (key.as_str(), value.as_str()) {
+            ("migrate", "on" | "true" | "1") => create = true,
+            ("migrate", "off" | "false" | "0") => create = false,
+            ("synchronous", "full") => synchronous = Some(SqliteSynchronous::Full),
+            ("synchronous", "normal") => synchronous = Some(SqliteSynchronous::Normal),
             _ => {
                 return Err(crate::store::unknown_option(
                     key,
                     value,
-                    "turnstile_migrate=on|off",
+                    "turnstile_migrate=on|off, turnstile_synchronous=full|normal",
                 ));
             }
-        };
+        }
     }
     let path = path.split('?').next().unwrap_or_default();
     if path.is_empty() || path == ":memory:" {
@@ -58,12 +64,20 @@ pub(crate) fn parse_url(url: &str) -> Result<SqliteUrl> {
     Ok(SqliteUrl {
         path: PathBuf::from(path),
         create,
+        synchronous,
     })
 }
 
-/// Opens the database at `path`: WAL, `synchronous = NORMAL`, a 5 s busy timeout. With
-/// `create` off a missing file is an error (`what` names what was looked for).
-pub(crate) async fn open_pool(path: &Path, create: bool, what: &str) -> Result<SqlitePool> {
+/// Opens the database at `path`: WAL, a 5 s busy timeout, and `synchronous` (`NORMAL`:
+/// a commit survives a crash of the process, a power cut may take the last ones back;
+/// `FULL`: each commit is on disk when it returns). With `create` off a missing file is
+/// an error (`what` names what was looked for).
+pub(crate) async fn open_pool(
+    path: &Path,
+    create: bool,
+    what: &str,
+    synchronous: SqliteSynchronous,
+) -> Result<SqlitePool> {
     if !create && !path.is_file() {
         return Err(Error::new(
             ErrorKind::InvalidUrl,
@@ -85,7 +99,7 @@ pub(crate) async fn open_pool(path: &Path, create: bool, what: &str) -> Result<S
         .filename(path)
         .create_if_missing(create)
         .journal_mode(SqliteJournalMode::Wal)
-        .synchronous(SqliteSynchronous::Normal)
+        .synchronous(synchronous)
         .busy_timeout(Duration::from_secs(5));
     // Several processes creating the same new file at once race on switching it to
     // WAL (that takes the database's exclusive lock, which the busy timeout does not

@@ -79,14 +79,20 @@ pub struct SqliteLockStore {
 impl SqliteLockStore {
     /// Opens (creating if needed) the database at `path` and its tables.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self> {
-        SqliteLockStore::open_with(path.as_ref().to_path_buf(), true).await
+        SqliteLockStore::open_with(path.as_ref().to_path_buf(), true, None).await
     }
 
     /// Opens the database at `path`; with `create` off, neither the file nor its tables
     /// are created (a read-only look, such as `turnstile lock status`, changes nothing),
     /// and a missing file is an error.
-    async fn open_with(path: PathBuf, create: bool) -> Result<Self> {
-        let pool = crate::engine::sqlite::open_pool(&path, create, "lock store").await?;
+    async fn open_with(
+        path: PathBuf,
+        create: bool,
+        synchronous: Option<sqlx::sqlite::SqliteSynchronous>,
+    ) -> Result<Self> {
+        let synchronous = synchronous.unwrap_or(sqlx::sqlite::SqliteSynchronous::Normal);
+        let pool =
+            crate::engine::sqlite::open_pool(&path, create, "lock store", synchronous).await?;
         let store = SqliteLockStore {
             pool,
             path,
@@ -103,7 +109,7 @@ impl SqliteLockStore {
     /// `?turnstile_migrate=off` opens an existing store without creating anything.
     pub async fn open_url(url: &str) -> Result<Self> {
         let url = crate::engine::sqlite::parse_url(url)?;
-        SqliteLockStore::open_with(url.path, url.create).await
+        SqliteLockStore::open_with(url.path, url.create, url.synchronous).await
     }
 
     /// Creates the tables if they are missing. Harmless to run again or concurrently.

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::Row;
-use sqlx::sqlite::{SqliteConnection, SqlitePool};
+use sqlx::sqlite::{SqliteConnection, SqlitePool, SqliteSynchronous};
 use tokio::sync::Notify;
 
 use super::{
@@ -90,7 +90,7 @@ impl SqliteOutbox {
     /// Opens (creating if needed) the database at `path` and the outbox tables.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let pool = open_pool(&path, true, "outbox").await?;
+        let pool = open_pool(&path, true, "outbox", SqliteSynchronous::Normal).await?;
         let outbox = SqliteOutbox {
             pool,
             path,
@@ -103,21 +103,22 @@ impl SqliteOutbox {
 
     /// Opens the outbox named by `sqlite://PATH` (with `?turnstile_migrate=off`, an
     /// existing file without creating anything; with `?turnstile_keep_delivered=SECONDS`,
-    /// delivered messages are kept that long for audit).
+    /// delivered messages are kept that long for audit; with
+    /// `?turnstile_synchronous=full`, each commit is on disk when it returns).
     pub async fn open_url(url: &str) -> Result<Self> {
         let (url, keep) = super::keep_delivered_option(url)?;
         let url = parse_url(&url)?;
-        let outbox = if url.create {
-            SqliteOutbox::open(url.path).await?
-        } else {
-            SqliteOutbox {
-                pool: open_pool(&url.path, false, "outbox").await?,
-                path: url.path,
-                committed: Arc::default(),
-                keep_delivered: None,
-            }
+        let synchronous = url.synchronous.unwrap_or(SqliteSynchronous::Normal);
+        let outbox = SqliteOutbox {
+            pool: open_pool(&url.path, url.create, "outbox", synchronous).await?,
+            path: url.path,
+            committed: Arc::default(),
+            keep_delivered: keep,
         };
-        Ok(outbox.keep_delivered(keep))
+        if url.create {
+            outbox.migrate().await?;
+        }
+        Ok(outbox)
     }
 
     /// Keeps delivered messages for `retention` (in `turnstile_outbox_delivered`) instead
