@@ -556,6 +556,42 @@ async fn a_store_password_reaches_no_token_and_no_error() {
     }
 }
 
+/// `--sweep-every` deletes completed records past their retention in the background:
+/// afterwards a manual `turnstile idempotency sweep` finds nothing left to delete.
+#[tokio::test]
+async fn the_service_sweeps_expired_idempotency_records() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("keys.sqlite3").display());
+    let service = Service::start(&store, &["--sweep-every", "200ms"], Arc::clone(&dir));
+    let api = service.anonymous();
+    for n in 0..3 {
+        let claimed = api
+            .post(
+                "/v1/idempotency/claim",
+                json!({"key": format!("k{n}"), "fingerprint": "ab".repeat(32),
+                       "lease_ms": 1000, "retention_ms": 1000}),
+            )
+            .await;
+        assert_eq!(claimed.body["state"], "started", "{claimed:?}");
+        let done = api
+            .post(
+                "/v1/idempotency/complete",
+                json!({"key": format!("k{n}"), "token": claimed.body["token"],
+                       "outcome": "ok", "retention_ms": 1000}),
+            )
+            .await;
+        assert_eq!(done.body["state"], "done", "{done:?}");
+    }
+    tokio::time::sleep(Duration::from_millis(1_800)).await;
+    let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .args(["idempotency", "sweep", "--store", &store, "--json"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let swept: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(swept["swept"], 0, "the service left expired records behind");
+}
+
 #[tokio::test]
 async fn idempotency_keys_over_http_on_sqlite() {
     idempotency_keys_over_http(&Service::sqlite(), "sqlite").await;

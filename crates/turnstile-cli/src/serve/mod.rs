@@ -73,6 +73,11 @@ pub(crate) struct ServeArgs {
     /// through the store's leases.
     #[arg(long, value_name = "BROKER_URL")]
     relay: Option<String>,
+    /// Delete idempotency records past their retention every DURATION, in batches
+    /// of 1000 (off by default; `turnstile idempotency sweep` does one pass). Run it in
+    /// one instance or in all: batches are short and skip one another's rows.
+    #[arg(long, value_parser = crate::parse_ttl, value_name = "DURATION")]
+    sweep_every: Option<Duration>,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -288,6 +293,15 @@ async fn serve(args: ServeArgs) -> ExitCode {
     }
     let app = app(Arc::clone(&service), args.max_body);
     announce(&service, address, tls.is_some(), loopback);
+    if let Some(every) = args.sweep_every {
+        let store = match &service.idempotency {
+            Ok(store) => Arc::clone(store),
+            Err(why) => return usage(format!("--sweep-every needs idempotency records: {why}")),
+        };
+        let keys = turnstile::idempotency::Idempotency::from_arc(store);
+        let stop = shutdown.clone();
+        tokio::spawn(async move { keys.run_sweeper(every, 1000, stop).await });
+    }
     tokio::spawn(stop_on_signal(shutdown.clone()));
     let served = match tls {
         Some(acceptor) => {

@@ -559,6 +559,55 @@ impl Idempotency {
         &self.store
     }
 
+    /// Deletes records whose retention has passed until `shutdown` is cancelled: every
+    /// `every`, batches of at most `batch` records (each batch one short statement, by
+    /// the store's expiry index) until none is left, so that the table stays the size
+    /// of the retention and no statement holds the store long. Claims at work are never
+    /// swept. A store that fails is tried again at the next interval (logged and
+    /// counted as `turnstile_idempotency_sweep_failures_total`). Opt-in: run it in one
+    /// task per process (Redis expires records by itself and needs none).
+    ///
+    /// ```no_run
+    /// # async fn demo(keys: turnstile::idempotency::Idempotency) {
+    /// let shutdown = tokio_util::sync::CancellationToken::new();
+    /// let sweeper = tokio::spawn({
+    ///     let (keys, shutdown) = (keys.clone(), shutdown.clone());
+    ///     async move { keys.run_sweeper(std::time::Duration::from_secs(60), 1000, shutdown).await }
+    /// });
+    /// // … serve …
+    /// shutdown.cancel();
+    /// sweeper.await.unwrap();
+    /// # }
+    /// ```
+    pub async fn run_sweeper(
+        &self,
+        every: Duration,
+        batch: u32,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) {
+        let batch = batch.max(1);
+        while !shutdown.is_cancelled() {
+            loop {
+                match self.timed.sweep(batch).await {
+                    Ok(swept) => {
+                        telemetry::swept(swept);
+                        if swept < u64::from(batch) || shutdown.is_cancelled() {
+                            break;
+                        }
+                    }
+                    Err(error) => {
+                        telemetry::sweep_failed(&error);
+                        break;
+                    }
+                }
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = tokio::time::sleep(every) => {}
+            }
+        }
+    }
+
     /// Runs `work` once for (`scope`, `key`), and replays its stored outcome to every
     /// repeat with the same `fingerprint`.
     ///

@@ -60,6 +60,14 @@ struct Sql {
     get: Statement,
     forget: Statement,
     sweep: Statement,
+    /// The condition a swept row must still meet when it is deleted.
+    sweep_due: String,
+    /// The indexes (name, statement), for a table made before they were part of it.
+    add_indexes: [(String, String); 2],
+    /// The table's name, quoted.
+    table: String,
+    /// The table's name as information_schema spells it.
+    table_name: String,
     stale: Statement,
 }
 
@@ -90,7 +98,9 @@ impl Sql {
                     created_at BIGINT NOT NULL,
                     expires_at BIGINT NOT NULL,
                     outcome LONGBLOB,
-                    PRIMARY KEY (scope, `key`)) ENGINE = InnoDB"
+                    PRIMARY KEY (scope, `key`),
+                    KEY `{prefix}_idempotency_expires` (expires_at),
+                    KEY `{prefix}_idempotency_lease` (state, lease_until)) ENGINE = InnoDB"
             )),
             create_cursors: statement(format!(
                 "CREATE TABLE IF NOT EXISTS `{prefix}_inbox_cursors` (
@@ -176,11 +186,33 @@ impl Sql {
                     lease_until = {now}
                  WHERE scope = ? AND `key` = ? AND state <> 'released' AND expires_at > {now}"
             )),
+            // A plain (non-locking) read of what is due, by the expiry index; the delete
+            // then takes only those rows, by primary key, re-checking that they are
+            // still due — never scanning, and so never locking, a row a claim needs.
             sweep: statement(format!(
-                "DELETE FROM {table}
+                "SELECT scope, `key` FROM {table}
                  WHERE expires_at <= {now} AND NOT (state = 'in_progress' AND lease_until > {now})
-                 LIMIT ?"
+                 ORDER BY expires_at LIMIT ?"
             )),
+            sweep_due: format!(
+                "AND expires_at <= {now} AND NOT (state = 'in_progress' AND lease_until > {now})"
+            ),
+            add_indexes: [
+                (
+                    format!("{prefix}_idempotency_expires"),
+                    format!(
+                        "ALTER TABLE {table} ADD KEY `{prefix}_idempotency_expires` (expires_at)"
+                    ),
+                ),
+                (
+                    format!("{prefix}_idempotency_lease"),
+                    format!(
+                        "ALTER TABLE {table} ADD KEY `{prefix}_idempotency_lease` (state, lease_until)"
+                    ),
+                ),
+            ],
+            table_name: format!("{prefix}_idempotency"),
+            table: table.clone(),
             stale: statement(format!(
                 "SELECT scope, `key`, token,
                         CAST(CEIL(({now} - lease_until) / 1000) AS SIGNED) AS overdue_ms
@@ -291,6 +323,33 @@ impl MysqlIdempotencyStore {
                 .execute(&self.pool)
                 .await
                 .map_err(|error| map_error(error, "cannot create the idempotency tables"))?;
+        }
+        // Tables made by earlier versions lack the indexes (MySQL has no ADD KEY IF NOT
+        // EXISTS): look first, so that a start never waits on the table's metadata lock
+        // for nothing; another process adding the same one at that moment is no error.
+        for (name, add) in &self.sql.add_indexes {
+            let present: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM information_schema.statistics
+                 WHERE table_schema = DATABASE() AND table_name = ? AND index_name = ?",
+            )
+            .bind(&self.sql.table_name)
+            .bind(name)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot read the idempotency table's indexes"))?;
+            if present > 0 {
+                continue;
+            }
+            match sqlx::query(sqlx::AssertSqlSafe(add.as_str()))
+                .execute(&self.pool)
+                .await
+            {
+                Ok(_) => {}
+                Err(error) if crate::engine::mysql::server_error_number(&error) == Some(1061) => {}
+                Err(error) => {
+                    return Err(map_error(error, "cannot index the idempotency table"));
+                }
+            }
         }
         Ok(())
     }
@@ -672,11 +731,30 @@ impl IdempotencyStore for MysqlIdempotencyStore {
 
     fn sweep(&self, limit: u32) -> BoxFuture<'_, Result<u64>> {
         Box::pin(async move {
-            Ok(sqlx::query(self.sql.sweep.sql())
+            let fail = |error| map_error(error, "cannot sweep expired records");
+            let due = sqlx::query(self.sql.sweep.sql())
                 .bind(limit)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(fail)?;
+            if due.is_empty() {
+                return Ok(0);
+            }
+            let rows = vec!["(?, ?)"; due.len()].join(", ");
+            let delete = format!(
+                "DELETE FROM {} WHERE (scope, `key`) IN ({rows}) {}",
+                self.sql.table, self.sql.sweep_due
+            );
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(delete));
+            for row in &due {
+                query = query
+                    .bind(row.try_get::<Vec<u8>, _>("scope").map_err(bad)?)
+                    .bind(row.try_get::<Vec<u8>, _>("key").map_err(bad)?);
+            }
+            Ok(query
                 .execute(&self.pool)
                 .await
-                .map_err(|error| map_error(error, "cannot sweep expired records"))?
+                .map_err(fail)?
                 .rows_affected())
         })
     }

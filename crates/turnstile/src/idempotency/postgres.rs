@@ -38,7 +38,7 @@ const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
 
 struct Sql {
-    create: [String; 3],
+    create: [String; 5],
     cursor_insert: Statement,
     cursor_move: Statement,
     cursor_read: Statement,
@@ -85,6 +85,14 @@ impl Sql {
                         outcome BYTEA,
                         waiting_until TIMESTAMPTZ NOT NULL DEFAULT '-infinity',
                         PRIMARY KEY (scope, key))"
+                ),
+                // What `sweep` and `stale` look for, without reading the whole table.
+                format!(
+                    "CREATE INDEX IF NOT EXISTS \"{prefix}_idempotency_expires\" ON {table} (expires_at)"
+                ),
+                format!(
+                    "CREATE INDEX IF NOT EXISTS \"{prefix}_idempotency_lease\" ON {table} (lease_until)
+                     WHERE state = 'in_progress'"
                 ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {schema}.\"{prefix}_inbox_cursors\" (

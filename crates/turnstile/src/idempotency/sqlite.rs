@@ -46,6 +46,14 @@ const CREATE: &str = "CREATE TABLE IF NOT EXISTS turnstile_idempotency (
     PRIMARY KEY (scope, key)
 ) WITHOUT ROWID";
 
+/// What `sweep` looks for, without reading the whole table.
+const CREATE_EXPIRES_INDEX: &str = "CREATE INDEX IF NOT EXISTS turnstile_idempotency_expires
+    ON turnstile_idempotency (expires_ms)";
+
+/// What `stale` looks for.
+const CREATE_LEASE_INDEX: &str = "CREATE INDEX IF NOT EXISTS turnstile_idempotency_lease
+    ON turnstile_idempotency (lease_until_ms) WHERE state = 'in_progress'";
+
 const CREATE_CURSORS: &str = "CREATE TABLE IF NOT EXISTS turnstile_inbox_cursors (
     consumer TEXT NOT NULL,
     ordering_key TEXT NOT NULL,
@@ -144,7 +152,12 @@ impl SqliteIdempotencyStore {
 
     /// Creates the table if missing. Harmless to run again or concurrently.
     pub async fn migrate(&self) -> Result<()> {
-        for create in [CREATE, CREATE_CURSORS] {
+        for create in [
+            CREATE,
+            CREATE_CURSORS,
+            CREATE_EXPIRES_INDEX,
+            CREATE_LEASE_INDEX,
+        ] {
             sqlx::query(create)
                 .execute(&self.pool)
                 .await

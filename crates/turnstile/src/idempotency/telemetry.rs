@@ -3,6 +3,8 @@
 //! | metric | kind | labels |
 //! |---|---|---|
 //! | `turnstile_idempotency_outcomes_total` | counter | `outcome` = `started`, `replayed`, `in_progress`, `waited`, `mismatch`, `completed`, `not_stored`, `released`, `fenced_out`, `store_error`, `completion_retried`, `completion_failed` |
+//! | `turnstile_idempotency_swept_total` | counter | — (records past their retention deleted by `run_sweeper`) |
+//! | `turnstile_idempotency_sweep_failures_total` | counter | — |
 //! | `turnstile_idempotency_work_seconds` | histogram | — (from the claim to the stored outcome) |
 //! | `turnstile_idempotency_replay_seconds` | histogram | — (from the call to the replayed outcome, waiting included) |
 //! | `turnstile_idempotency_lease_lost_total` | counter | `reason` |
@@ -61,6 +63,18 @@ pub(crate) fn completed(scope: &Scope, key: &IdempotencyKey, took: Duration) {
 pub(crate) fn released(scope: &Scope, key: &IdempotencyKey) {
     count("released");
     tracing::debug!(%scope, %key, "the work failed; idempotency key given back for a retry");
+}
+
+pub(crate) fn swept(records: u64) {
+    metrics::counter!("turnstile_idempotency_swept_total").increment(records);
+    if records > 0 {
+        tracing::debug!(records, "idempotency records past their retention swept");
+    }
+}
+
+pub(crate) fn sweep_failed(error: &Error) {
+    metrics::counter!("turnstile_idempotency_sweep_failures_total").increment(1);
+    tracing::warn!(%error, "cannot sweep idempotency records; trying again at the next interval");
 }
 
 pub(crate) fn completion_retried(scope: &Scope, key: &IdempotencyKey, error: &Error) {

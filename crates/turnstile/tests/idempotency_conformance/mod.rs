@@ -436,6 +436,71 @@ pub async fn a_claim_at_work_outlives_the_retention(store: impl TestStore) {
     );
 }
 
+/// The background sweeper deletes what is past its retention, in batches until none
+/// is left, and spares a claim at work whose retention has passed.
+pub async fn the_sweeper_deletes_expired_records_and_spares_live_claims(store: impl TestStore) {
+    let client = store.client().await;
+    let backend = client.store().clone();
+    let scope = scope("sweeper");
+    let second = Duration::from_secs(1);
+    for _ in 0..5 {
+        let key = key();
+        let ClaimAnswer::Started { token } = backend
+            .claim(&scope, &key, &request("x"), second, second)
+            .await
+            .unwrap()
+        else {
+            panic!("free");
+        };
+        backend
+            .complete(&scope, &key, token, b"done", second)
+            .await
+            .unwrap();
+    }
+    let working = key();
+    let ClaimAnswer::Started { .. } = backend
+        .claim(
+            &scope,
+            &working,
+            &request("x"),
+            Duration::from_secs(30),
+            second,
+        )
+        .await
+        .unwrap()
+    else {
+        panic!("free");
+    };
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let sweeper = tokio::spawn({
+        let (client, shutdown) = (client.clone(), shutdown.clone());
+        // Batches of two: the five records take three statements in one pass.
+        async move {
+            client
+                .run_sweeper(Duration::from_secs(60), 2, shutdown)
+                .await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(5), sweeper)
+        .await
+        .expect("the sweeper stops when told")
+        .unwrap();
+    assert_eq!(
+        backend.sweep(1_000).await.unwrap(),
+        0,
+        "left for a later sweep"
+    );
+    let record = backend.get(&scope, &working).await.unwrap();
+    assert_eq!(
+        record.map(|record| record.state),
+        Some(RecordState::InProgress),
+        "a claim at work was swept"
+    );
+}
+
 /// An operator's forget: a completed key runs again; a claim at work is fenced out.
 pub async fn forgetting_a_key(store: impl TestStore) {
     let client = store.client().await;
@@ -560,6 +625,7 @@ macro_rules! idempotency_conformance_tests {
             the_lease_is_renewed_while_the_work_runs,
             retention_ends_and_sweeping_removes,
             a_claim_at_work_outlives_the_retention,
+            the_sweeper_deletes_expired_records_and_spares_live_claims,
             forgetting_a_key,
             bad_input_is_refused,
             stale_claims_are_listed,
