@@ -165,3 +165,28 @@ async fn a_broker_outage_is_waited_out_and_nothing_is_lost() {
         ids.difference(&seen).count()
     );
 }
+
+/// librdkafka keeps delivering a message for up to its `message.timeout.ms` after the
+/// publish began, whatever became of the call: a relay whose lease cannot hold that
+/// with a margin refuses to run (a late copy would land after the next relay's later
+/// messages), and nothing is published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_too_short_for_the_producers_delivery_timeout_is_refused() {
+    let cluster = MockCluster::new(1).unwrap();
+    cluster.create_topic("late", 1, 1).unwrap();
+    let url = format!("kafka://{}", cluster.bootstrap_servers());
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = SqliteOutbox::open(dir.path().join("app.db")).await.unwrap();
+    enqueue(&outbox, &Message::new("late", "k", b"x".to_vec()).unwrap()).await;
+    let publisher = KafkaPublisher::connect(&url).unwrap();
+    let longest = publisher.longest_publish().unwrap();
+    let short = Relay::new(outbox.clone(), publisher.clone())
+        .with_options(RelayOptions::new().lease(longest));
+    let error = short.run_once().await.unwrap_err();
+    assert_eq!(error.kind(), turnstile::ErrorKind::Configuration, "{error}");
+    assert_eq!(outbox.status(10).await.unwrap().pending, 1);
+    // With room for the delivery timeout and a margin, the same message goes out.
+    let roomy =
+        Relay::new(outbox.clone(), publisher).with_options(RelayOptions::new().lease(longest * 2));
+    assert_eq!(roomy.run_once().await.unwrap().published, 1);
+}

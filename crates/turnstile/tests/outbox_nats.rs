@@ -1138,3 +1138,108 @@ async fn a_consumer_can_insist_on_key_order() {
     }
     assert_eq!(handled, vec![1, 2, 3]);
 }
+
+/// Hands each publish to JetStream, and before the first one runs a hook (the test's
+/// application transaction) and waits for it: a way to act between a relay's claim
+/// and its settlement.
+struct AfterClaim {
+    inner: JetStreamPublisher,
+    hook:
+        tokio::sync::Mutex<Option<tokio::sync::oneshot::Sender<tokio::sync::oneshot::Sender<()>>>>,
+}
+
+impl turnstile::outbox::relay::Publisher for AfterClaim {
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+        seq: u64,
+    ) -> turnstile::lock::BoxFuture<'a, Result<(), turnstile::outbox::Failure>> {
+        Box::pin(async move {
+            if let Some(hook) = self.hook.lock().await.take() {
+                let (done, acted) = tokio::sync::oneshot::channel();
+                hook.send(done).unwrap();
+                acted.await.unwrap();
+            }
+            self.inner.publish(message, seq).await
+        })
+    }
+
+    fn check<'a>(
+        &'a self,
+        topic: &'a str,
+        redelivery: Duration,
+    ) -> turnstile::lock::BoxFuture<'a, turnstile::Result<()>> {
+        self.inner.check(topic, redelivery)
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+}
+
+/// A relay's settlement that meets an application transaction writing the same keys in
+/// the other order fails (its store's lock timeout, or PostgreSQL's deadlock detector
+/// picks one of the two). The relay settles again within its lease instead of dropping
+/// the round, so nothing is published twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocked_settlement_is_retried_not_republished() {
+    use turnstile::outbox::relay::Publisher as _;
+    let outbox = Postgres::new().await;
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("deadlock");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let watched = watch_publishes(shared_nats(), &subject).await;
+    let topic = format!("{subject}.created");
+    let mut committed = HashSet::new();
+    for key in ["a", "b"] {
+        let message = Message::new(topic.as_str(), key, b"first".to_vec()).unwrap();
+        outbox.enqueue_one(&message, true).await;
+        committed.insert(message.id().to_owned());
+    }
+    let (hook, hooked) = tokio::sync::oneshot::channel();
+    let relay = Relay::new(
+        outbox.another().await,
+        AfterClaim {
+            inner: publisher.clone(),
+            hook: tokio::sync::Mutex::new(Some(hook)),
+        },
+    );
+    let round = tokio::spawn(async move { relay.run_once().await });
+    // After the claim, before the settlement: an application transaction writes key b,
+    // lets the relay go on to settle (it waits for b), then writes key a.
+    let resume = hooked.await.unwrap();
+    let mut transaction = outbox.pool.begin().await.unwrap();
+    let late_b = Message::new(topic.as_str(), "b", b"late".to_vec()).unwrap();
+    outbox
+        .outbox
+        .enqueue(&mut transaction, &late_b)
+        .await
+        .unwrap();
+    resume.send(()).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let late_a = Message::new(topic.as_str(), "a", b"late".to_vec()).unwrap();
+    let application = outbox.outbox.enqueue(&mut transaction, &late_a).await;
+    match application {
+        Ok(_) => {
+            outbox.outbox.commit(transaction).await.unwrap();
+            committed.extend([late_a.id().to_owned(), late_b.id().to_owned()]);
+        }
+        // The application was the deadlock's victim: its transaction is gone.
+        Err(_) => transaction.rollback().await.unwrap(),
+    }
+    let round = round
+        .await
+        .unwrap()
+        .expect("the round must settle, not fail");
+    assert_eq!(round.published, 2);
+    let again = Relay::new(outbox.store(), publisher.clone());
+    while again.run_once().await.unwrap().keys > 0 {}
+    check_delivery(&read_all(&publisher, &stream_name).await, &committed);
+    check_published_once(&published_ids(watched).await, &committed);
+}

@@ -27,8 +27,12 @@ use super::{Failure, Incoming, Message, Processed};
 use crate::error::{Error, ErrorKind, Result};
 use crate::lock::BoxFuture;
 
-/// How long a publish may wait in the producer's queue and for its acknowledgement.
-const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a publish may wait in the producer's queue and for its acknowledgement
+/// (`message.timeout.ms`). librdkafka may still deliver a message up to this long after
+/// it was handed over, whatever became of the call, so it must end well inside the
+/// relay's lease: a copy landing after the lease could follow a later message that the
+/// next relay published.
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `kafka://a:9092,b:9092` → `a:9092,b:9092`.
 fn bootstrap(url: &str) -> Result<String> {
@@ -133,6 +137,10 @@ impl Publisher for KafkaPublisher {
                 }),
             }
         })
+    }
+
+    fn longest_publish(&self) -> Option<Duration> {
+        Some(DELIVERY_TIMEOUT)
     }
 
     fn check<'a>(&'a self, _topic: &'a str, _redelivery: Duration) -> BoxFuture<'a, Result<()>> {

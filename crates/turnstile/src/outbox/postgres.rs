@@ -77,9 +77,18 @@ impl Sql {
                 .replace("{delivered}", &delivered)
                 .replace("{now}", now);
             format!(
-                "WITH d AS (
+                "WITH locked AS MATERIALIZED (
+                    SELECT ordering_key FROM {keys} WHERE ordering_key = ANY($1::text[])
+                    ORDER BY ordering_key FOR UPDATE),
+                 d AS (
                     SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::bool[], $5::bool[], $6::text[])
-                        AS d(ordering_key, token, delivered, failed, permanent, reason)),
+                        AS d(ordering_key, token, delivered, failed, permanent, reason)
+                    -- An InitPlan, run before the first row: every key row is locked in
+                    -- key order before the update takes any, so two settlements (or a
+                    -- settlement and a relay's claim) never wait on each other in a
+                    -- circle. An application transaction that writes several keys in
+                    -- another order can still meet one: the relay retries the settle.
+                    WHERE (SELECT count(*) FROM locked) >= 0),
                  settled AS (
                     UPDATE {keys} k SET
                         attempts = CASE WHEN d.failed

@@ -34,6 +34,14 @@ pub trait Publisher: Send + Sync + 'static {
 
     /// The broker, for messages.
     fn describe(&self) -> String;
+
+    /// How long after a publish began the broker may still take the message, even if
+    /// the call was dropped or timed out (a client that queues and retries on its own,
+    /// as librdkafka does); `None` for clients that send once and wait for the ack.
+    /// The relay starts no publish so late that it could land after its lease.
+    fn longest_publish(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// How a relay works.
@@ -175,6 +183,29 @@ impl Relay {
     /// settle. A broker configuration that cannot keep the promises is an error
     /// ([`ErrorKind::Configuration`]), and nothing of that topic is published.
     pub async fn run_once(&self) -> Result<Round> {
+        // Every publish must land inside the lease: past it, another relay may have
+        // the key and publish its later messages. So a publish starts only while a
+        // fifth of the lease is left, and not so late that a client that keeps sending
+        // on its own (`longest_publish`) could still deliver after the lease; each
+        // publish is also cut off at the lease's end, less a margin.
+        let lease = self.options.lease;
+        let margin = lease / 10;
+        let longest = self.publisher.longest_publish().unwrap_or_default();
+        let Some(start_within) = lease
+            .checked_sub(longest + margin)
+            .filter(|left| !left.is_zero())
+            .map(|left| left.min(lease * 4 / 5))
+        else {
+            return Err(Error::new(
+                ErrorKind::Configuration,
+                format!(
+                    "{} may deliver a message up to {longest:?} after its publish began, which \
+                     does not fit in the relay's lease of {lease:?} with a tenth to spare: \
+                     make the lease longer",
+                    self.publisher.describe()
+                ),
+            ));
+        };
         let sent = Instant::now();
         let leased = self
             .store
@@ -198,9 +229,10 @@ impl Relay {
         {
             self.check_topic(topic).await?;
         }
-        // Stop publishing a key well before its lease ends: past that, another relay
-        // may have it.
-        let deadline = sent + self.options.lease * 4 / 5;
+        let deadline = PublishDeadline {
+            last_start: sent + start_within,
+            cut_off: sent + lease - margin,
+        };
         let mut tasks = tokio::task::JoinSet::new();
         for key in leased {
             let publisher = Arc::clone(&self.publisher);
@@ -218,14 +250,9 @@ impl Relay {
             round.failed += usize::from(settlement.failure.is_some());
             settlements.push(settlement);
         }
-        let answers = self
-            .store
-            .settle(
-                &settlements,
-                self.options.max_attempts,
-                self.options.backoff,
-            )
-            .await?;
+        // Keys in one order in every settlement (stores lock them so).
+        settlements.sort_by(|a, b| a.key.cmp(&b.key));
+        let answers = self.settle(&settlements, sent + self.options.lease).await?;
         for (settlement, answer) in settlements.iter().zip(answers) {
             match answer {
                 Settled::Done => {}
@@ -240,6 +267,30 @@ impl Relay {
             }
         }
         Ok(round)
+    }
+
+    /// Records a round's publishes, retrying a store that fails (a deadlock with an
+    /// application's transaction, a connection lost) until the round's lease ends:
+    /// a settlement given up on publishes the round again, and a copy the broker keeps
+    /// past its duplicate window reaches consumers twice. After the lease the store
+    /// would refuse the settlement anyway (another relay may hold the keys).
+    async fn settle(&self, settlements: &[Settlement], lease_end: Instant) -> Result<Vec<Settled>> {
+        let mut pause = Duration::from_millis(10);
+        loop {
+            match self
+                .store
+                .settle(settlements, self.options.max_attempts, self.options.backoff)
+                .await
+            {
+                Ok(answers) => return Ok(answers),
+                Err(error) if Instant::now() + pause < lease_end => {
+                    telemetry::settle_retried(&error);
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(error) => return Err(error),
+            }
+        }
     }
 
     async fn check_topic(&self, topic: &str) -> Result<()> {
@@ -305,10 +356,17 @@ impl Relay {
 
 /// Publishes one key's messages in order, stopping at the first failure or the
 /// deadline; says how far it got.
+/// When a round's publishes must start by, and finish by.
+#[derive(Clone, Copy)]
+struct PublishDeadline {
+    last_start: Instant,
+    cut_off: Instant,
+}
+
 async fn publish_key(
     publisher: Arc<dyn Publisher>,
     key: LeasedKey,
-    deadline: Instant,
+    deadline: PublishDeadline,
 ) -> (Settlement, usize) {
     let mut settlement = Settlement {
         key: key.key,
@@ -334,11 +392,22 @@ async fn publish_key(
     });
     let mut published = 0;
     for stored in &key.messages[..in_order] {
-        if Instant::now() >= deadline {
+        if Instant::now() >= deadline.last_start {
             return (settlement, published);
         }
         let started = Instant::now();
-        match publisher.publish(&stored.message, stored.seq).await {
+        let publish = publisher.publish(&stored.message, stored.seq);
+        let answer = tokio::time::timeout_at(deadline.cut_off, publish)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Failure {
+                    permanent: false,
+                    reason: "the broker did not confirm the publish before the relay's lease \
+                             was nearly over"
+                        .to_owned(),
+                })
+            });
+        match answer {
             Ok(()) => {
                 telemetry::published(&stored.message, stored.seq, started.elapsed(), stored.age);
                 settlement.delivered_through = stored.seq;

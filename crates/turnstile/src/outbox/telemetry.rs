@@ -9,6 +9,7 @@
 //! | `turnstile_outbox_failures_total` | counter | `kind` = `transient`, `permanent` |
 //! | `turnstile_outbox_parked_total` | counter | — |
 //! | `turnstile_outbox_gaps_total` | counter | — (a key whose next message is missing: nothing of it is published) |
+//! | `turnstile_outbox_settle_retries_total` | counter | — (a settlement the store failed, tried again within the lease) |
 //! | `turnstile_outbox_fenced_total` | counter | — (settlements refused: the lease had moved on) |
 //! | `turnstile_outbox_pending` | gauge | — (undelivered messages of keys not parked; set by running relays every 5 s) |
 //! | `turnstile_outbox_oldest_pending_seconds` | gauge | — (the lag: age of the oldest undelivered message) |
@@ -67,6 +68,11 @@ pub(crate) fn gap(key: &str, expected: u64, found: Option<u64>) {
         "outbox sequence gap: the key's next message is missing, so nothing after it is published; \
          the key parks after the relay's attempts, and `turnstile outbox skip` moves past it"
     );
+}
+
+pub(crate) fn settle_retried(error: &crate::Error) {
+    metrics::counter!("turnstile_outbox_settle_retries_total").increment(1);
+    tracing::warn!(%error, "recording an outbox round failed; trying again within its lease");
 }
 
 pub(crate) fn fenced(key: &str) {
