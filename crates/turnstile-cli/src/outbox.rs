@@ -1,4 +1,5 @@
-//! `turnstile outbox`: run a relay, show what is pending and parked, redrive a key.
+//! `turnstile outbox`: run a relay, show what is pending and parked, redrive a key, skip
+//! a message the broker will never take.
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -15,15 +16,24 @@ pub(crate) enum OutboxCommand {
     /// Publish the outbox's messages to a broker until SIGTERM or SIGINT; the round in
     /// flight is finished and recorded before it exits, so nothing is left half-marked.
     ///
-    /// Exit status: 0 after a signal; 78 if the broker cannot keep the promises (no
-    /// stream for a subject, or a duplicate window shorter than the relay's
-    /// redelivery window); 69 store or broker unreachable at start; 64 bad input.
+    /// Exit status: 0 after a signal; 78 if the relay's lease cannot hold the broker
+    /// client's delivery timeout; 69 store or broker unreachable at start; 64 bad
+    /// input. A topic the broker cannot serve as promised (no stream for a subject, a
+    /// duplicate window shorter than the relay's redelivery window) parks only its
+    /// keys, with the reason in `outbox status`.
     Relay(RelayArgs),
     /// Show how many messages are pending, the oldest one's age, and parked keys.
     Status(StatusArgs),
     /// Put a parked key back in line: its head message is tried again. Exit status 1 if
     /// the key is not parked.
     Redrive(RedriveArgs),
+    /// Move a parked key's head message aside (kept in the store's
+    /// `…_outbox_skipped` table with the reason it was parked) so that the key goes on
+    /// with the next one: for a message the broker will never take. SEQ must be the
+    /// key's next undelivered number (`outbox status` shows the reason; a sequence
+    /// gap names the missing number). Exit status 1 if the key is not parked or SEQ is
+    /// not its head.
+    Skip(SkipArgs),
 }
 
 #[derive(Args, Debug)]
@@ -66,11 +76,22 @@ pub(crate) struct RedriveArgs {
     key: String,
 }
 
+#[derive(Args, Debug)]
+pub(crate) struct SkipArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+    /// The parked ordering key.
+    key: String,
+    /// The sequence number of its head message.
+    seq: u64,
+}
+
 pub(crate) async fn run(command: OutboxCommand) -> ExitCode {
     match command {
         OutboxCommand::Relay(args) => relay(args).await,
         OutboxCommand::Status(args) => status(args).await,
         OutboxCommand::Redrive(args) => redrive(args).await,
+        OutboxCommand::Skip(args) => skip(args).await,
     }
 }
 
@@ -187,6 +208,35 @@ async fn redrive(args: RedriveArgs) -> ExitCode {
         }
         Ok((store, false)) => {
             eprintln!("turnstile: {store}: key {:?} is not parked", args.key);
+            ExitCode::FAILURE
+        }
+        Err(error) => fail(&error),
+    }
+}
+
+async fn skip(args: SkipArgs) -> ExitCode {
+    let result = async {
+        let store = turnstile::store::connect_outbox(&args.store.url()?).await?;
+        Ok::<_, turnstile::Error>((store.describe(), store.skip(&args.key, args.seq).await?))
+    }
+    .await;
+    match result {
+        Ok((store, moved)) => {
+            let what = if moved {
+                "moved aside to the skipped messages"
+            } else {
+                "was missing (a sequence gap); nothing to move"
+            };
+            println!(
+                "{store}: key {:?}: message {} {what}; the key goes on with {}",
+                args.key,
+                args.seq,
+                args.seq + 1
+            );
+            ExitCode::SUCCESS
+        }
+        Err(error) if error.kind() == turnstile::ErrorKind::InvalidOptions => {
+            eprintln!("turnstile: {error}");
             ExitCode::FAILURE
         }
         Err(error) => fail(&error),

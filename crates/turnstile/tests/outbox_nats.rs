@@ -449,6 +449,40 @@ async fn a_poison_message_parks_its_key_while_the_others_flow(outbox: impl TestO
     assert!(store.redrive("poisoned").await.unwrap());
     assert!(!store.redrive("poisoned").await.unwrap());
     assert!(store.status(10).await.unwrap().parked.is_empty());
+    // A key that is not parked cannot be skipped: a relay may be publishing its head.
+    let refused = store.skip("poisoned", 1).await.unwrap_err();
+    assert_eq!(
+        refused.kind(),
+        turnstile::ErrorKind::InvalidOptions,
+        "{refused}"
+    );
+    while store.status(10).await.unwrap().parked.is_empty() {
+        relay.run_once().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Skipping the poison moves it aside; the message behind it goes out.
+    assert!(store.skip("poisoned", 1).await.unwrap());
+    while relay.run_once().await.unwrap().keys > 0 {}
+    let status = store.status(10).await.unwrap();
+    assert!(
+        status.parked.is_empty() && status.pending == 0,
+        "{status:?}"
+    );
+    let delivered = read_all(&publisher, &stream_name).await;
+    let poisoned: Vec<_> = delivered
+        .iter()
+        .filter(|(key, ..)| key == "poisoned")
+        .collect();
+    assert_eq!(
+        poisoned,
+        [&("poisoned".to_owned(), 2, behind.id().to_owned())],
+        "the message behind the skipped one goes out, once"
+    );
+    let others: Vec<_> = delivered
+        .into_iter()
+        .filter(|(key, ..)| key != "poisoned")
+        .collect();
+    check_delivery(&others, &committed);
 }
 
 async fn a_broker_outage_is_waited_out_and_nothing_is_lost(outbox: impl TestOutbox) {
@@ -481,46 +515,79 @@ async fn a_broker_outage_is_waited_out_and_nothing_is_lost(outbox: impl TestOutb
     check_delivery(&read_all(&publisher, "LEDGER").await, &committed);
 }
 
-async fn a_duplicate_window_shorter_than_redelivery_is_refused(outbox: impl TestOutbox) {
+/// A topic the broker cannot serve as promised — its stream's duplicate window is
+/// shorter than the relay's redelivery window, or no stream takes it at all — parks
+/// only the keys that reach it, with the reason in `outbox status`; the relay keeps
+/// running and every other key flows.
+async fn a_topic_the_broker_cannot_serve_parks_only_its_keys(outbox: impl TestOutbox) {
     let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("short");
+    let (short_stream, short) = names("short");
     stream(
         &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
+        &short_stream,
+        &format!("{short}.>"),
         Duration::from_secs(5),
     )
     .await;
-    let store = outbox.store();
-    enqueue(&outbox, &format!("{subject}.x"), 1, 1).await;
-    let relay = Relay::new(store.clone(), publisher.clone());
-    let error = relay.run_once().await.unwrap_err();
-    assert_eq!(error.kind(), turnstile::ErrorKind::Configuration, "{error}");
-    assert!(error.to_string().contains("duplicate_window"), "{error}");
-    // A subject no stream takes is refused the same way.
+    let (good_stream, good) = names("good");
+    stream(
+        &publisher,
+        &good_stream,
+        &format!("{good}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
     let (_, nowhere) = names("nowhere");
-    enqueue(&outbox, &format!("{nowhere}.x"), 1, 1).await;
-    let short = Relay::new(store.clone(), publisher.clone()).with_options(
-        RelayOptions::new()
-            .lease(Duration::from_secs(1))
-            .backoff(Backoff {
-                base: Duration::from_millis(10),
-                max: Duration::from_millis(100),
-            }),
+    let store = outbox.store();
+    for (topic, key) in [
+        (format!("{short}.x"), "short-key"),
+        (format!("{nowhere}.x"), "nowhere-key"),
+    ] {
+        let message =
+            Message::new(topic.as_str(), format!("{short}-{key}"), b"x".to_vec()).unwrap();
+        outbox.enqueue_one(&message, true).await;
+    }
+    let committed = enqueue(&outbox, &format!("{good}.x"), 3, 9).await;
+    let relay = Relay::new(store.clone(), publisher.clone()).with_options(
+        RelayOptions::new().max_attempts(2).backoff(Backoff {
+            base: Duration::from_millis(10),
+            max: Duration::from_millis(50),
+        }),
     );
-    let mut refusal = None;
-    for _ in 0..5 {
-        if let Err(error) = short.run_once().await {
-            refusal = Some(error);
+    let mut parked = 0;
+    for _ in 0..300 {
+        parked += relay
+            .run_once()
+            .await
+            .expect("the relay keeps running")
+            .parked;
+        if parked == 2 && store.status(10).await.unwrap().pending == 0 {
             break;
         }
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let refusal = refusal.expect("a subject without a stream was relayed");
-    assert_eq!(
-        refusal.kind(),
-        turnstile::ErrorKind::Configuration,
-        "{refusal}"
+    let status = store.status(10).await.unwrap();
+    assert_eq!(status.pending, 0, "other keys did not flow: {status:?}");
+    let reason = |key: &str| {
+        status
+            .parked
+            .iter()
+            .find(|parked| parked.key == format!("{short}-{key}"))
+            .and_then(|parked| parked.reason.clone())
+            .unwrap_or_else(|| panic!("{key} is not parked: {status:?}"))
+    };
+    assert!(
+        reason("short-key").contains("duplicate"),
+        "{}",
+        reason("short-key")
     );
+    assert!(
+        reason("nowhere-key").contains("no JetStream stream"),
+        "{}",
+        reason("nowhere-key")
+    );
+    check_delivery(&read_all(&publisher, &good_stream).await, &committed);
+    assert!(read_all(&publisher, &short_stream).await.is_empty());
 }
 
 async fn delivered_messages_are_kept_for_audit_then_swept(outbox: impl TestOutbox) {
@@ -737,6 +804,30 @@ async fn a_missing_message_is_never_stepped_over(outbox: impl TestOutbox) {
         vec![(key.clone(), 1, messages[0].id().to_owned())],
         "only the message before the hole may go out"
     );
+    // An operator moves past the hole: only its number is accepted, nothing is moved,
+    // and the rest of the key goes out in order.
+    let refused = store.skip(&key, 3).await.unwrap_err();
+    assert_eq!(
+        refused.kind(),
+        turnstile::ErrorKind::InvalidOptions,
+        "{refused}"
+    );
+    assert!(
+        !store.skip(&key, 2).await.unwrap(),
+        "a hole has nothing to move"
+    );
+    while relay.run_once().await.unwrap().keys > 0 {}
+    let status = store.status(10).await.unwrap();
+    assert!(
+        status.parked.is_empty() && status.pending == 0,
+        "{status:?}"
+    );
+    let ids: Vec<String> = read_all(&publisher, &stream_name)
+        .await
+        .into_iter()
+        .map(|(_, _, id)| id)
+        .collect();
+    assert_eq!(ids, [0, 2, 3].map(|n| messages[n].id().to_owned()));
 }
 
 /// The checks, once per store.
@@ -782,8 +873,8 @@ macro_rules! outbox_checks {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn a_duplicate_window_shorter_than_redelivery_is_refused() {
-                super::a_duplicate_window_shorter_than_redelivery_is_refused($outbox).await;
+            async fn a_topic_the_broker_cannot_serve_parks_only_its_keys() {
+                super::a_topic_the_broker_cannot_serve_parks_only_its_keys($outbox).await;
             }
         }
     };
@@ -1242,4 +1333,25 @@ async fn a_blocked_settlement_is_retried_not_republished() {
     while again.run_once().await.unwrap().keys > 0 {}
     check_delivery(&read_all(&publisher, &stream_name).await, &committed);
     check_published_once(&published_ids(watched).await, &committed);
+}
+
+/// An outbox told its broker's limit refuses a larger message at enqueue, in the
+/// application's transaction and before anything is written, instead of parking its
+/// key at the first publish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_over_the_brokers_limit_is_refused_at_enqueue() {
+    let outbox = Sqlite::new().await;
+    let store = outbox.store().max_message(Some(1024 * 1024));
+    let mut transaction = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let large = Message::new("big.x", "k", vec![b'x'; 2 * 1024 * 1024]).unwrap();
+    let error = store.enqueue(&mut transaction, &large).await.unwrap_err();
+    assert_eq!(
+        error.kind(),
+        turnstile::ErrorKind::InvalidOptions,
+        "{error}"
+    );
+    let small = Message::new("big.x", "k", vec![b'x'; 1024]).unwrap();
+    assert_eq!(store.enqueue(&mut transaction, &small).await.unwrap(), 1);
+    store.commit(transaction).await.unwrap();
+    assert_eq!(store.status(10).await.unwrap().pending, 1);
 }

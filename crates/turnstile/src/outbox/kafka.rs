@@ -131,6 +131,11 @@ impl Publisher for KafkaPublisher {
                             RDKafkaErrorCode::MessageSizeTooLarge
                                 | RDKafkaErrorCode::InvalidMessageSize
                                 | RDKafkaErrorCode::TopicAuthorizationFailed
+                                // A topic that does not exist parks its keys (with the
+                                // reason) instead of holding them back forever; a
+                                // redrive after creating it sends them.
+                                | RDKafkaErrorCode::UnknownTopicOrPartition
+                                | RDKafkaErrorCode::UnknownTopic
                         )
                     ),
                     reason: error.to_string(),

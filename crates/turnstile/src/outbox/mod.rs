@@ -76,6 +76,48 @@ pub const MAX_PAYLOAD_LEN: usize = 16 * 1024 * 1024;
 /// its headers half way through.
 pub const MAX_HEADERS_LEN: usize = 16 * 1024;
 
+/// Refuses, before anything is written, a message larger than the broker it is bound
+/// for takes (`limit`, when the application told the store): such a message would
+/// otherwise be stored, fail at every publish, and park its key.
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn check_size(message: &Message, limit: Option<usize>) -> Result<()> {
+    let size = message.payload().len() + message.headers_json().len();
+    match limit {
+        Some(limit) if size > limit => Err(Error::new(
+            ErrorKind::InvalidOptions,
+            format!(
+                "outbox message {} is {size} bytes (payload and headers), more than the {limit} \
+                 bytes this outbox was told its broker takes; it was not enqueued",
+                message.id()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Why `skip` refuses: the key is unknown, not parked, or `seq` is not its head.
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn check_skip(key: &str, seq: u64, head: Option<(u64, bool)>) -> Result<()> {
+    let refuse = |message: String| Err(Error::new(ErrorKind::InvalidOptions, message));
+    match head {
+        None => refuse(format!("the outbox has no key {key:?}")),
+        Some((_, false)) => refuse(format!(
+            "key {key:?} is not parked: only a parked key's head message can be skipped \
+             (a relay may be publishing it now)"
+        )),
+        Some((next, true)) if next != seq => refuse(format!(
+            "message {seq} is not key {key:?}'s head: its next undelivered message is {next}"
+        )),
+        Some(_) => Ok(()),
+    }
+}
+
 /// Splits `turnstile_keep_delivered=SECONDS` off a store URL: the URL without it, and
 /// the retention.
 #[cfg_attr(
@@ -482,6 +524,22 @@ pub trait OutboxStore: Send + Sync + fmt::Debug + 'static {
 
     /// Unparks `key` (its head message is tried again); false if it was not parked.
     fn redrive<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>>;
+
+    /// Moves a parked key's head message `seq` aside — into `…_outbox_skipped`, kept
+    /// for audit with the reason it was parked — and unparks the key, which goes on
+    /// with `seq + 1`: for a message the broker will never take. `seq` must be the
+    /// key's next undelivered number (a gap's missing number included: then nothing
+    /// is moved and `false` comes back). A key that is not parked is refused, since
+    /// a relay may be publishing its head message.
+    fn skip<'a>(&'a self, key: &'a str, seq: u64) -> BoxFuture<'a, Result<bool>> {
+        let _ = (key, seq);
+        Box::pin(async move {
+            Err(Error::new(
+                ErrorKind::UnsupportedStore,
+                format!("{} cannot skip messages", self.describe()),
+            ))
+        })
+    }
 
     /// Counts what is pending and lists up to `parked_limit` parked keys.
     fn status(&self, parked_limit: u32) -> BoxFuture<'_, Result<Status>>;

@@ -34,7 +34,11 @@ use crate::sql::{Statement, map_error, statement, validate_identifier};
 use crate::store::{split_url_options, unknown_option};
 
 struct Sql {
-    create: [Statement; 3],
+    create: [Statement; 4],
+    skip_head: Statement,
+    skip_keep: Statement,
+    skip_delete: Statement,
+    skip_unpark: Statement,
     keep: Statement,
     sweep: Statement,
     kept: Statement,
@@ -96,7 +100,39 @@ impl Sql {
                         PRIMARY KEY (ordering_key, seq),
                         KEY delivered_at (delivered_us)) ENGINE = InnoDB"
                 )),
+                // Messages an operator moved aside (`turnstile outbox skip`), for audit.
+                statement(format!(
+                    "CREATE TABLE IF NOT EXISTS `{prefix}_outbox_skipped` (
+                        ordering_key VARBINARY(255) NOT NULL,
+                        seq BIGINT NOT NULL,
+                        id VARCHAR(36) CHARACTER SET ascii NOT NULL,
+                        topic VARBINARY(255) NOT NULL,
+                        headers TEXT NOT NULL,
+                        payload LONGBLOB NOT NULL,
+                        created_us BIGINT NOT NULL,
+                        skipped_us BIGINT NOT NULL,
+                        reason TEXT NULL,
+                        PRIMARY KEY (ordering_key, seq)) ENGINE = InnoDB"
+                )),
             ],
+            skip_head: statement(format!(
+                "SELECT acked_seq, parked FROM {keys} WHERE ordering_key = ? FOR UPDATE"
+            )),
+            skip_keep: statement(format!(
+                "INSERT IGNORE INTO `{prefix}_outbox_skipped`
+                    (ordering_key, seq, id, topic, headers, payload, created_us, skipped_us, reason)
+                 SELECT m.ordering_key, m.seq, m.id, m.topic, m.headers, m.payload, m.created_us, {now}, k.last_error
+                 FROM {outbox} m JOIN {keys} k ON k.ordering_key = m.ordering_key
+                 WHERE m.ordering_key = ? AND m.seq = ?"
+            )),
+            skip_delete: statement(format!(
+                "DELETE FROM {outbox} WHERE ordering_key = ? AND seq = ?"
+            )),
+            skip_unpark: statement(format!(
+                "UPDATE {keys} SET acked_seq = ?, parked = 0, attempts = 0, last_error = NULL,
+                    available_us = 0
+                 WHERE ordering_key = ?"
+            )),
             keep: statement(format!(
                 "INSERT IGNORE INTO {delivered}
                     (ordering_key, seq, id, topic, headers, payload, created_us, delivered_us)
@@ -167,6 +203,7 @@ impl Sql {
 pub struct MysqlOutbox {
     pool: MySqlPool,
     keep_delivered: Option<Duration>,
+    max_message: Option<usize>,
     sql: Arc<Sql>,
     committed: Arc<Notify>,
     url: String,
@@ -235,6 +272,7 @@ impl MysqlOutbox {
         let outbox = MysqlOutbox {
             pool,
             keep_delivered,
+            max_message: None,
             sql: Arc::new(Sql::new(&prefix)),
             committed: Arc::default(),
             url: redacted,
@@ -273,6 +311,7 @@ impl MysqlOutbox {
         connection: &mut MySqlConnection,
         message: &Message,
     ) -> Result<u64> {
+        super::check_size(message, self.max_message)?;
         let what = "cannot enqueue the message";
         let seq = if connection.is_in_transaction() || open_transaction(connection).await? {
             self.write_message(connection, message).await?
@@ -310,6 +349,17 @@ impl MysqlOutbox {
             .await
             .map_err(fail(what))?;
         Ok(seq)
+    }
+
+    /// Refuses at enqueue (with [`ErrorKind::InvalidOptions`](crate::ErrorKind), before
+    /// anything is written) a message whose payload and headers are over `bytes`: set
+    /// it to the broker's limit (NATS `max_payload`, 1 MiB by default; Kafka
+    /// `message.max.bytes`), so that a message the broker can never take fails in the
+    /// application's transaction instead of parking its key later. `None` (the
+    /// default) takes up to [`MAX_PAYLOAD_LEN`](super::MAX_PAYLOAD_LEN).
+    pub fn max_message(mut self, bytes: Option<usize>) -> Self {
+        self.max_message = bytes;
+        self
     }
 
     /// Keeps delivered messages for `retention` (in `{prefix}_outbox_delivered`) instead
@@ -572,6 +622,48 @@ impl OutboxStore for MysqlOutbox {
                 self.committed.notify_one();
             }
             Ok(changed > 0)
+        })
+    }
+
+    fn skip<'a>(&'a self, key: &'a str, seq: u64) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let what = "cannot skip the message";
+            let mut transaction = self.pool.begin().await.map_err(fail(what))?;
+            let head = sqlx::query(self.sql.skip_head.sql())
+                .bind(key.as_bytes())
+                .fetch_optional(&mut *transaction)
+                .await
+                .map_err(fail(what))?
+                .map(|row| {
+                    let acked: i64 = row.try_get("acked_seq").map_err(fail(what))?;
+                    let parked: i8 = row.try_get("parked").map_err(fail(what))?;
+                    Ok::<_, Error>((unsigned(acked) + 1, parked == 1))
+                })
+                .transpose()?;
+            super::check_skip(key, seq, head)?;
+            let moved = sqlx::query(self.sql.skip_keep.sql())
+                .bind(key.as_bytes())
+                .bind(signed(seq))
+                .execute(&mut *transaction)
+                .await
+                .map_err(fail(what))?
+                .rows_affected();
+            sqlx::query(self.sql.skip_delete.sql())
+                .bind(key.as_bytes())
+                .bind(signed(seq))
+                .execute(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+            sqlx::query(self.sql.skip_unpark.sql())
+                .bind(signed(seq))
+                .bind(key.as_bytes())
+                .execute(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+            transaction.commit().await.map_err(fail(what))?;
+            super::telemetry::skipped(key, seq, moved > 0);
+            self.committed.notify_one();
+            Ok(moved > 0)
         })
     }
 

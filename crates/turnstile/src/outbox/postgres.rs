@@ -50,6 +50,8 @@ struct Sql {
     sweep: Statement,
     kept: Statement,
     redrive: Statement,
+    skip_head: Statement,
+    skip: Statement,
     status: Statement,
     parked: Statement,
     forget_relays: Statement,
@@ -63,6 +65,7 @@ impl Sql {
         let outbox = format!("{schema}.\"{prefix}_outbox\"");
         let relays = format!("{schema}.\"{prefix}_outbox_relays\"");
         let delivered = format!("{schema}.\"{prefix}_outbox_delivered\"");
+        let skipped = format!("{schema}.\"{prefix}_outbox_skipped\"");
         let channel = format!("{prefix}_outbox");
         let now = "clock_timestamp()";
         let secs = |n: u8| format!("make_interval(secs => ${n}::float8)");
@@ -112,6 +115,20 @@ impl Sql {
         Sql {
             create: vec![
                 format!("CREATE SCHEMA IF NOT EXISTS {schema}"),
+                // Messages an operator moved aside (`turnstile outbox skip`), for audit.
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {skipped} (
+                        ordering_key TEXT COLLATE \"C\" NOT NULL,
+                        seq BIGINT NOT NULL,
+                        id TEXT NOT NULL,
+                        topic TEXT NOT NULL,
+                        headers TEXT NOT NULL,
+                        payload BYTEA NOT NULL,
+                        created_at TIMESTAMPTZ NOT NULL,
+                        skipped_at TIMESTAMPTZ NOT NULL,
+                        reason TEXT,
+                        PRIMARY KEY (ordering_key, seq))"
+                ),
                 format!(
                     "CREATE TABLE IF NOT EXISTS {keys} (
                         ordering_key TEXT COLLATE \"C\" PRIMARY KEY,
@@ -232,6 +249,27 @@ impl Sql {
                  SELECT count(*) FROM gone"
             )),
             kept: statement(format!("SELECT count(*) FROM {delivered}")),
+            skip_head: statement(format!(
+                "SELECT acked_seq, parked FROM {keys} WHERE ordering_key = $1 FOR UPDATE"
+            )),
+            // $1 key, $2 seq: the head message moves to the skipped ones (with the
+            // reason the key was parked), and the key goes on after it.
+            skip: statement(format!(
+                "WITH moved AS (
+                    DELETE FROM {outbox} WHERE ordering_key = $1 AND seq = $2 RETURNING *),
+                 kept AS (
+                    INSERT INTO {skipped}
+                        (ordering_key, seq, id, topic, headers, payload, created_at, skipped_at, reason)
+                    SELECT m.ordering_key, m.seq, m.id, m.topic, m.headers, m.payload, m.created_at, {now},
+                           (SELECT last_error FROM {keys} WHERE ordering_key = $1)
+                    FROM moved m ON CONFLICT DO NOTHING RETURNING 1),
+                 unparked AS (
+                    UPDATE {keys} SET acked_seq = $2, parked = false, attempts = 0, last_error = NULL,
+                        available_at = '-infinity'
+                    WHERE ordering_key = $1 RETURNING 1),
+                 woken AS (SELECT pg_notify('{channel}', '') FROM unparked)
+                 SELECT (SELECT count(*) FROM moved) AS moved, (SELECT count(*) FROM woken) AS woken"
+            )),
             redrive: statement(format!(
                 "WITH k AS (
                     UPDATE {keys} SET parked = false, attempts = 0, last_error = NULL,
@@ -264,6 +302,7 @@ impl Sql {
 pub struct PostgresOutbox {
     pool: PgPool,
     keep_delivered: Option<Duration>,
+    max_message: Option<usize>,
     sql: Arc<Sql>,
     relay_id: String,
     signals: ReleaseSignals,
@@ -340,6 +379,7 @@ impl PostgresOutbox {
         let outbox = PostgresOutbox {
             pool,
             keep_delivered,
+            max_message: None,
             sql: Arc::new(Sql::new(&schema, &prefix)),
             relay_id: uuid::Uuid::now_v7().to_string(),
             signals: ReleaseSignals::new(),
@@ -385,6 +425,7 @@ impl PostgresOutbox {
     /// takes it back. Enqueue last in the transaction: the key's row stays locked until
     /// it ends.
     pub async fn enqueue(&self, connection: &mut PgConnection, message: &Message) -> Result<u64> {
+        super::check_size(message, self.max_message)?;
         let row = sqlx::query(self.sql.enqueue.sql())
             .bind(message.key())
             .bind(message.id())
@@ -410,6 +451,17 @@ impl PostgresOutbox {
             .map_err(fail("cannot commit the transaction"))?;
         self.signals.notify("");
         Ok(())
+    }
+
+    /// Refuses at enqueue (with [`ErrorKind::InvalidOptions`](crate::ErrorKind), before
+    /// anything is written) a message whose payload and headers are over `bytes`: set
+    /// it to the broker's limit (NATS `max_payload`, 1 MiB by default; Kafka
+    /// `message.max.bytes`), so that a message the broker can never take fails in the
+    /// application's transaction instead of parking its key later. `None` (the
+    /// default) takes up to [`MAX_PAYLOAD_LEN`](super::MAX_PAYLOAD_LEN).
+    pub fn max_message(mut self, bytes: Option<usize>) -> Self {
+        self.max_message = bytes;
+        self
     }
 
     /// Keeps delivered messages for `retention` (in `{prefix}_outbox_delivered`) instead
@@ -575,6 +627,37 @@ impl OutboxStore for PostgresOutbox {
                 self.signals.notify("");
             }
             Ok(redriven > 0)
+        })
+    }
+
+    fn skip<'a>(&'a self, key: &'a str, seq: u64) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let what = "cannot skip the message";
+            let mut transaction = self.pool.begin().await.map_err(fail(what))?;
+            let head = sqlx::query(self.sql.skip_head.sql())
+                .bind(key)
+                .fetch_optional(&mut *transaction)
+                .await
+                .map_err(fail(what))?
+                .map(|row| {
+                    let acked: i64 = row.try_get("acked_seq").map_err(fail(what))?;
+                    let parked: bool = row.try_get("parked").map_err(fail(what))?;
+                    Ok::<_, Error>((unsigned(acked) + 1, parked))
+                })
+                .transpose()?;
+            super::check_skip(key, seq, head)?;
+            let moved: i64 = sqlx::query(self.sql.skip.sql())
+                .bind(key)
+                .bind(signed(seq))
+                .fetch_one(&mut *transaction)
+                .await
+                .map_err(fail(what))?
+                .try_get("moved")
+                .map_err(fail(what))?;
+            transaction.commit().await.map_err(fail(what))?;
+            super::telemetry::skipped(key, seq, moved > 0);
+            self.signals.notify("");
+            Ok(moved > 0)
         })
     }
 

@@ -1,6 +1,6 @@
 //! The relay: leases keys, publishes their messages in order, settles.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,8 +28,10 @@ pub trait Publisher: Send + Sync + 'static {
 
     /// Checks, once per topic before its first publish, that the broker can take
     /// messages for `topic` and that its duplicate detection covers a message
-    /// published again up to `redelivery` after its first publish; a
-    /// [`ErrorKind::Configuration`] error makes the relay refuse to run.
+    /// published again up to `redelivery` after its first publish. A refusal stops the
+    /// keys whose next message is on `topic` (an [`ErrorKind::Configuration`] error
+    /// counts toward parking them, any other only backs them off); the topic is
+    /// checked again in the next round.
     fn check<'a>(&'a self, topic: &'a str, redelivery: Duration) -> BoxFuture<'a, Result<()>>;
 
     /// The broker, for messages.
@@ -180,8 +182,9 @@ impl Relay {
 
     /// One round: lease due keys, publish their messages (keys at once, each key's in
     /// order, a key stopping at its first failure or when its lease is nearly over),
-    /// settle. A broker configuration that cannot keep the promises is an error
-    /// ([`ErrorKind::Configuration`]), and nothing of that topic is published.
+    /// settle. A topic the broker cannot serve as promised stops the keys that reach
+    /// it (they park with the reason after `max_attempts`), not the relay; a lease too
+    /// short for the publisher is an error ([`ErrorKind::Configuration`]).
     pub async fn run_once(&self) -> Result<Round> {
         // Every publish must land inside the lease: past it, another relay may have
         // the key and publish its later messages. So a publish starts only while a
@@ -222,13 +225,28 @@ impl Relay {
         if leased.is_empty() {
             return Ok(round);
         }
+        // A topic the broker cannot serve (no stream takes it, a duplicate window too
+        // short to keep the promise) stops only the keys that reach it, with the
+        // reason: those messages are not published, the keys back off and park after
+        // `max_attempts` (visible in `outbox status`), and every other key flows.
+        let mut refused: HashMap<String, Failure> = HashMap::new();
         for topic in leased
             .iter()
             .flat_map(|key| key.messages.iter().map(|stored| stored.message.topic()))
             .collect::<HashSet<_>>()
         {
-            self.check_topic(topic).await?;
+            if let Err(error) = self.check_topic(topic).await {
+                telemetry::topic_refused(topic, &error);
+                refused.insert(
+                    topic.to_owned(),
+                    Failure {
+                        permanent: error.kind() == ErrorKind::Configuration,
+                        reason: error.to_string(),
+                    },
+                );
+            }
         }
+        let refused = Arc::new(refused);
         let deadline = PublishDeadline {
             last_start: sent + start_within,
             cut_off: sent + lease - margin,
@@ -236,7 +254,7 @@ impl Relay {
         let mut tasks = tokio::task::JoinSet::new();
         for key in leased {
             let publisher = Arc::clone(&self.publisher);
-            tasks.spawn(publish_key(publisher, key, deadline));
+            tasks.spawn(publish_key(publisher, key, deadline, Arc::clone(&refused)));
         }
         let mut settlements = Vec::with_capacity(round.keys);
         while let Some(done) = tasks.join_next().await {
@@ -367,6 +385,7 @@ async fn publish_key(
     publisher: Arc<dyn Publisher>,
     key: LeasedKey,
     deadline: PublishDeadline,
+    refused: Arc<HashMap<String, Failure>>,
 ) -> (Settlement, usize) {
     let mut settlement = Settlement {
         key: key.key,
@@ -393,6 +412,11 @@ async fn publish_key(
     let mut published = 0;
     for stored in &key.messages[..in_order] {
         if Instant::now() >= deadline.last_start {
+            return (settlement, published);
+        }
+        if let Some(failure) = refused.get(stored.message.topic()) {
+            telemetry::failed(&stored.message, stored.seq, failure);
+            settlement.failure = Some(failure.clone());
             return (settlement, published);
         }
         let started = Instant::now();

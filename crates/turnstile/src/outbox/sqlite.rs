@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::lock::BoxFuture;
 use crate::sql::map_error;
 
-const CREATE: [&str; 5] = [
+const CREATE: [&str; 6] = [
     "CREATE TABLE IF NOT EXISTS turnstile_outbox_keys (
         ordering_key TEXT PRIMARY KEY,
         last_seq INTEGER NOT NULL,
@@ -67,6 +67,18 @@ const CREATE: [&str; 5] = [
         UNIQUE (ordering_key, seq))",
     "CREATE INDEX IF NOT EXISTS turnstile_outbox_delivered_at
         ON turnstile_outbox_delivered (delivered_ms)",
+    // Messages an operator moved aside (`turnstile outbox skip`), kept for audit.
+    "CREATE TABLE IF NOT EXISTS turnstile_outbox_skipped (
+        ordering_key TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        id TEXT NOT NULL,
+        topic TEXT NOT NULL,
+        headers TEXT NOT NULL,
+        payload BLOB NOT NULL,
+        created_ms INTEGER NOT NULL,
+        skipped_ms INTEGER NOT NULL,
+        reason TEXT,
+        UNIQUE (ordering_key, seq))",
 ];
 
 /// The outbox in a SQLite database file.
@@ -76,6 +88,7 @@ pub struct SqliteOutbox {
     path: PathBuf,
     committed: Arc<Notify>,
     keep_delivered: Option<Duration>,
+    max_message: Option<usize>,
 }
 
 fn fail(what: &'static str) -> impl Fn(sqlx::Error) -> Error {
@@ -96,6 +109,7 @@ impl SqliteOutbox {
             path,
             committed: Arc::default(),
             keep_delivered: None,
+            max_message: None,
         };
         outbox.migrate().await?;
         Ok(outbox)
@@ -114,11 +128,23 @@ impl SqliteOutbox {
             path: url.path,
             committed: Arc::default(),
             keep_delivered: keep,
+            max_message: None,
         };
         if url.create {
             outbox.migrate().await?;
         }
         Ok(outbox)
+    }
+
+    /// Refuses at enqueue (with [`ErrorKind::InvalidOptions`](crate::ErrorKind), before
+    /// anything is written) a message whose payload and headers are over `bytes`: set
+    /// it to the broker's limit (NATS `max_payload`, 1 MiB by default; Kafka
+    /// `message.max.bytes`), so that a message the broker can never take fails in the
+    /// application's transaction instead of parking its key later. `None` (the
+    /// default) takes up to [`MAX_PAYLOAD_LEN`](super::MAX_PAYLOAD_LEN).
+    pub fn max_message(mut self, bytes: Option<usize>) -> Self {
+        self.max_message = bytes;
+        self
     }
 
     /// Keeps delivered messages for `retention` (in `turnstile_outbox_delivered`) instead
@@ -156,6 +182,7 @@ impl SqliteOutbox {
         connection: &mut SqliteConnection,
         message: &Message,
     ) -> Result<u64> {
+        super::check_size(message, self.max_message)?;
         let what = "cannot enqueue the message";
         // Outside a transaction SQLite's SAVEPOINT begins one and RELEASE commits it;
         // inside one they nest. Either way the two statements below land together.
@@ -395,6 +422,67 @@ impl OutboxStore for SqliteOutbox {
                 self.committed.notify_one();
             }
             Ok(changed > 0)
+        })
+    }
+
+    fn skip<'a>(&'a self, key: &'a str, seq: u64) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let what = "cannot skip the message";
+            let mut transaction = self
+                .pool
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(fail(what))?;
+            let head = sqlx::query(
+                "SELECT acked_seq, parked FROM turnstile_outbox_keys WHERE ordering_key = ?1",
+            )
+            .bind(key)
+            .fetch_optional(&mut *transaction)
+            .await
+            .map_err(fail(what))?
+            .map(|row| {
+                let acked: i64 = row.try_get("acked_seq").map_err(fail(what))?;
+                let parked: i64 = row.try_get("parked").map_err(fail(what))?;
+                Ok::<_, Error>((unsigned(acked) + 1, parked == 1))
+            })
+            .transpose()?;
+            super::check_skip(key, seq, head)?;
+            let seq = i64::try_from(seq).unwrap_or(i64::MAX);
+            let (now_ms, _) = wall_clock();
+            let moved = sqlx::query(
+                "INSERT OR IGNORE INTO turnstile_outbox_skipped
+                    (ordering_key, seq, id, topic, headers, payload, created_ms, skipped_ms, reason)
+                 SELECT m.ordering_key, m.seq, m.id, m.topic, m.headers, m.payload, m.created_ms, ?3, k.last_error
+                 FROM turnstile_outbox m JOIN turnstile_outbox_keys k ON k.ordering_key = m.ordering_key
+                 WHERE m.ordering_key = ?1 AND m.seq = ?2",
+            )
+            .bind(key)
+            .bind(seq)
+            .bind(now_ms)
+            .execute(&mut *transaction)
+            .await
+            .map_err(fail(what))?
+            .rows_affected();
+            sqlx::query("DELETE FROM turnstile_outbox WHERE ordering_key = ?1 AND seq = ?2")
+                .bind(key)
+                .bind(seq)
+                .execute(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+            sqlx::query(
+                "UPDATE turnstile_outbox_keys SET acked_seq = ?2, parked = 0, attempts = 0,
+                    last_error = NULL, available_ms = 0
+                 WHERE ordering_key = ?1",
+            )
+            .bind(key)
+            .bind(seq)
+            .execute(&mut *transaction)
+            .await
+            .map_err(fail(what))?;
+            transaction.commit().await.map_err(fail(what))?;
+            super::telemetry::skipped(key, u64::try_from(seq).unwrap_or(0), moved > 0);
+            self.committed.notify_one();
+            Ok(moved > 0)
         })
     }
 

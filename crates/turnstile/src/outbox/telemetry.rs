@@ -10,6 +10,8 @@
 //! | `turnstile_outbox_parked_total` | counter | — |
 //! | `turnstile_outbox_gaps_total` | counter | — (a key whose next message is missing: nothing of it is published) |
 //! | `turnstile_outbox_settle_retries_total` | counter | — (a settlement the store failed, tried again within the lease) |
+//! | `turnstile_outbox_topics_refused_total` | counter | — (a topic check the broker failed: no stream, a duplicate window too short) |
+//! | `turnstile_outbox_skipped_total` | counter | — (head messages an operator moved aside with `outbox skip`) |
 //! | `turnstile_outbox_fenced_total` | counter | — (settlements refused: the lease had moved on) |
 //! | `turnstile_outbox_pending` | gauge | — (undelivered messages of keys not parked; set by running relays every 5 s) |
 //! | `turnstile_outbox_oldest_pending_seconds` | gauge | — (the lag: age of the oldest undelivered message) |
@@ -73,6 +75,25 @@ pub(crate) fn gap(key: &str, expected: u64, found: Option<u64>) {
 pub(crate) fn settle_retried(error: &crate::Error) {
     metrics::counter!("turnstile_outbox_settle_retries_total").increment(1);
     tracing::warn!(%error, "recording an outbox round failed; trying again within its lease");
+}
+
+pub(crate) fn topic_refused(topic: &str, error: &crate::Error) {
+    metrics::counter!("turnstile_outbox_topics_refused_total").increment(1);
+    tracing::error!(topic, %error, "the broker cannot take this topic as promised; its keys stop and park, the others go on");
+}
+
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn skipped(key: &str, seq: u64, moved: bool) {
+    metrics::counter!("turnstile_outbox_skipped_total").increment(1);
+    tracing::warn!(
+        key,
+        seq,
+        moved,
+        "an operator skipped an outbox key's head message; the key goes on after it"
+    );
 }
 
 pub(crate) fn fenced(key: &str) {
