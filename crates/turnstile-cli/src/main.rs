@@ -78,6 +78,9 @@ enum Command {
     /// Create the store's tables (locks, fences, idempotency records) if they are
     /// missing (SQL stores); harmless to repeat.
     Migrate(StoreOnlyArgs),
+    /// Internal to `lock exec`: runs the command between turnstile and it.
+    #[command(name = exec::SUPERVISOR, hide = true)]
+    ExecSupervisor(exec::SupervisorArgs),
 }
 
 #[derive(Args, Debug)]
@@ -102,10 +105,10 @@ enum LockCommand {
     /// terminal's foreground group, the command cannot read from the terminal, and
     /// Ctrl-Z is refused (it would stop the renewals, not the command).
     ///
-    /// If turnstile itself is killed (kill -9), the kernel kills the command (on
-    /// Linux), but only the command itself: processes it started keep running with no
-    /// lock. When the lock is lost turnstile signals the whole group itself, so only
-    /// turnstile dying abruptly (kill -9, a crash) leaves them running.
+    /// If turnstile itself dies (kill -9, a crash), the group is ended all the same:
+    /// the command runs under a small supervisor (the turnstile binary run again) that
+    /// notices and sends the group SIGTERM, then SIGKILL after --kill-after. On Linux
+    /// it also ends what the command started and left (a double fork, a new session).
     ///
     /// Exit status: the command's own; 75 if the lock was not acquired in time; 76 if
     /// the lock was lost (or was about to run out unrenewed) and the command was
@@ -506,6 +509,10 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    // The supervisor takes the pipes it inherited before the runtime opens anything.
+    if let Command::ExecSupervisor(args) = cli.command {
+        return exec::supervisor(args);
+    }
     // The service uses both cores; every other command is one task at a time.
     // `bench lock` runs on the multi-thread runtime too with BENCH_RUNTIME=multi_thread,
     // as a service would run the library.
@@ -541,6 +548,8 @@ fn main() -> ExitCode {
             Command::Idempotency(command) => idempotency::run(command).await,
             Command::Outbox(command) => outbox::run(command).await,
             Command::Serve(args) => serve::run(args).await,
+            // Run above, before the runtime.
+            Command::ExecSupervisor(_) => ExitCode::from(exit::SOFTWARE),
         }
     })
 }

@@ -376,6 +376,102 @@ fn killing_turnstile_with_sigkill_kills_the_command() {
     );
 }
 
+/// The pids a command appended to `path`, one a line (`echo $! >> path`), once there
+/// are `count` complete lines.
+fn read_pids(path: &Path, count: usize) -> Vec<libc::pid_t> {
+    let started = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        // A line is complete once its newline is there.
+        let lines: Vec<&str> = text.split_inclusive('\n').collect();
+        if lines.len() >= count && lines[..count].iter().all(|line| line.ends_with('\n')) {
+            return lines[..count]
+                .iter()
+                .map(|line| {
+                    line.trim()
+                        .parse()
+                        .unwrap_or_else(|_| panic!("{} holds {text:?}", path.display()))
+                })
+                .collect();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{} holds {text:?}, not {count} pids",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn killing_turnstile_with_sigkill_kills_what_the_command_started_too() {
+    let sandbox = Sandbox::new();
+    let shell = sandbox.path("shell.pid");
+    let parent = sandbox.path("parent.pid");
+    let jobs = sandbox.path("jobs.pids");
+    // Most real commands are `sh -c` or a script: the shell's children, not the shell,
+    // do the work. Their output goes elsewhere, so that they hold no pipe of the test's.
+    let script = format!(
+        "{}; {}; sleep 1000 >/dev/null 2>&1 & echo $! >> {jobs}; \
+         sleep 1000 >/dev/null 2>&1 & echo $! >> {jobs}; wait",
+        write_pid("$$", &shell),
+        write_pid("$PPID", &parent),
+        jobs = jobs.display()
+    );
+    let mut holder = sandbox
+        .turnstile(&[
+            "lock", "exec", "--ttl", "5s", "orphans", "--", "sh", "-c", &script,
+        ])
+        .spawn()
+        .unwrap();
+    let mut pids = read_pids(&jobs, 2);
+    pids.push(read_pid(&shell));
+    // Whatever runs the shell for turnstile (turnstile itself, or a process between
+    // them) must not outlive turnstile either.
+    pids.push(read_pid(&parent));
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    // Every pid is waited for (and killed if need be) before anything is asserted.
+    let outlived: Vec<_> = pids
+        .iter()
+        .copied()
+        .filter(|&pid| !ends_within(pid, Duration::from_secs(5)))
+        .collect();
+    assert!(
+        outlived.is_empty(),
+        "processes {outlived:?} of {pids:?} (jobs, shell, parent) outlived a kill -9 of turnstile"
+    );
+    // No one renews the lock any more: its 5s lease runs out.
+    let killed = Instant::now();
+    loop {
+        let output = sandbox.run(&["lock", "status", "--json", "orphans"]);
+        let status: serde_json::Value = serde_json::from_str(&stdout(&output))
+            .unwrap_or_else(|_| panic!("{}", stderr(&output)));
+        if status["held"] == false {
+            break;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(8),
+            "the lock is still renewed after turnstile was killed: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_finished_command_leaves_nothing_of_turnstiles_running() {
+    let sandbox = Sandbox::new();
+    let output = sandbox.run(&["lock", "exec", "tidy", "--", "sh", "-c", "echo $PPID"]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    // The command's parent: turnstile, or a process between them, which turnstile has
+    // waited for before exiting.
+    let parent: libc::pid_t = stdout(&output).trim().parse().unwrap();
+    assert!(
+        ends_within(parent, Duration::from_secs(1)),
+        "the command's parent {parent} outlived turnstile"
+    );
+}
+
 #[test]
 fn losing_the_redis_server_terminates_the_command_with_exit_76() {
     let server = RedisServer::spawn();

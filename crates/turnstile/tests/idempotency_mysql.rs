@@ -184,7 +184,7 @@ async fn cursors_follow_each_keys_sequence() {
     idempotency_conformance::cursors_follow_each_keys_sequence(async |key: &str, seq| {
         let mut transaction = pool.begin().await.unwrap();
         let step = store
-            .advance_cursor(&mut transaction, &consumer, key, seq)
+            .advance_cursor(&mut transaction, &consumer, key, seq, 0)
             .await
             .unwrap();
         transaction.commit().await.unwrap();

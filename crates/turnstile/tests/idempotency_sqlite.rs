@@ -259,7 +259,7 @@ async fn cursors_follow_each_keys_sequence() {
     idempotency_conformance::cursors_follow_each_keys_sequence(async |key: &str, seq| {
         let mut transaction = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
         let step = store
-            .advance_cursor(&mut transaction, &consumer, key, seq)
+            .advance_cursor(&mut transaction, &consumer, key, seq, 0)
             .await
             .unwrap();
         transaction.commit().await.unwrap();
@@ -318,4 +318,42 @@ async fn records_are_committed_durably_unless_the_url_says_otherwise() {
         .await
         .unwrap_err();
     assert_eq!(error.kind(), turnstile::ErrorKind::InvalidUrl);
+}
+
+/// A consumer that starts after a stream dropped its early messages: by default a key
+/// never seen waits for its message 1; `start_at_first_seen` starts it at the first
+/// message that arrives.
+#[tokio::test]
+async fn an_inbox_can_start_a_key_at_its_first_message_seen() {
+    use turnstile::idempotency::inbox::{Delivery, Inbox};
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteIdempotencyStore::open(dir.path().join("in.db"))
+        .await
+        .unwrap();
+    let step = async |inbox: &Inbox<SqliteIdempotencyStore>, id: &str, seq: u64| {
+        let mut transaction = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+        let delivery = inbox
+            .process_in_order(&mut transaction, id, "key", seq, async |_| {
+                Ok::<_, turnstile::Error>(())
+            })
+            .await
+            .unwrap();
+        transaction.commit().await.unwrap();
+        delivery
+    };
+    let from_one = Inbox::new(store.clone(), "from-one").unwrap();
+    assert_eq!(
+        step(&from_one, "m5", 5).await,
+        Delivery::Early { expected: 1 }
+    );
+    let from_now = Inbox::new(store.clone(), "from-now")
+        .unwrap()
+        .start_at_first_seen(true);
+    assert_eq!(step(&from_now, "m5", 5).await, Delivery::Processed(()));
+    assert_eq!(
+        step(&from_now, "m7", 7).await,
+        Delivery::Early { expected: 6 }
+    );
+    assert_eq!(step(&from_now, "m6", 6).await, Delivery::Processed(()));
+    assert_eq!(step(&from_now, "m6", 6).await, Delivery::Duplicate);
 }

@@ -1022,18 +1022,22 @@ async fn the_inbox_makes_delivery_effectively_once() {
                     );
                     let mut transaction = keys.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
                     let delivery = inbox
-                        .process(&mut transaction, &incoming.id, async |connection| {
-                            sqlx::query(
-                                "INSERT INTO totals (account, cents) VALUES (?1, ?2)
+                        .process(
+                            &mut transaction,
+                            &incoming.inbox_id()?,
+                            async |connection| {
+                                sqlx::query(
+                                    "INSERT INTO totals (account, cents) VALUES (?1, ?2)
                              ON CONFLICT (account) DO UPDATE SET cents = cents + ?2",
-                            )
-                            .bind(&account)
-                            .bind(cents)
-                            .execute(&mut *connection)
-                            .await
-                            .unwrap();
-                            Ok::<_, turnstile::Error>(())
-                        })
+                                )
+                                .bind(&account)
+                                .bind(cents)
+                                .execute(&mut *connection)
+                                .await
+                                .unwrap();
+                                Ok::<_, turnstile::Error>(())
+                            },
+                        )
                         .await?;
                     transaction.commit().await.unwrap();
                     if delivery.is_duplicate() {
@@ -1201,8 +1205,8 @@ async fn a_consumer_can_insist_on_key_order() {
                     let delivery = inbox
                         .process_in_order(
                             &mut transaction,
-                            &incoming.id,
-                            incoming.key.as_deref().unwrap(),
+                            &incoming.inbox_id()?,
+                            &incoming.cursor_key().unwrap(),
                             incoming.seq.unwrap(),
                             async |_connection| Ok::<_, turnstile::Error>(incoming.seq.unwrap()),
                         )
@@ -1274,7 +1278,6 @@ impl turnstile::outbox::relay::Publisher for AfterClaim {
 /// the round, so nothing is published twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blocked_settlement_is_retried_not_republished() {
-    use turnstile::outbox::relay::Publisher as _;
     let outbox = Postgres::new().await;
     let publisher = connect(shared_nats()).await;
     let (stream_name, subject) = names("deadlock");
@@ -1354,4 +1357,193 @@ async fn a_message_over_the_brokers_limit_is_refused_at_enqueue() {
     assert_eq!(store.enqueue(&mut transaction, &small).await.unwrap(), 1);
     store.commit(transaction).await.unwrap();
     assert_eq!(store.status(10).await.unwrap().pending, 1);
+}
+
+/// Consumes every message of `stream_name` through `inbox`, in key order, and returns
+/// what it handled as (producer, key, seq).
+async fn consume_in_order(
+    publisher: &JetStreamPublisher,
+    stream_name: &str,
+    consumer_name: &str,
+    keys: &turnstile::idempotency::sqlite::SqliteIdempotencyStore,
+    inbox: &turnstile::idempotency::inbox::Inbox<
+        turnstile::idempotency::sqlite::SqliteIdempotencyStore,
+    >,
+) -> Vec<(Option<String>, String, u64)> {
+    use turnstile::idempotency::inbox::Delivery;
+    use turnstile::outbox::nats::JetStreamConsumer;
+    let consumer = JetStreamConsumer::durable(
+        publisher.jetstream(),
+        stream_name,
+        consumer_name,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let mut handled = Vec::new();
+    loop {
+        let processed = consumer
+            .process(
+                10,
+                Duration::from_millis(300),
+                Duration::from_millis(10),
+                async |incoming| {
+                    let mut transaction = keys.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+                    let delivery = inbox
+                        .process_in_order(
+                            &mut transaction,
+                            &incoming.inbox_id()?,
+                            &incoming.cursor_key().unwrap(),
+                            incoming.seq.unwrap(),
+                            async |_| Ok::<_, turnstile::Error>(()),
+                        )
+                        .await?;
+                    transaction.commit().await.unwrap();
+                    if let Delivery::Processed(()) = delivery {
+                        handled.push((
+                            incoming.producer.clone(),
+                            incoming.key.clone().unwrap(),
+                            incoming.seq.unwrap(),
+                        ));
+                    }
+                    Ok(())
+                },
+            )
+            .await
+            .unwrap();
+        if processed.acked + processed.retried == 0 {
+            return handled;
+        }
+    }
+}
+
+/// Two outboxes that use the same ordering key keep two cursors at the consumer (each
+/// sends its identity); an outbox whose database was restored from a backup numbers
+/// new messages again from where the backup was, and the consumer handles them
+/// instead of taking them for messages it has seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cursors_are_per_producer_and_survive_a_restored_outbox() {
+    use turnstile::idempotency::inbox::Inbox;
+    use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("producers");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    let topic = format!("{subject}.created");
+    let (first, second) = (Sqlite::new().await, Sqlite::new().await);
+    assert_ne!(first.outbox.identity(), second.outbox.identity());
+    assert!(first.outbox.identity().is_some());
+    for outbox in [&first, &second] {
+        for n in 0..2 {
+            let message = Message::json(topic.as_str(), "account-1", &n).unwrap();
+            outbox.enqueue_one(&message, true).await;
+        }
+    }
+    // A backup of the first outbox after its two messages.
+    let backup = first._dir.path().join("backup.db");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "VACUUM INTO '{}'",
+        backup.display()
+    )))
+    .execute(first.outbox.pool())
+    .await
+    .unwrap();
+    let message = Message::json(topic.as_str(), "account-1", &2).unwrap();
+    first.enqueue_one(&message, true).await;
+    for outbox in [&first, &second] {
+        let relay = Relay::new(outbox.store(), publisher.clone());
+        while relay.run_once().await.unwrap().keys > 0 {}
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let keys = SqliteIdempotencyStore::open(dir.path().join("consumer.db"))
+        .await
+        .unwrap();
+    let inbox = Inbox::new(keys.clone(), "totals").unwrap();
+    let handled = consume_in_order(&publisher, &stream_name, "totals", &keys, &inbox).await;
+    let first_id = first.outbox.identity().map(str::to_owned);
+    let second_id = second.outbox.identity().map(str::to_owned);
+    let mut expected: Vec<_> = [(&first_id, 1), (&first_id, 2), (&first_id, 3)]
+        .into_iter()
+        .chain([(&second_id, 1), (&second_id, 2)])
+        .map(|(producer, seq)| (producer.clone(), "account-1".to_owned(), seq))
+        .collect();
+    let mut sorted = handled.clone();
+    sorted.sort();
+    expected.sort();
+    assert_eq!(
+        sorted, expected,
+        "both producers' messages, each in its own order"
+    );
+
+    // The first outbox's database is restored from the backup: its next message is
+    // number 3 again, with a new id.
+    let restored = SqliteOutbox::open(&backup).await.unwrap();
+    assert_eq!(restored.identity(), first.outbox.identity());
+    let mut transaction = restored.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let again = Message::json(topic.as_str(), "account-1", &"after the restore").unwrap();
+    assert_eq!(restored.enqueue(&mut transaction, &again).await.unwrap(), 3);
+    restored.commit(transaction).await.unwrap();
+    let relay = Relay::new(restored, publisher.clone());
+    while relay.run_once().await.unwrap().keys > 0 {}
+    let handled = consume_in_order(&publisher, &stream_name, "totals", &keys, &inbox).await;
+    assert_eq!(
+        handled,
+        vec![(first_id, "account-1".to_owned(), 3)],
+        "the restored outbox's new message was dropped as seen"
+    );
+}
+
+/// A message from another producer without an id of its own (no `Nats-Msg-Id`) has
+/// none at the consumer: the inbox refuses to deduplicate it on a made-up one, so
+/// neither two such messages nor a redelivery are confused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_message_without_an_id_gets_none() {
+    use turnstile::outbox::nats::JetStreamConsumer;
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("foreign");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    for body in ["one", "two"] {
+        publisher
+            .jetstream()
+            .publish(format!("{subject}.raw"), body.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let consumer = JetStreamConsumer::durable(
+        publisher.jetstream(),
+        &stream_name,
+        "foreign",
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let mut refusals = Vec::new();
+    consumer
+        .process(
+            10,
+            Duration::from_millis(300),
+            Duration::from_millis(10),
+            async |incoming| {
+                assert_eq!(incoming.id, None);
+                assert_eq!(incoming.producer, None);
+                refusals.push(incoming.inbox_id().unwrap_err().kind());
+                Ok(())
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(refusals, [turnstile::ErrorKind::InvalidOptions; 2]);
 }

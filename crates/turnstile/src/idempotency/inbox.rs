@@ -69,6 +69,7 @@ pub struct Inbox<S> {
     store: S,
     consumer: Scope,
     options: IdempotencyOptions,
+    start_at_first_seen: bool,
 }
 
 impl<S: TransactionalIdempotency> Inbox<S> {
@@ -80,7 +81,18 @@ impl<S: TransactionalIdempotency> Inbox<S> {
             consumer: Scope::new(consumer)?,
             options: IdempotencyOptions::new()
                 .retention(std::time::Duration::from_secs(7 * 24 * 3600)),
+            start_at_first_seen: false,
         })
+    }
+
+    /// For [`process_in_order`](Self::process_in_order): a key this consumer has never
+    /// seen starts at the first message that arrives, not at 1. For a consumer that
+    /// joins a stream whose early messages were trimmed away (or that starts from the
+    /// current position on purpose): without it every such key waits forever for a
+    /// message 1 that will never come ([`Delivery::Early`]).
+    pub fn start_at_first_seen(mut self, on: bool) -> Self {
+        self.start_at_first_seen = on;
+        self
     }
 
     /// The same inbox with other options (the retention is what matters here: keep
@@ -96,7 +108,17 @@ impl<S: TransactionalIdempotency> Inbox<S> {
     /// 3…, in the `Turnstile-Seq` / `turnstile-seq` header and in
     /// [`Incoming::seq`](crate::outbox::Incoming::seq)). A message whose predecessor has
     /// not been handled is [`Delivery::Early`]: nothing runs, and the caller has the
-    /// broker deliver it again later. A key this consumer has never seen starts at 1.
+    /// broker deliver it again later. A key this consumer has never seen starts at 1
+    /// (or, with [`start_at_first_seen`](Self::start_at_first_seen), at the first
+    /// message that arrives).
+    ///
+    /// Pass [`Incoming::cursor_key`](crate::outbox::Incoming::cursor_key) as `key` and
+    /// [`Incoming::inbox_id`](crate::outbox::Incoming::inbox_id) as `message_id`: both
+    /// carry the producing outbox's identity, so two outboxes using the same keys keep
+    /// two cursors. A number the cursor has passed is a duplicate only if its id was
+    /// recorded: a message never seen with such a number comes from a producer whose
+    /// numbering went back (its database restored from a backup), and it is handled,
+    /// the key's cursor moving back to it, instead of being acknowledged and dropped.
     pub async fn process_in_order<T, E, F>(
         &self,
         connection: &mut S::Connection,
@@ -109,13 +131,32 @@ impl<S: TransactionalIdempotency> Inbox<S> {
         E: From<Error>,
         F: AsyncFnOnce(&mut S::Connection) -> std::result::Result<T, E>,
     {
+        let start = if self.start_at_first_seen {
+            seq.saturating_sub(1)
+        } else {
+            0
+        };
         match self
             .store
-            .advance_cursor(connection, &self.consumer, key, seq)
+            .advance_cursor(connection, &self.consumer, key, seq, start)
             .await?
         {
             CursorStep::Next => self.process(connection, message_id, handle).await,
-            CursorStep::Seen => Ok(Delivery::Duplicate),
+            CursorStep::Seen => {
+                let delivery = self.process(connection, message_id, handle).await?;
+                if !delivery.is_duplicate() {
+                    tracing::warn!(
+                        consumer = %self.consumer, key, seq, message_id,
+                        "a message new to this consumer comes with a number its key has passed: \
+                         the producer's numbering went back (a restored database); handled, and \
+                         the key's order continues from it"
+                    );
+                    self.store
+                        .set_cursor(connection, &self.consumer, key, seq)
+                        .await?;
+                }
+                Ok(delivery)
+            }
             CursorStep::Early { expected } => {
                 tracing::debug!(consumer = %self.consumer, key, seq, expected, "message ahead of its key's order; left for later");
                 Ok(Delivery::Early { expected })

@@ -818,16 +818,36 @@ pub trait TransactionalIdempotency: Sync {
     ) -> BoxFuture<'a, Result<Finish>>;
 
     /// Moves the per-key cursor of `consumer` to `seq` inside the transaction on
-    /// `connection`, if `seq` is the key's next one (1 for a key never seen): the
-    /// building block of [`Inbox::process_in_order`](inbox::Inbox::process_in_order).
-    /// Stores without cursors answer [`ErrorKind::UnsupportedStore`].
+    /// `connection`, if `seq` is the key's next one (`start + 1` for a key never seen:
+    /// a new cursor starts at `start`): the building block of
+    /// [`Inbox::process_in_order`](inbox::Inbox::process_in_order). Stores without
+    /// cursors answer [`ErrorKind::UnsupportedStore`].
     fn advance_cursor<'a>(
         &'a self,
         connection: &'a mut Self::Connection,
         consumer: &'a Scope,
         key: &'a str,
         seq: u64,
+        start: u64,
     ) -> BoxFuture<'a, Result<CursorStep>> {
+        let _ = (connection, consumer, key, seq, start);
+        Box::pin(async {
+            Err(Error::new(
+                ErrorKind::UnsupportedStore,
+                "this store keeps no per-key cursors",
+            ))
+        })
+    }
+
+    /// Sets the per-key cursor of `consumer` to `seq`, wherever it was (a producer
+    /// whose numbering went back: its database was restored).
+    fn set_cursor<'a>(
+        &'a self,
+        connection: &'a mut Self::Connection,
+        consumer: &'a Scope,
+        key: &'a str,
+        seq: u64,
+    ) -> BoxFuture<'a, Result<()>> {
         let _ = (connection, consumer, key, seq);
         Box::pin(async {
             Err(Error::new(

@@ -50,6 +50,7 @@ struct Sql {
     cursor_insert: Statement,
     cursor_move: Statement,
     cursor_read: Statement,
+    cursor_set: Statement,
     claim: Statement,
     read: Statement,
     read_locked: Statement,
@@ -110,12 +111,13 @@ impl Sql {
                     PRIMARY KEY (consumer, ordering_key)) ENGINE = InnoDB"
             )),
             cursor_insert: statement(format!(
-                "INSERT IGNORE INTO `{prefix}_inbox_cursors` (consumer, ordering_key, last_seq) VALUES (?, ?, 0)"
+                "INSERT IGNORE INTO `{prefix}_inbox_cursors` (consumer, ordering_key, last_seq) VALUES (?, ?, ?)"
             )),
             cursor_move: statement(format!(
                 "UPDATE `{prefix}_inbox_cursors` SET last_seq = ?
                  WHERE consumer = ? AND ordering_key = ? AND last_seq = ? - 1"
             )),
+            cursor_set: statement(format!("UPDATE `{prefix}_inbox_cursors` SET last_seq = ? WHERE consumer = ? AND ordering_key = ?")),
             cursor_read: statement(format!(
                 "SELECT last_seq FROM `{prefix}_inbox_cursors` WHERE consumer = ? AND ordering_key = ? FOR UPDATE"
             )),
@@ -523,6 +525,7 @@ impl TransactionalIdempotency for MysqlIdempotencyStore {
         consumer: &'a Scope,
         key: &'a str,
         seq: u64,
+        start: u64,
     ) -> BoxFuture<'a, Result<CursorStep>> {
         Box::pin(async move {
             let fail = |error| map_error(error, "cannot move the inbox cursor");
@@ -530,6 +533,7 @@ impl TransactionalIdempotency for MysqlIdempotencyStore {
             sqlx::query(self.sql.cursor_insert.sql())
                 .bind(consumer.as_str())
                 .bind(key)
+                .bind(i64::try_from(start).unwrap_or(i64::MAX))
                 .execute(&mut *connection)
                 .await
                 .map_err(fail)?;
@@ -552,6 +556,25 @@ impl TransactionalIdempotency for MysqlIdempotencyStore {
                 .await
                 .map_err(fail)?;
             Ok(super::cursor_step(last, seq))
+        })
+    }
+
+    fn set_cursor<'a>(
+        &'a self,
+        connection: &'a mut MySqlConnection,
+        consumer: &'a Scope,
+        key: &'a str,
+        seq: u64,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            sqlx::query(self.sql.cursor_set.sql())
+                .bind(i64::try_from(seq).unwrap_or(i64::MAX))
+                .bind(consumer.as_str())
+                .bind(key)
+                .execute(&mut *connection)
+                .await
+                .map_err(|error| map_error(error, "cannot set the inbox cursor"))?;
+            Ok(())
         })
     }
 

@@ -42,6 +42,7 @@ struct Sql {
     cursor_insert: Statement,
     cursor_move: Statement,
     cursor_read: Statement,
+    cursor_set: Statement,
     claim: Statement,
     heartbeat: Statement,
     complete: Statement,
@@ -104,12 +105,13 @@ impl Sql {
             ],
             cursor_insert: statement(format!(
                 "INSERT INTO {schema}.\"{prefix}_inbox_cursors\" (consumer, ordering_key, last_seq)
-                 VALUES ($1, $2, 0) ON CONFLICT DO NOTHING"
+                 VALUES ($1, $2, $3) ON CONFLICT DO NOTHING"
             )),
             cursor_move: statement(format!(
                 "UPDATE {schema}.\"{prefix}_inbox_cursors\" SET last_seq = $3
                  WHERE consumer = $1 AND ordering_key = $2 AND last_seq = $3 - 1"
             )),
+            cursor_set: statement(format!("UPDATE {schema}.\"{prefix}_inbox_cursors\" SET last_seq = $3 WHERE consumer = $1 AND ordering_key = $2")),
             cursor_read: statement(format!(
                 "SELECT last_seq FROM {schema}.\"{prefix}_inbox_cursors\"
                  WHERE consumer = $1 AND ordering_key = $2 FOR UPDATE"
@@ -453,6 +455,7 @@ impl TransactionalIdempotency for PostgresIdempotencyStore {
         consumer: &'a Scope,
         key: &'a str,
         seq: u64,
+        start: u64,
     ) -> BoxFuture<'a, Result<CursorStep>> {
         Box::pin(async move {
             let fail = |error| map_error(error, "cannot move the inbox cursor");
@@ -460,6 +463,7 @@ impl TransactionalIdempotency for PostgresIdempotencyStore {
             sqlx::query(self.sql.cursor_insert.sql())
                 .bind(consumer.as_str())
                 .bind(key)
+                .bind(i64::try_from(start).unwrap_or(i64::MAX))
                 .execute(&mut *connection)
                 .await
                 .map_err(fail)?;
@@ -481,6 +485,25 @@ impl TransactionalIdempotency for PostgresIdempotencyStore {
                 .await
                 .map_err(fail)?;
             Ok(super::cursor_step(last, seq))
+        })
+    }
+
+    fn set_cursor<'a>(
+        &'a self,
+        connection: &'a mut PgConnection,
+        consumer: &'a Scope,
+        key: &'a str,
+        seq: u64,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            sqlx::query(self.sql.cursor_set.sql())
+                .bind(consumer.as_str())
+                .bind(key)
+                .bind(i64::try_from(seq).unwrap_or(i64::MAX))
+                .execute(&mut *connection)
+                .await
+                .map_err(|error| map_error(error, "cannot set the inbox cursor"))?;
+            Ok(())
         })
     }
 

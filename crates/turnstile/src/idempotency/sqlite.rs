@@ -278,16 +278,18 @@ impl TransactionalIdempotency for SqliteIdempotencyStore {
         consumer: &'a Scope,
         key: &'a str,
         seq: u64,
+        start: u64,
     ) -> BoxFuture<'a, Result<CursorStep>> {
         Box::pin(async move {
             let fail = |error| map_error(error, "cannot move the inbox cursor");
             let seq = i64::try_from(seq).unwrap_or(i64::MAX);
             sqlx::query(
                 "INSERT INTO turnstile_inbox_cursors (consumer, ordering_key, last_seq)
-                 VALUES (?1, ?2, 0) ON CONFLICT DO NOTHING",
+                 VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING",
             )
             .bind(consumer.as_str())
             .bind(key)
+            .bind(i64::try_from(start).unwrap_or(i64::MAX))
             .execute(&mut *connection)
             .await
             .map_err(fail)?;
@@ -314,6 +316,28 @@ impl TransactionalIdempotency for SqliteIdempotencyStore {
             .await
             .map_err(fail)?;
             Ok(super::cursor_step(last, seq))
+        })
+    }
+
+    fn set_cursor<'a>(
+        &'a self,
+        connection: &'a mut SqliteConnection,
+        consumer: &'a Scope,
+        key: &'a str,
+        seq: u64,
+    ) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async move {
+            sqlx::query(
+                "UPDATE turnstile_inbox_cursors SET last_seq = ?3
+                 WHERE consumer = ?1 AND ordering_key = ?2",
+            )
+            .bind(consumer.as_str())
+            .bind(key)
+            .bind(i64::try_from(seq).unwrap_or(i64::MAX))
+            .execute(&mut *connection)
+            .await
+            .map_err(|error| map_error(error, "cannot set the inbox cursor"))?;
+            Ok(())
         })
     }
 

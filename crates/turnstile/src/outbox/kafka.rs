@@ -223,14 +223,10 @@ impl KafkaConsumer {
                     .map(|(_, value)| value.clone())
             };
             let incoming = Incoming {
-                id: header("turnstile-id").unwrap_or_else(|| {
-                    format!(
-                        "{}:{}:{}",
-                        message.topic(),
-                        message.partition(),
-                        message.offset()
-                    )
-                }),
+                // Without a turnstile-id the message has no id: its offset is not one
+                // (a copy published again gets another).
+                id: header("turnstile-id"),
+                producer: header(super::PRODUCER_HEADER),
                 key: header("turnstile-key"),
                 seq: header("turnstile-seq").and_then(|seq| seq.parse().ok()),
                 topic: message.topic().to_owned(),
@@ -246,7 +242,7 @@ impl KafkaConsumer {
                     processed.acked += 1;
                 }
                 Err(error) => {
-                    tracing::warn!(id = %incoming.id, %error, "handler failed; the consumer goes back to the message");
+                    tracing::warn!(id = ?incoming.id, %error, "handler failed; the consumer goes back to the message");
                     let mut position = TopicPartitionList::new();
                     position
                         .add_partition_offset(

@@ -251,6 +251,12 @@ impl Message {
     pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Result<Self> {
         let (name, value) = (name.into(), value.into());
         let token = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
+        if name.eq_ignore_ascii_case(PRODUCER_HEADER) {
+            return Err(Error::new(
+                ErrorKind::InvalidName,
+                format!("the outbox header {PRODUCER_HEADER} is the outbox's own (its identity)"),
+            ));
+        }
         if name.is_empty() || !name.chars().all(token) || name.len() > MAX_KEY_LEN {
             return Err(Error::new(
                 ErrorKind::InvalidName,
@@ -302,6 +308,27 @@ impl Message {
     /// The payload.
     pub fn payload(&self) -> &[u8] {
         &self.payload
+    }
+
+    /// The headers as stored, with the producing outbox's identity added when it has
+    /// one.
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+        allow(dead_code)
+    )]
+    fn headers_json_from(&self, producer: Option<&str>) -> String {
+        let mut map: serde_json::Map<String, serde_json::Value> = self
+            .headers
+            .iter()
+            .map(|(name, value)| (name.clone(), serde_json::Value::String(value.clone())))
+            .collect();
+        if let Some(producer) = producer {
+            map.insert(
+                PRODUCER_HEADER.to_owned(),
+                serde_json::Value::String(producer.to_owned()),
+            );
+        }
+        serde_json::Value::Object(map).to_string()
     }
 
     fn headers_json(&self) -> String {
@@ -450,12 +477,23 @@ pub struct Status {
     pub parked: Vec<ParkedKey>,
 }
 
+/// The header that names the outbox a message came from (its identity, a UUID kept
+/// with the outbox's tables): consumers key their per-key cursors and inbox records by
+/// it, so two outboxes that use the same keys, or tables recreated from scratch, never
+/// pass for one another.
+pub const PRODUCER_HEADER: &str = "turnstile-outbox";
+
 /// A message as a consumer receives it.
 #[derive(Debug, Clone)]
 pub struct Incoming {
-    /// The outbox message id: what the consumer's
-    /// [`Inbox`](crate::idempotency::inbox::Inbox) records.
-    pub id: String,
+    /// The id its producer gave it (an outbox message id; for a message from
+    /// elsewhere, its broker's message id property when the producer set one). `None`
+    /// when the producer gave none: the broker's own position or delivery tag is no
+    /// message id (a republished copy gets another), so nothing is made up.
+    pub id: Option<String>,
+    /// The outbox it came from ([`PRODUCER_HEADER`]), for messages from a Turnstile
+    /// outbox that has an identity.
+    pub producer: Option<String>,
     /// The ordering key, for messages from a Turnstile outbox.
     pub key: Option<String>,
     /// The place in its key's sequence.
@@ -469,6 +507,51 @@ pub struct Incoming {
     /// How many times the broker has delivered it to this consumer (1 the first time;
     /// at least 2 for a redelivery where the broker does not count).
     pub deliveries: u64,
+}
+
+impl Incoming {
+    /// What an [`Inbox`](crate::idempotency::inbox::Inbox) records for this message:
+    /// its producer's identity and its id. A message without a producer-assigned id is
+    /// refused ([`ErrorKind::InvalidOptions`]): deduplicating on something made up (a
+    /// delivery tag restarts per channel, a stream position differs for a republished
+    /// copy) would drop different messages or run a copy twice. Give such messages an
+    /// id of your own and pass it to the inbox instead.
+    pub fn inbox_id(&self) -> Result<String> {
+        let Some(id) = &self.id else {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "a message on {:?} carries no id from its producer, so an inbox cannot tell \
+                     a redelivery from a new message; have the producer set one, or pass an id \
+                     of the application's own",
+                    self.topic
+                ),
+            ));
+        };
+        Ok(match &self.producer {
+            Some(producer) => format!("{producer}/{id}"),
+            None => id.clone(),
+        })
+    }
+
+    /// The key of this message's per-key cursor for
+    /// [`Inbox::process_in_order`](crate::idempotency::inbox::Inbox::process_in_order):
+    /// the producer's identity and the ordering key (`None` without an ordering key).
+    pub fn cursor_key(&self) -> Option<String> {
+        let key = self.key.as_ref()?;
+        Some(match &self.producer {
+            Some(producer) => format!("{producer}/{key}"),
+            None => key.clone(),
+        })
+    }
+
+    /// The value of header `name` (compared without case), if the message has it.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_str())
+    }
 }
 
 /// What one a consumer's `process` call did.

@@ -34,7 +34,9 @@ use crate::sql::{Statement, map_error, statement, validate_identifier};
 use crate::store::{split_url_options, unknown_option};
 
 struct Sql {
-    create: [Statement; 4],
+    create: [Statement; 5],
+    identity: Statement,
+    create_identity: Statement,
     skip_head: Statement,
     skip_keep: Statement,
     skip_delete: Statement,
@@ -100,6 +102,13 @@ impl Sql {
                         PRIMARY KEY (ordering_key, seq),
                         KEY delivered_at (delivered_us)) ENGINE = InnoDB"
                 )),
+                // The outbox's identity (one row): sent with every message, so that
+                // consumers tell this outbox's keys and sequences from another's.
+                statement(format!(
+                    "CREATE TABLE IF NOT EXISTS `{prefix}_outbox_identity` (
+                        one TINYINT PRIMARY KEY, id VARCHAR(36) CHARACTER SET ascii NOT NULL)
+                     ENGINE = InnoDB"
+                )),
                 // Messages an operator moved aside (`turnstile outbox skip`), for audit.
                 statement(format!(
                     "CREATE TABLE IF NOT EXISTS `{prefix}_outbox_skipped` (
@@ -115,6 +124,10 @@ impl Sql {
                         PRIMARY KEY (ordering_key, seq)) ENGINE = InnoDB"
                 )),
             ],
+            identity: statement(format!("SELECT id FROM `{prefix}_outbox_identity`")),
+            create_identity: statement(format!(
+                "INSERT IGNORE INTO `{prefix}_outbox_identity` (one, id) VALUES (1, ?)"
+            )),
             skip_head: statement(format!(
                 "SELECT acked_seq, parked FROM {keys} WHERE ordering_key = ? FOR UPDATE"
             )),
@@ -204,6 +217,7 @@ pub struct MysqlOutbox {
     pool: MySqlPool,
     keep_delivered: Option<Duration>,
     max_message: Option<usize>,
+    identity: Option<Arc<str>>,
     sql: Arc<Sql>,
     committed: Arc<Notify>,
     url: String,
@@ -269,10 +283,11 @@ impl MysqlOutbox {
             &["SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"],
         )
         .await?;
-        let outbox = MysqlOutbox {
+        let mut outbox = MysqlOutbox {
             pool,
             keep_delivered,
             max_message: None,
+            identity: None,
             sql: Arc::new(Sql::new(&prefix)),
             committed: Arc::default(),
             url: redacted,
@@ -280,7 +295,21 @@ impl MysqlOutbox {
         if migrate {
             outbox.migrate().await?;
         }
+        outbox.identity = match sqlx::query_scalar::<_, String>(outbox.sql.identity.sql())
+            .fetch_optional(&outbox.pool)
+            .await
+        {
+            Ok(id) => id.map(Arc::from),
+            Err(error) if crate::sql::is_missing_table(&error) => None,
+            Err(error) => return Err(map_error(error, "cannot read the outbox's identity")),
+        };
         Ok(outbox)
+    }
+
+    /// The outbox's identity, sent with every message as
+    /// [`PRODUCER_HEADER`](super::PRODUCER_HEADER).
+    pub fn identity(&self) -> Option<&str> {
+        self.identity.as_deref()
     }
 
     /// Creates the tables if missing; harmless to repeat and to run at once.
@@ -291,6 +320,11 @@ impl MysqlOutbox {
                 .await
                 .map_err(fail("cannot create the outbox tables"))?;
         }
+        sqlx::query(self.sql.create_identity.sql())
+            .bind(uuid::Uuid::now_v7().to_string())
+            .execute(&self.pool)
+            .await
+            .map_err(fail("cannot create the outbox's identity"))?;
         Ok(())
     }
 
@@ -343,7 +377,7 @@ impl MysqlOutbox {
             .bind(signed(seq))
             .bind(message.id())
             .bind(message.topic())
-            .bind(message.headers_json())
+            .bind(message.headers_json_from(self.identity()))
             .bind(message.payload())
             .execute(&mut *connection)
             .await

@@ -255,7 +255,7 @@ impl JetStreamConsumer {
                     processed.acked += 1;
                 }
                 Err(error) => {
-                    tracing::warn!(id = %incoming.id, %error, "handler failed; the message will be redelivered");
+                    tracing::warn!(id = ?incoming.id, %error, "handler failed; the message will be redelivered");
                     message
                         .ack_with(async_nats::jetstream::AckKind::Nak(Some(retry_after)))
                         .await
@@ -284,14 +284,11 @@ fn incoming(message: &async_nats::jetstream::Message) -> Incoming {
             .map(|(_, value)| value.clone())
     };
     let info = message.info().ok();
-    // A message from elsewhere has no Nats-Msg-Id: its place in the stream is its id.
-    let fallback = || {
-        info.as_ref().map_or_else(String::new, |info| {
-            format!("{}:{}", info.stream, info.stream_sequence)
-        })
-    };
     Incoming {
-        id: header("Nats-Msg-Id").unwrap_or_else(fallback),
+        // A message from elsewhere without a Nats-Msg-Id has no id: its place in the
+        // stream is not one (a copy published again gets another place).
+        id: header("Nats-Msg-Id"),
+        producer: header(super::PRODUCER_HEADER),
         key: header("Turnstile-Key"),
         seq: header("Turnstile-Seq").and_then(|seq| seq.parse().ok()),
         topic: message.subject.to_string(),

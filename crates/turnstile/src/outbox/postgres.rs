@@ -51,6 +51,8 @@ struct Sql {
     kept: Statement,
     redrive: Statement,
     skip_head: Statement,
+    identity: Statement,
+    create_identity: Statement,
     skip: Statement,
     status: Statement,
     parked: Statement,
@@ -66,6 +68,7 @@ impl Sql {
         let relays = format!("{schema}.\"{prefix}_outbox_relays\"");
         let delivered = format!("{schema}.\"{prefix}_outbox_delivered\"");
         let skipped = format!("{schema}.\"{prefix}_outbox_skipped\"");
+        let identity = format!("{schema}.\"{prefix}_outbox_identity\"");
         let channel = format!("{prefix}_outbox");
         let now = "clock_timestamp()";
         let secs = |n: u8| format!("make_interval(secs => ${n}::float8)");
@@ -115,6 +118,12 @@ impl Sql {
         Sql {
             create: vec![
                 format!("CREATE SCHEMA IF NOT EXISTS {schema}"),
+                // The outbox's identity (one row): sent with every message, so that
+                // consumers tell this outbox's keys and sequences from another's.
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {identity} (
+                        one INT PRIMARY KEY CHECK (one = 1), id TEXT NOT NULL)"
+                ),
                 // Messages an operator moved aside (`turnstile outbox skip`), for audit.
                 format!(
                     "CREATE TABLE IF NOT EXISTS {skipped} (
@@ -249,6 +258,10 @@ impl Sql {
                  SELECT count(*) FROM gone"
             )),
             kept: statement(format!("SELECT count(*) FROM {delivered}")),
+            identity: statement(format!("SELECT id FROM {identity}")),
+            create_identity: statement(format!(
+                "INSERT INTO {identity} (one, id) VALUES (1, $1) ON CONFLICT DO NOTHING"
+            )),
             skip_head: statement(format!(
                 "SELECT acked_seq, parked FROM {keys} WHERE ordering_key = $1 FOR UPDATE"
             )),
@@ -303,6 +316,7 @@ pub struct PostgresOutbox {
     pool: PgPool,
     keep_delivered: Option<Duration>,
     max_message: Option<usize>,
+    identity: Option<Arc<str>>,
     sql: Arc<Sql>,
     relay_id: String,
     signals: ReleaseSignals,
@@ -376,10 +390,11 @@ impl PostgresOutbox {
         let timeout = Duration::from_secs(3);
         let pool =
             open_bounded_pool(PgPoolOptions::new(), options.clone(), 8, timeout, &redacted).await?;
-        let outbox = PostgresOutbox {
+        let mut outbox = PostgresOutbox {
             pool,
             keep_delivered,
             max_message: None,
+            identity: None,
             sql: Arc::new(Sql::new(&schema, &prefix)),
             relay_id: uuid::Uuid::now_v7().to_string(),
             signals: ReleaseSignals::new(),
@@ -391,6 +406,14 @@ impl PostgresOutbox {
         if migrate {
             outbox.migrate().await?;
         }
+        outbox.identity = match sqlx::query_scalar::<_, String>(outbox.sql.identity.sql())
+            .fetch_optional(&outbox.pool)
+            .await
+        {
+            Ok(id) => id.map(Arc::from),
+            Err(error) if crate::sql::is_missing_table(&error) => None,
+            Err(error) => return Err(map_error(error, "cannot read the outbox's identity")),
+        };
         // Marks of relays gone for a day (their processes ended) are no use.
         let _ = sqlx::query(outbox.sql.forget_relays.sql())
             .execute(&outbox.pool)
@@ -398,8 +421,14 @@ impl PostgresOutbox {
         Ok(outbox)
     }
 
-    /// Creates the schema and tables if missing; harmless to repeat and to run from
-    /// several processes at once.
+    /// The outbox's identity, sent with every message as
+    /// [`PRODUCER_HEADER`](super::PRODUCER_HEADER).
+    pub fn identity(&self) -> Option<&str> {
+        self.identity.as_deref()
+    }
+
+    /// Creates the schema and tables if missing, and the outbox's identity; harmless
+    /// to repeat and to run from several processes at once.
     pub async fn migrate(&self) -> Result<()> {
         let what = "cannot create the outbox tables";
         let mut transaction = self.pool.begin().await.map_err(fail(what))?;
@@ -417,6 +446,11 @@ impl PostgresOutbox {
                 .await
                 .map_err(fail(what))?;
         }
+        sqlx::query(self.sql.create_identity.sql())
+            .bind(uuid::Uuid::now_v7().to_string())
+            .execute(&mut *transaction)
+            .await
+            .map_err(fail(what))?;
         transaction.commit().await.map_err(fail(what))
     }
 
@@ -430,7 +464,7 @@ impl PostgresOutbox {
             .bind(message.key())
             .bind(message.id())
             .bind(message.topic())
-            .bind(message.headers_json())
+            .bind(message.headers_json_from(self.identity()))
             .bind(message.payload())
             .fetch_one(&mut *connection)
             .await

@@ -367,11 +367,13 @@ impl RabbitMqConsumer {
                 }
             }
             let incoming = Incoming {
+                // Without a message_id the message has no id: a delivery tag restarts
+                // with every channel, and a redelivery gets a new one.
                 id: properties
                     .message_id()
                     .as_ref()
-                    .map(|id| id.as_str().to_owned())
-                    .unwrap_or_else(|| format!("amqp:{}", delivery.delivery_tag)),
+                    .map(|id| id.as_str().to_owned()),
+                producer: header_text(&table, super::PRODUCER_HEADER),
                 key: header_text(&table, "turnstile-key"),
                 seq: header_text(&table, "turnstile-seq").and_then(|seq| seq.parse().ok()),
                 topic: delivery.routing_key.as_str().to_owned(),
@@ -388,7 +390,7 @@ impl RabbitMqConsumer {
                     processed.acked += 1;
                 }
                 Err(error) => {
-                    tracing::warn!(id = %incoming.id, %error, "handler failed; the message goes back to the queue");
+                    tracing::warn!(id = ?incoming.id, %error, "handler failed; the message goes back to the queue");
                     delivery
                         .nack(BasicNackOptions {
                             requeue: true,

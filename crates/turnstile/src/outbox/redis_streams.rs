@@ -143,8 +143,11 @@ fn entries(stream: &str, value: &Value, deliveries: u64) -> Vec<(String, Incomin
         else {
             continue;
         };
+        // An entry without an `id` field has no id: its entry id is not one (a copy
+        // appended again gets another).
         let mut incoming = Incoming {
-            id: format!("{stream}:{entry_id}"),
+            id: None,
+            producer: None,
             key: None,
             seq: None,
             topic: stream.to_owned(),
@@ -155,7 +158,7 @@ fn entries(stream: &str, value: &Value, deliveries: u64) -> Vec<(String, Incomin
         for field in fields.chunks(2) {
             let [name, value] = field else { continue };
             match text(name).as_deref() {
-                Some("id") => incoming.id = text(value).unwrap_or(incoming.id),
+                Some("id") => incoming.id = text(value),
                 Some("key") => incoming.key = text(value),
                 Some("seq") => incoming.seq = text(value).and_then(|seq| seq.parse().ok()),
                 Some("payload") => incoming.payload = bytes(value),
@@ -177,6 +180,7 @@ fn entries(stream: &str, value: &Value, deliveries: u64) -> Vec<(String, Incomin
                 _ => {}
             }
         }
+        incoming.producer = incoming.header(super::PRODUCER_HEADER).map(str::to_owned);
         found.push((entry_id, incoming));
     }
     found
@@ -295,7 +299,7 @@ impl RedisStreamsConsumer {
                     processed.acked += 1;
                 }
                 Err(error) => {
-                    tracing::warn!(id = %incoming.id, %error, "handler failed; the entry stays pending and comes back");
+                    tracing::warn!(id = ?incoming.id, %error, "handler failed; the entry stays pending and comes back");
                     processed.retried += 1;
                 }
             }

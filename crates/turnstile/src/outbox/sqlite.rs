@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::lock::BoxFuture;
 use crate::sql::map_error;
 
-const CREATE: [&str; 6] = [
+const CREATE: [&str; 7] = [
     "CREATE TABLE IF NOT EXISTS turnstile_outbox_keys (
         ordering_key TEXT PRIMARY KEY,
         last_seq INTEGER NOT NULL,
@@ -67,6 +67,12 @@ const CREATE: [&str; 6] = [
         UNIQUE (ordering_key, seq))",
     "CREATE INDEX IF NOT EXISTS turnstile_outbox_delivered_at
         ON turnstile_outbox_delivered (delivered_ms)",
+    // The outbox's identity (one row): sent with every message, so that consumers
+    // tell this outbox's keys and sequences from another's (or from these tables'
+    // after they were dropped and made again).
+    "CREATE TABLE IF NOT EXISTS turnstile_outbox_identity (
+        one INTEGER PRIMARY KEY CHECK (one = 1),
+        id TEXT NOT NULL)",
     // Messages an operator moved aside (`turnstile outbox skip`), kept for audit.
     "CREATE TABLE IF NOT EXISTS turnstile_outbox_skipped (
         ordering_key TEXT NOT NULL,
@@ -89,6 +95,7 @@ pub struct SqliteOutbox {
     committed: Arc<Notify>,
     keep_delivered: Option<Duration>,
     max_message: Option<usize>,
+    identity: Option<Arc<str>>,
 }
 
 fn fail(what: &'static str) -> impl Fn(sqlx::Error) -> Error {
@@ -104,14 +111,16 @@ impl SqliteOutbox {
     pub async fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let pool = open_pool(&path, true, "outbox", SqliteSynchronous::Normal).await?;
-        let outbox = SqliteOutbox {
+        let mut outbox = SqliteOutbox {
             pool,
             path,
             committed: Arc::default(),
             keep_delivered: None,
             max_message: None,
+            identity: None,
         };
         outbox.migrate().await?;
+        outbox.identity = outbox.read_identity().await?;
         Ok(outbox)
     }
 
@@ -123,16 +132,18 @@ impl SqliteOutbox {
         let (url, keep) = super::keep_delivered_option(url)?;
         let url = parse_url(&url)?;
         let synchronous = url.synchronous.unwrap_or(SqliteSynchronous::Normal);
-        let outbox = SqliteOutbox {
+        let mut outbox = SqliteOutbox {
             pool: open_pool(&url.path, url.create, "outbox", synchronous).await?,
             path: url.path,
             committed: Arc::default(),
             keep_delivered: keep,
             max_message: None,
+            identity: None,
         };
         if url.create {
             outbox.migrate().await?;
         }
+        outbox.identity = outbox.read_identity().await?;
         Ok(outbox)
     }
 
@@ -154,7 +165,8 @@ impl SqliteOutbox {
         self
     }
 
-    /// Creates the tables if missing. Harmless to run again or concurrently.
+    /// Creates the tables if missing, and the outbox's identity. Harmless to run again
+    /// or concurrently.
     pub async fn migrate(&self) -> Result<()> {
         for create in CREATE {
             sqlx::query(create)
@@ -162,7 +174,30 @@ impl SqliteOutbox {
                 .await
                 .map_err(fail("cannot create the outbox tables"))?;
         }
+        sqlx::query("INSERT OR IGNORE INTO turnstile_outbox_identity (one, id) VALUES (1, ?1)")
+            .bind(uuid::Uuid::now_v7().to_string())
+            .execute(&self.pool)
+            .await
+            .map_err(fail("cannot create the outbox's identity"))?;
         Ok(())
+    }
+
+    /// The identity stored with the tables (none in tables from before identities).
+    async fn read_identity(&self) -> Result<Option<Arc<str>>> {
+        match sqlx::query_scalar::<_, String>("SELECT id FROM turnstile_outbox_identity")
+            .fetch_optional(&self.pool)
+            .await
+        {
+            Ok(id) => Ok(id.map(Arc::from)),
+            Err(error) if crate::sql::is_missing_table(&error) => Ok(None),
+            Err(error) => Err(map_error(error, "cannot read the outbox's identity")),
+        }
+    }
+
+    /// The outbox's identity, sent with every message as
+    /// [`PRODUCER_HEADER`](super::PRODUCER_HEADER).
+    pub fn identity(&self) -> Option<&str> {
+        self.identity.as_deref()
     }
 
     /// The connection pool (same database file), for the application's transactions.
@@ -190,7 +225,7 @@ impl SqliteOutbox {
             .execute(&mut *connection)
             .await
             .map_err(fail(what))?;
-        let written = Self::write_message(connection, message).await;
+        let written = Self::write_message(connection, message, self.identity()).await;
         let end = if written.is_ok() {
             "RELEASE turnstile_enqueue"
         } else {
@@ -203,7 +238,11 @@ impl SqliteOutbox {
         Ok(seq)
     }
 
-    async fn write_message(connection: &mut SqliteConnection, message: &Message) -> Result<u64> {
+    async fn write_message(
+        connection: &mut SqliteConnection,
+        message: &Message,
+        producer: Option<&str>,
+    ) -> Result<u64> {
         let what = "cannot enqueue the message";
         let seq: i64 = sqlx::query_scalar(
             "INSERT INTO turnstile_outbox_keys (ordering_key, last_seq) VALUES (?1, 1)
@@ -223,7 +262,7 @@ impl SqliteOutbox {
         .bind(seq)
         .bind(message.id())
         .bind(message.topic())
-        .bind(message.headers_json())
+        .bind(message.headers_json_from(producer))
         .bind(message.payload())
         .bind(now_ms)
         .execute(&mut *connection)

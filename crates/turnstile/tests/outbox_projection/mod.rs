@@ -50,26 +50,30 @@ impl Projection {
             .unwrap();
         let delivery = self
             .inbox
-            .process(&mut transaction, &incoming.id, async |connection| {
-                let last: Option<i64> =
-                    sqlx::query_scalar("SELECT last_seq FROM totals WHERE account = ?1")
-                        .bind(&account)
-                        .fetch_optional(&mut *connection)
-                        .await
-                        .unwrap();
-                out_of_order = last.unwrap_or(0) + 1 != seq;
-                sqlx::query(
-                    "INSERT INTO totals (account, cents, last_seq) VALUES (?1, ?2, ?3)
+            .process(
+                &mut transaction,
+                &incoming.inbox_id()?,
+                async |connection| {
+                    let last: Option<i64> =
+                        sqlx::query_scalar("SELECT last_seq FROM totals WHERE account = ?1")
+                            .bind(&account)
+                            .fetch_optional(&mut *connection)
+                            .await
+                            .unwrap();
+                    out_of_order = last.unwrap_or(0) + 1 != seq;
+                    sqlx::query(
+                        "INSERT INTO totals (account, cents, last_seq) VALUES (?1, ?2, ?3)
                      ON CONFLICT (account) DO UPDATE SET cents = cents + ?2, last_seq = ?3",
-                )
-                .bind(&account)
-                .bind(cents)
-                .bind(seq)
-                .execute(&mut *connection)
-                .await
-                .unwrap();
-                Ok::<_, turnstile::Error>(())
-            })
+                    )
+                    .bind(&account)
+                    .bind(cents)
+                    .bind(seq)
+                    .execute(&mut *connection)
+                    .await
+                    .unwrap();
+                    Ok::<_, turnstile::Error>(())
+                },
+            )
             .await?;
         transaction.commit().await.unwrap();
         self.out_of_order += usize::from(out_of_order);

@@ -46,7 +46,7 @@ async fn apply(
     let event: Created = serde_json::from_slice(&incoming.payload).map_err(|error| {
         turnstile::Error::new(
             turnstile::ErrorKind::InvalidOptions,
-            format!("event {} is not a payment: {error}", incoming.id),
+            format!("event {:?} is not a payment: {error}", incoming.id),
         )
     })?;
     let database = |error: sqlx::Error| {
@@ -59,18 +59,22 @@ async fn apply(
         .await
         .map_err(database)?;
     inbox
-        .process(&mut transaction, &incoming.id, async |connection| {
-            sqlx::query(
-                "INSERT INTO totals (account, cents, payments) VALUES (?1, ?2, 1)
+        .process(
+            &mut transaction,
+            &incoming.inbox_id()?,
+            async |connection| {
+                sqlx::query(
+                    "INSERT INTO totals (account, cents, payments) VALUES (?1, ?2, 1)
                  ON CONFLICT (account) DO UPDATE SET cents = cents + ?2, payments = payments + 1",
-            )
-            .bind(&event.account)
-            .bind(event.amount_cents)
-            .execute(&mut *connection)
-            .await
-            .map_err(database)?;
-            Ok::<_, turnstile::Error>(())
-        })
+                )
+                .bind(&event.account)
+                .bind(event.amount_cents)
+                .execute(&mut *connection)
+                .await
+                .map_err(database)?;
+                Ok::<_, turnstile::Error>(())
+            },
+        )
         .await?;
     transaction.commit().await.map_err(database)
 }
