@@ -6,16 +6,25 @@
 //!
 //! - `POST /accounts/{account}/payments` with `Idempotency-Key` and
 //!   `{"amount_cents": 1000, "currency": "USD", "reference": "invoice 7"}` →
-//!   `201 {"payment_id", "account", "amount_cents", "currency", "reference"}`. The tenant
-//!   is `Authorization: Bearer <tenant>`; an account belongs to the tenant that paid into
-//!   it first, and another tenant gets 403.
+//!   `201 {"payment_id", "account", "amount_cents", "currency", "reference"}`, with
+//!   `Idempotent-Replayed: true` on a replay. The tenant is the one
+//!   `Authorization: Bearer <token>` names in the token table (`--tokens FILE`, a JSON
+//!   object of tokens to tenants): the bearer string itself is no identity. An account
+//!   belongs to the tenant that paid into it first, and another tenant gets 403.
 //! - `GET /accounts/{account}/payments` → `{"payments": [...]}`;
 //!   `GET /accounts/{account}/balance` → `{"account", "balance_cents"}`.
 //!
 //! On SQL stores (`sqlite://…`, the default, or `postgres://…`) the key's claim, the
 //! payment row and the stored response commit in one transaction: a crash leaves
 //! neither a charge without a key nor a key without a charge. On Redis the HTTP layer
-//! keeps the key with a lease, and the ledger is an SQLite file (`--ledger`).
+//! keeps the key with a lease, and the ledger is an SQLite file (`--ledger`): the two
+//! commit separately, so the ledger itself refuses a second payment for one (tenant,
+//! key) — a unique constraint — and a second run (a lost lease, a Redis failover that
+//! lost the record) answers with the first payment instead of charging again.
+//!
+//! Every replica of a deployment starts at once: the ledger's schema is made under the
+//! same PostgreSQL advisory lock as the library's own migrations, so replicas never
+//! race on `CREATE TABLE`.
 //! `--delay` makes a payment wait before it is written (a slow provider), so tests can
 //! kill an instance mid-request. Several instances may serve one store.
 //!
@@ -69,6 +78,10 @@ struct Args {
     /// redis://HOST:PORT); without it, run `turnstile outbox relay` next to the service.
     #[arg(long, value_name = "URL")]
     broker: Option<String>,
+    /// The token table: a JSON object of bearer tokens to tenants, such as
+    /// `{"a-long-random-token": "acme"}`.
+    #[arg(long, value_name = "FILE")]
+    tokens: std::path::PathBuf,
 }
 
 /// Where keys and payments live.
@@ -99,6 +112,47 @@ struct App {
     backend: Backend,
     delay: Duration,
     options: IdempotencyOptions,
+    tokens: Tokens,
+}
+
+/// Tenants by the SHA-256 of their bearer token: a lookup by digest, so the time it
+/// takes says nothing about the tokens.
+#[derive(Clone)]
+struct Tokens(Arc<std::collections::HashMap<Fingerprint, String>>);
+
+impl Tokens {
+    fn load(path: &std::path::Path) -> Result<Tokens, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|error| format!("cannot read the token table {}: {error}", path.display()))?;
+        let table: std::collections::BTreeMap<String, String> = serde_json::from_str(&text)
+            .map_err(|error| {
+                format!(
+                    "the token table {} is not a JSON object of tokens to tenants: {error}",
+                    path.display()
+                )
+            })?;
+        let mut tenants = std::collections::HashMap::new();
+        for (token, tenant) in table {
+            if token.len() < 16 {
+                return Err(format!(
+                    "a token of tenant {tenant:?} is shorter than 16 characters"
+                ));
+            }
+            Scope::new(tenant.as_str()).map_err(|error| error.to_string())?;
+            tenants.insert(Fingerprint::of(&[token.as_bytes()]), tenant);
+        }
+        Ok(Tokens(Arc::new(tenants)))
+    }
+
+    fn tenant_of(&self, headers: &HeaderMap) -> Option<String> {
+        let token = headers
+            .get(header::AUTHORIZATION)?
+            .to_str()
+            .ok()?
+            .strip_prefix("Bearer ")?
+            .trim();
+        self.0.get(&Fingerprint::of(&[token.as_bytes()])).cloned()
+    }
 }
 
 #[derive(Deserialize)]
@@ -154,7 +208,7 @@ impl IntoResponse for Refusal {
             Refusal::Unauthorized => problem(
                 StatusCode::UNAUTHORIZED,
                 "No tenant",
-                "send Authorization: Bearer <tenant>",
+                "send Authorization: Bearer <token>, a token of the service's token table",
             ),
             Refusal::Forbidden => problem(
                 StatusCode::FORBIDDEN,
@@ -172,17 +226,6 @@ impl IntoResponse for Refusal {
             ),
         }
     }
-}
-
-fn tenant_of(headers: &HeaderMap) -> Option<String> {
-    headers
-        .get(header::AUTHORIZATION)?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
-        .map(str::trim)
-        .filter(|tenant| !tenant.is_empty() && tenant.len() <= 64)
-        .map(str::to_owned)
 }
 
 fn check_request(body: &[u8]) -> Result<PaymentRequest, Refusal> {
@@ -216,16 +259,21 @@ fn rand_u64() -> u64 {
 }
 
 // The ledger's statements, per database (placeholders differ).
+// One payment per (tenant, idempotency key), whatever runs the handler twice.
 const SQLITE_SCHEMA: &str =
     "CREATE TABLE IF NOT EXISTS accounts (account TEXT PRIMARY KEY, tenant TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS payments (payment_id TEXT PRIMARY KEY, account TEXT NOT NULL,
   amount_cents INTEGER NOT NULL, currency TEXT NOT NULL, reference TEXT NOT NULL,
-  created_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP)";
+  tenant TEXT NOT NULL, idempotency_key TEXT NOT NULL,
+  created_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP,
+  UNIQUE (tenant, idempotency_key))";
 const POSTGRES_SCHEMA: &str =
     "CREATE TABLE IF NOT EXISTS accounts (account TEXT PRIMARY KEY, tenant TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS payments (payment_id TEXT PRIMARY KEY, account TEXT NOT NULL,
   amount_cents BIGINT NOT NULL, currency TEXT NOT NULL, reference TEXT NOT NULL,
-  created_at TIMESTAMPTZ NOT NULL DEFAULT now())";
+  tenant TEXT NOT NULL, idempotency_key TEXT NOT NULL,
+  created_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+  UNIQUE (tenant, idempotency_key))";
 
 /// Claims the account for `tenant` if nobody has it; `true` if it is the tenant's.
 async fn owns_sqlite(
@@ -247,19 +295,43 @@ async fn owns_sqlite(
     Ok(owner == tenant)
 }
 
+/// Writes `payment` for (`tenant`, `key`), or finds the one written before for them:
+/// `None` when the payment is new, the earlier one when this is a second run.
 async fn insert_sqlite(
     connection: &mut sqlx::SqliteConnection,
     payment: &Payment,
-) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO payments (payment_id, account, amount_cents, currency, reference) VALUES (?1, ?2, ?3, ?4, ?5)")
+    tenant: &str,
+    key: &str,
+) -> Result<Option<Payment>, sqlx::Error> {
+    let inserted = sqlx::query("INSERT INTO payments (payment_id, account, amount_cents, currency, reference, tenant, idempotency_key) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT (tenant, idempotency_key) DO NOTHING")
         .bind(&payment.payment_id)
         .bind(&payment.account)
         .bind(payment.amount_cents)
         .bind(&payment.currency)
         .bind(&payment.reference)
+        .bind(tenant)
+        .bind(key)
         .execute(&mut *connection)
-        .await
-        .map(|_| ())
+        .await?
+        .rows_affected();
+    if inserted == 1 {
+        return Ok(None);
+    }
+    let (payment_id, account, amount_cents, currency, reference) = sqlx::query_as(
+        "SELECT payment_id, account, amount_cents, currency, reference FROM payments
+         WHERE tenant = ?1 AND idempotency_key = ?2",
+    )
+    .bind(tenant)
+    .bind(key)
+    .fetch_one(&mut *connection)
+    .await?;
+    Ok(Some(Payment {
+        payment_id,
+        account,
+        amount_cents,
+        currency,
+        reference,
+    }))
 }
 
 async fn owns_postgres(
@@ -287,7 +359,10 @@ async fn create_payment(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, Refusal> {
-    let tenant = tenant_of(&headers).ok_or(Refusal::Unauthorized)?;
+    let tenant = app
+        .tokens
+        .tenant_of(&headers)
+        .ok_or(Refusal::Unauthorized)?;
     let key = match headers.get("idempotency-key").map(parse_key) {
         Some(Ok(key)) => key,
         Some(Err(detail)) => return Err(Refusal::Invalid(detail)),
@@ -307,6 +382,8 @@ async fn create_payment(
         currency: request.currency.clone(),
         reference: request.reference.clone(),
     };
+    // Whether the handler's work ran in this request (false: a replay).
+    let mut ran = false;
     let payment: Payment = match &app.backend {
         Backend::Sqlite(store, outbox) => {
             let mut transaction = store.pool().begin_with("BEGIN IMMEDIATE").await?;
@@ -318,12 +395,19 @@ async fn create_payment(
                     &fingerprint,
                     &app.options,
                     async |connection: &mut sqlx::SqliteConnection, _token| {
+                        ran = true;
                         if !owns_sqlite(connection, &account, &tenant).await? {
                             return Err(Refusal::Forbidden);
                         }
                         tokio::time::sleep(app.delay).await;
                         let payment = make(&account);
-                        insert_sqlite(connection, &payment).await?;
+                        // The key's claim is in this transaction: the ledger's own
+                        // constraint is a second line, never met here.
+                        if let Some(earlier) =
+                            insert_sqlite(connection, &payment, &tenant, key.as_str()).await?
+                        {
+                            return Ok(earlier);
+                        }
                         outbox
                             .enqueue(connection, &created_event(&payment)?)
                             .await?;
@@ -338,17 +422,20 @@ async fn create_payment(
             let mut transaction = pool.begin().await?;
             let payment = store
                 .run_once_in_transaction(&mut transaction, &scope, &key, &fingerprint, &app.options, async |connection: &mut sqlx::PgConnection, _token| {
+                    ran = true;
                     if !owns_postgres(connection, &account, &tenant).await? {
                         return Err(Refusal::Forbidden);
                     }
                     tokio::time::sleep(app.delay).await;
                     let payment = make(&account);
-                    sqlx::query("INSERT INTO payments (payment_id, account, amount_cents, currency, reference) VALUES ($1, $2, $3, $4, $5)")
+                    sqlx::query("INSERT INTO payments (payment_id, account, amount_cents, currency, reference, tenant, idempotency_key) VALUES ($1, $2, $3, $4, $5, $6, $7)")
                         .bind(&payment.payment_id)
                         .bind(&payment.account)
                         .bind(payment.amount_cents)
                         .bind(&payment.currency)
                         .bind(&payment.reference)
+                        .bind(&tenant)
+                        .bind(key.as_str())
                         .execute(&mut *connection)
                         .await?;
                     outbox.enqueue(connection, &created_event(&payment)?).await?;
@@ -359,22 +446,37 @@ async fn create_payment(
             payment
         }
         Backend::Redis(ledger, outbox) => {
-            // The layer in front has claimed the key; this runs once per key.
+            // The layer in front has claimed the key in Redis, which commits apart from
+            // this ledger: a lost lease or a failover that lost the record runs this
+            // again, and the ledger's (tenant, key) constraint turns that into the
+            // first payment, not a second charge. (The layer marks replays itself.)
             let mut transaction = ledger.begin_with("BEGIN IMMEDIATE").await?;
             if !owns_sqlite(&mut transaction, &account, &tenant).await? {
                 return Err(Refusal::Forbidden);
             }
             tokio::time::sleep(app.delay).await;
             let payment = make(&account);
-            insert_sqlite(&mut transaction, &payment).await?;
-            outbox
-                .enqueue(&mut transaction, &created_event(&payment)?)
-                .await?;
+            let payment =
+                match insert_sqlite(&mut transaction, &payment, &tenant, key.as_str()).await? {
+                    Some(earlier) => earlier,
+                    None => {
+                        outbox
+                            .enqueue(&mut transaction, &created_event(&payment)?)
+                            .await?;
+                        payment
+                    }
+                };
             outbox.commit(transaction).await?;
-            payment
+            return Ok((StatusCode::CREATED, Json(payment)).into_response());
         }
     };
-    Ok((StatusCode::CREATED, Json(payment)).into_response())
+    let replayed = if ran { "false" } else { "true" };
+    Ok((
+        StatusCode::CREATED,
+        [("idempotent-replayed", replayed)],
+        Json(payment),
+    )
+        .into_response())
 }
 
 async fn list_payments(
@@ -382,7 +484,10 @@ async fn list_payments(
     Path(account): Path<String>,
     headers: HeaderMap,
 ) -> Result<Response, Refusal> {
-    let tenant = tenant_of(&headers).ok_or(Refusal::Unauthorized)?;
+    let tenant = app
+        .tokens
+        .tenant_of(&headers)
+        .ok_or(Refusal::Unauthorized)?;
     let rows: Vec<(String, String, i64, String, String)> = match &app.backend {
         Backend::Sqlite(store, _) => ledger_rows_sqlite(store.pool(), &account, &tenant).await?,
         Backend::Redis(ledger, _) => ledger_rows_sqlite(ledger, &account, &tenant).await?,
@@ -480,10 +585,19 @@ async fn open(args: &Args) -> Result<(Backend, Option<Idempotency>), String> {
             let pool = PgPool::connect(store.split('?').next().unwrap_or(store))
                 .await
                 .map_err(|e| error(&e))?;
-            sqlx::raw_sql(POSTGRES_SCHEMA)
-                .execute(&pool)
+            // Replicas start at once: `CREATE TABLE IF NOT EXISTS` run by two at the same
+            // moment fails in one of them, so the schema is made under the advisory
+            // lock the library's own migrations take, in one transaction.
+            let mut transaction = pool.begin().await.map_err(|e| error(&e))?;
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtext('turnstile:migrate'))")
+                .execute(&mut *transaction)
                 .await
                 .map_err(|e| error(&e))?;
+            sqlx::raw_sql(POSTGRES_SCHEMA)
+                .execute(&mut *transaction)
+                .await
+                .map_err(|e| error(&e))?;
+            transaction.commit().await.map_err(|e| error(&e))?;
             let outbox = PostgresOutbox::connect(store)
                 .await
                 .map_err(|e| error(&e))?;
@@ -520,8 +634,11 @@ fn router(app: Arc<App>, lease_keys: Option<Idempotency>) -> Router {
     let mut payments = post(create_payment);
     if let Some(keys) = lease_keys {
         // On Redis the layer keeps the key; the handler only writes the ledger.
-        let layer = IdempotencyLayer::new(keys, |parts: &http::request::Parts| {
-            tenant_of(&parts.headers).and_then(|tenant| Scope::new(tenant).ok())
+        let tokens = app.tokens.clone();
+        let layer = IdempotencyLayer::new(keys, move |parts: &http::request::Parts| {
+            tokens
+                .tenant_of(&parts.headers)
+                .and_then(|tenant| Scope::new(tenant).ok())
         })
         .require_key(true);
         payments = payments.route_layer(layer);
@@ -574,6 +691,13 @@ async fn ensure_nats_stream(broker: &str) -> turnstile::Result<()> {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    let tokens = match Tokens::load(&args.tokens) {
+        Ok(tokens) => tokens,
+        Err(error) => {
+            eprintln!("payments: {error}");
+            return std::process::ExitCode::from(64);
+        }
+    };
     let (backend, lease_keys) = match open(&args).await {
         Ok(opened) => opened,
         Err(error) => {
@@ -594,6 +718,7 @@ async fn main() -> std::process::ExitCode {
         backend,
         delay: args.delay,
         options: IdempotencyOptions::new(),
+        tokens,
     });
     let listener = match tokio::net::TcpListener::bind(args.listen).await {
         Ok(listener) => listener,

@@ -13,13 +13,27 @@ use turnstile_test_support::{free_port, shared_postgres, shared_redis, unique_na
 struct Service {
     child: Child,
     port: u16,
+    _tokens: tempfile::NamedTempFile,
+}
+
+/// The bearer token of `tenant` in the tests' token table.
+fn token_of(tenant: &str) -> String {
+    format!("{tenant}-token-0123456789abcdef")
 }
 
 impl Service {
     fn start(store: &str, extra: &[&str]) -> Service {
+        let tokens = tempfile::NamedTempFile::new().unwrap();
+        let table: serde_json::Map<String, serde_json::Value> = ["acme", "alice", "bob"]
+            .into_iter()
+            .map(|tenant| (token_of(tenant), tenant.into()))
+            .collect();
+        std::fs::write(tokens.path(), serde_json::Value::Object(table).to_string()).unwrap();
         let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_payments"))
+        let mut child = Command::new(env!("CARGO_BIN_EXE_payments"))
             .args(["--listen", &format!("127.0.0.1:{port}"), "--store", store])
+            .arg("--tokens")
+            .arg(tokens.path())
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -27,13 +41,20 @@ impl Service {
             .unwrap();
         let started = Instant::now();
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("payments exited before it listened: {status}");
+            }
             assert!(
                 started.elapsed() < Duration::from_secs(20),
                 "payments did not start"
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        Service { child, port }
+        Service {
+            child,
+            port,
+            _tokens: tokens,
+        }
     }
 
     fn kill(&mut self) {
@@ -66,8 +87,9 @@ fn send(
     let key = key.map_or(String::new(), |key| {
         format!("Idempotency-Key: \"{key}\"\r\n")
     });
+    let token = token_of(tenant);
     let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {tenant}\r\n{key}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {token}\r\n{key}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(request.as_bytes()).ok()?;
@@ -158,6 +180,85 @@ fn dropped_responses_charge_once(store: &str, extra: &[&str]) {
         .map(|p| p["payment_id"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(ids, seen);
+}
+
+/// Sends a payment and returns the whole response, headers included.
+fn pay_response(port: u16, tenant: &str, account: &str, key: &str) -> String {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let body = format!("{{\"amount_cents\":100,\"currency\":\"USD\",\"reference\":\"{key}\"}}");
+    let request = format!(
+        "POST /accounts/{account}/payments HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {}\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        token_of(tenant),
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response.to_ascii_lowercase()
+}
+
+/// Replays say so on the SQL stores too (`Idempotent-Replayed`), and a bearer that is
+/// not in the token table is no tenant: 401, nothing charged.
+#[test]
+fn replays_are_marked_and_unknown_bearers_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let service = Service::start(
+        &format!("sqlite://{}", dir.path().join("p.db").display()),
+        &[],
+    );
+    let first = pay_response(service.port, "acme", "acct-r", "once");
+    assert!(first.contains("idempotent-replayed: false"), "{first}");
+    let again = pay_response(service.port, "acme", "acct-r", "once");
+    assert!(again.contains("idempotent-replayed: true"), "{again}");
+    assert_eq!(pay(service.port, "mallory", "acct-m", "k", 100).0, 401);
+    assert_eq!(payments(service.port, "acme", "acct-r").len(), 1);
+}
+
+/// Every replica of a deployment starts at once: three instances on a fresh
+/// PostgreSQL database all come up (the ledger's schema is made under the migrations'
+/// advisory lock, not raced).
+#[test]
+fn three_instances_start_at_once_on_a_fresh_postgres() {
+    for _ in 0..3 {
+        let store = shared_postgres().fresh_database("replicas");
+        let starting: Vec<_> = (0..3)
+            .map(|_| {
+                let store = store.clone();
+                std::thread::spawn(move || Service::start(&store, &[]))
+            })
+            .collect();
+        let services: Vec<Service> = starting.into_iter().map(|s| s.join().unwrap()).collect();
+        assert_eq!(pay(services[2].port, "acme", "acct-rep", "k", 100).0, 201);
+    }
+}
+
+/// On Redis the key and the ledger commit apart. A Redis that loses the record (a
+/// failover to a replica that never got it, here FLUSHALL) runs the handler again for
+/// the retry: the ledger's (tenant, key) constraint answers with the first payment,
+/// and nothing is charged twice.
+#[test]
+fn a_redis_that_loses_the_record_does_not_charge_twice() {
+    let redis = turnstile_test_support::RedisServer::spawn();
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = dir.path().join("ledger.db");
+    let service = Service::start(&redis.url(), &["--ledger", ledger.to_str().unwrap()]);
+    let (status, first) = pay(service.port, "acme", "acct-f", "failover", 700);
+    assert_eq!(status, 201, "{first}");
+    let flushed = Command::new("redis-cli")
+        .args(["-p", &redis.port().to_string(), "FLUSHALL"])
+        .output()
+        .unwrap();
+    assert!(flushed.status.success(), "{flushed:?}");
+    let (status, again) = pay(service.port, "acme", "acct-f", "failover", 700);
+    assert_eq!(status, 201, "{again}");
+    let id =
+        |body: &str| serde_json::from_str::<serde_json::Value>(body).unwrap()["payment_id"].clone();
+    assert_eq!(
+        id(&first),
+        id(&again),
+        "the retry was charged as a new payment"
+    );
+    assert_eq!(payments(service.port, "acme", "acct-f").len(), 1);
 }
 
 #[test]
