@@ -1427,3 +1427,177 @@ async fn a_service_with_relay_publishes_the_outbox_and_shows_it_on_metrics() {
     );
     assert!(text.contains("turnstile_outbox_publish_seconds_bucket"));
 }
+
+/// The service's address as host:port, for raw sockets.
+fn address_of(service: &Service) -> String {
+    service
+        .base
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_owned()
+}
+
+/// The series /metrics shows (each line without its value): what new label values
+/// would grow.
+async fn metric_series(service: &Service) -> std::collections::BTreeSet<String> {
+    let text = service.anonymous().get("/metrics").await.body;
+    text.as_str()
+        .unwrap()
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| line.rsplit_once(' ').map(|(series, _)| series.to_owned()))
+        .collect()
+}
+
+/// Any method name hyper accepts becomes one `OTHER` label, not a series of its own:
+/// 2,000 made-up methods before any token leave /metrics with the same series.
+#[tokio::test]
+async fn unknown_methods_add_no_metric_series() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let service = Service::sqlite();
+    let address = address_of(&service);
+    let send = async |method: String| {
+        let mut stream = tokio::net::TcpStream::connect(&address).await.unwrap();
+        let request =
+            format!("{method} /v1/locks/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        let _ = stream.read_to_end(&mut answer).await;
+    };
+    for n in 0..10 {
+        send(format!("WARMUP{n}")).await;
+    }
+    // The first read of /metrics makes its own series.
+    metric_series(&service).await;
+    let before = metric_series(&service).await;
+    for n in 0..2_000 {
+        send(format!("M{n}ETHOD")).await;
+    }
+    let after = metric_series(&service).await;
+    let new: Vec<&String> = after.difference(&before).collect();
+    assert!(new.is_empty(), "new series: {new:?}");
+    assert!(!after.iter().any(|series| series.contains("ETHOD")));
+}
+
+/// Half a request line held open is closed after the header timeout (slowloris), and a
+/// kept-alive connection that sends nothing more is closed the same way.
+#[tokio::test]
+async fn half_sent_requests_and_idle_connections_are_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    let service = Service::start(&store, &["--header-timeout", "2s"], dir);
+    let address = address_of(&service);
+    let mut half = tokio::net::TcpStream::connect(&address).await.unwrap();
+    half.write_all(b"GET /healthz HTT").await.unwrap();
+    let mut idle = tokio::net::TcpStream::connect(&address).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    for (what, stream) in [
+        ("half a request", &mut half),
+        ("an idle connection", &mut idle),
+    ] {
+        let mut answer = Vec::new();
+        let closed =
+            tokio::time::timeout(Duration::from_secs(8), stream.read_to_end(&mut answer)).await;
+        assert!(
+            closed.is_ok(),
+            "{what} was held open past the header timeout"
+        );
+    }
+    assert!(started.elapsed() >= Duration::from_millis(1_500));
+}
+
+/// Past --max-connections a new connection is told to come back (503, Retry-After),
+/// /healthz still answers, and once the held connections are gone a real client is
+/// served again; 3,000 half-open connections do not stop it.
+#[tokio::test]
+async fn a_flood_of_half_open_connections_does_not_stop_a_real_client() {
+    use tokio::io::AsyncWriteExt;
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    let service = Service::start(
+        &store,
+        &["--max-connections", "64", "--header-timeout", "3s"],
+        dir,
+    );
+    let address = address_of(&service);
+    let mut held = Vec::new();
+    for _ in 0..3_000 {
+        if let Ok(mut stream) = tokio::net::TcpStream::connect(&address).await {
+            let _ = stream.write_all(b"POST /v1/locks/x/acquire HTT").await;
+            held.push(stream);
+        }
+    }
+    // While the flood is held: /healthz answers, and work is refused with a retry hint
+    // or served, never hung.
+    let api = service.anonymous();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut healthy = false;
+    while Instant::now() < deadline && !healthy {
+        if let Ok(Ok(response)) = tokio::time::timeout(
+            Duration::from_secs(2),
+            reqwest::get(format!("{}/healthz", service.base)),
+        )
+        .await
+        {
+            healthy = response.status() == StatusCode::OK;
+        }
+    }
+    assert!(healthy, "/healthz did not answer under the flood");
+    let mut served = false;
+    while Instant::now() < deadline && !served {
+        let answer = tokio::time::timeout(
+            Duration::from_secs(2),
+            api.send(
+                api.request(reqwest::Method::POST, "/v1/locks/flood/acquire")
+                    .json(&json!({})),
+            ),
+        )
+        .await;
+        match answer {
+            Ok(answer) if answer.status == StatusCode::OK => served = true,
+            Ok(answer) => {
+                assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+                assert!(answer.headers.contains_key("retry-after"), "{answer:?}");
+            }
+            Err(_) => {}
+        }
+    }
+    assert!(
+        served,
+        "a real client was not served while half-open connections were held"
+    );
+    drop(held);
+}
+
+/// --max-long-polls bounds the acquires that wait: the next one is told to come back.
+#[tokio::test]
+async fn waiting_acquires_are_bounded() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    let service = Service::start(&store, &["--max-long-polls", "2"], dir);
+    let api = service.anonymous();
+    assert_eq!(
+        api.acquire("busy", json!({"ttl_ms": 20000})).await.status,
+        StatusCode::OK
+    );
+    let waiting: Vec<_> = (0..2)
+        .map(|_| {
+            let request = api
+                .request(reqwest::Method::POST, "/v1/locks/busy/acquire")
+                .json(&json!({"wait_ms": 4000}));
+            tokio::spawn(request.send())
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let third = api.acquire("busy", json!({"wait_ms": 4000})).await;
+    assert_eq!(third.status, StatusCode::SERVICE_UNAVAILABLE, "{third:?}");
+    assert_eq!(third.problem_type(), "/problems/too-many-long-polls");
+    assert!(third.headers.contains_key("retry-after"));
+    for waiter in waiting {
+        let _ = waiter.await;
+    }
+}

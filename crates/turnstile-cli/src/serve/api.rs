@@ -298,6 +298,26 @@ async fn acquire(
             ms(service.max_wait)
         )));
     }
+    // A waiting acquire holds a task and a connection for up to --max-wait: their
+    // number is bounded, and past it a caller is told to come back, not queued.
+    let _long_poll = if wait.is_zero() {
+        None
+    } else {
+        match Arc::clone(&service.long_polls).try_acquire_owned() {
+            Ok(permit) => Some(permit),
+            Err(_) => {
+                metrics::counter!("turnstile_serve_long_polls_refused_total").increment(1);
+                return Err(Problem::new(
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    "too-many-long-polls",
+                    "Too many waiting acquires",
+                    "the service is at its limit of acquires that wait (--max-long-polls); \
+                     retry shortly, or acquire without wait_ms",
+                )
+                .retry_after(1));
+            }
+        }
+    };
     let options = LockOptions::new().ttl(ttl).wait(wait);
     let _waiting = service.activity.waiting(full.as_str());
     let started = Instant::now();

@@ -11,6 +11,7 @@
 mod activity;
 mod api;
 mod auth;
+mod conn;
 mod problem;
 mod tls;
 
@@ -73,6 +74,18 @@ pub(crate) struct ServeArgs {
     /// through the store's leases.
     #[arg(long, value_name = "BROKER_URL")]
     relay: Option<String>,
+    /// Connections served at once; past it, a new connection gets 503 with
+    /// Retry-After (and /healthz still answers), and closes.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..=1_000_000), value_name = "N")]
+    max_connections: u32,
+    /// Acquires waiting at once (long polls, `wait_ms` > 0); past it, 503 with
+    /// Retry-After.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000), value_name = "N")]
+    max_long_polls: u32,
+    /// How long a request's head may take to arrive, and a kept-alive connection may
+    /// sit idle before it is closed.
+    #[arg(long, default_value = "10s", value_parser = crate::parse_ttl, value_name = "DURATION")]
+    header_timeout: Duration,
     /// Delete idempotency records past their retention every DURATION, in batches
     /// of 1000 (off by default; `turnstile idempotency sweep` does one pass). Run it in
     /// one instance or in all: batches are short and skip one another's rows.
@@ -100,6 +113,8 @@ pub(crate) struct Service {
     activity: Activity,
     engine: &'static str,
     max_wait: Duration,
+    /// Permits for acquires that wait (long polls): `--max-long-polls`.
+    long_polls: Arc<tokio::sync::Semaphore>,
     metrics: PrometheusHandle,
     /// Cancelled at SIGTERM/SIGINT: long-polls end at once with a 503.
     shutdown: CancellationToken,
@@ -277,6 +292,9 @@ async fn serve(args: ServeArgs) -> ExitCode {
         auth,
         activity: Activity::default(),
         max_wait: args.max_wait,
+        long_polls: Arc::new(tokio::sync::Semaphore::new(
+            usize::try_from(args.max_long_polls).unwrap_or(usize::MAX),
+        )),
         metrics,
         shutdown: shutdown.clone(),
     });
@@ -303,29 +321,19 @@ async fn serve(args: ServeArgs) -> ExitCode {
         tokio::spawn(async move { keys.run_sweeper(every, 1000, stop).await });
     }
     tokio::spawn(stop_on_signal(shutdown.clone()));
-    let served = match tls {
+    let limits = conn::Limits {
+        max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+        header_timeout: args.header_timeout,
+    };
+    match tls {
         Some(acceptor) => {
             let listener = tls::TlsListener::start(listener, acceptor, shutdown.clone());
-            axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-                .await
+            conn::serve(listener, app, limits, shutdown.clone()).await;
         }
-        None => {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-                .await
-        }
-    };
-    match served {
-        Ok(()) => {
-            tracing::info!("stopped");
-            ExitCode::SUCCESS
-        }
-        Err(error) => {
-            eprintln!("turnstile serve: {error}");
-            ExitCode::from(exit::SOFTWARE)
-        }
+        None => conn::serve(listener, app, limits, shutdown.clone()).await,
     }
+    tracing::info!("stopped");
+    ExitCode::SUCCESS
 }
 
 /// A part of the store this engine may not have: its endpoints then answer 501.
@@ -545,13 +553,24 @@ async fn observe(request: Request, next: Next) -> Response {
         .extensions()
         .get::<MatchedPath>()
         .map_or_else(|| "unmatched".to_owned(), |path| path.as_str().to_owned());
-    let method = request.method().as_str().to_owned();
+    // A closed set of labels: hyper accepts any method name, and each new label value
+    // would be a new series kept for good (and shown on /metrics, before any token).
+    let method: &'static str = match request.method().as_str() {
+        "GET" => "GET",
+        "HEAD" => "HEAD",
+        "POST" => "POST",
+        "PUT" => "PUT",
+        "DELETE" => "DELETE",
+        "PATCH" => "PATCH",
+        "OPTIONS" => "OPTIONS",
+        _ => "OTHER",
+    };
     let started = std::time::Instant::now();
     let response = next.run(request).await;
     let status = response.status().as_u16().to_string();
     metrics::counter!(
         "turnstile_http_requests_total",
-        "method" => method.clone(),
+        "method" => method,
         "route" => route.clone(),
         "status" => status
     )
