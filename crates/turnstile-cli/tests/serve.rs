@@ -335,7 +335,7 @@ async fn bad_input_gets_a_problem_document_and_changes_nothing() {
             api.acquire("n", json!({"ttl_ms": 99_999_999_999_999u64}))
                 .await,
             StatusCode::BAD_REQUEST,
-            "365 days",
+            "--max-ttl",
         ),
         (
             api.acquire("n", json!({"wait_ms": 3_600_000})).await,
@@ -1600,4 +1600,44 @@ async fn waiting_acquires_are_bounded() {
     for waiter in waiting {
         let _ = waiter.await;
     }
+}
+
+/// One tenant cannot take the service from the others: leases are bounded by
+/// --max-ttl (a crashed client's lock frees within it, and the OpenAPI document says
+/// so), and past --max-locks-per-tenant an acquire gets 429 while another tenant is
+/// still served.
+#[tokio::test]
+async fn one_tenant_cannot_hold_every_lock() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    let service = Service::start_with(
+        &store,
+        &["--max-locks-per-tenant", "3", "--max-ttl", "1m"],
+        dir,
+        Some(&tokens_document()),
+    );
+    let (acme, globex) = (service.as_token(ACME), service.as_token(GLOBEX));
+    let long = acme.acquire("long", json!({"ttl_ms": 120_000})).await;
+    assert_eq!(long.status, StatusCode::BAD_REQUEST, "{long:?}");
+    let mut owners = Vec::new();
+    for name in ["a", "b", "c"] {
+        let taken = acme.acquire(name, json!({"ttl_ms": 60_000})).await;
+        assert_eq!(taken.status, StatusCode::OK, "{taken:?}");
+        owners.push(taken.body["owner"].as_str().unwrap().to_owned());
+    }
+    let refused = acme.acquire("d", json!({"ttl_ms": 60_000})).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{refused:?}");
+    assert_eq!(refused.problem_type(), "/problems/tenant-lock-limit");
+    assert!(refused.headers.contains_key("retry-after"));
+    assert_eq!(globex.acquire("a", json!({})).await.status, StatusCode::OK);
+    let released = acme
+        .post("/v1/locks/a/release", json!({"owner": owners[0]}))
+        .await;
+    assert_eq!(released.body["outcome"], "released");
+    assert_eq!(acme.acquire("d", json!({})).await.status, StatusCode::OK);
+    let document = service.anonymous().get("/openapi.json").await.body;
+    assert_eq!(
+        document["components"]["schemas"]["AcquireRequest"]["properties"]["ttl_ms"]["maximum"],
+        60_000
+    );
 }

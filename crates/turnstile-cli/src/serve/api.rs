@@ -27,6 +27,7 @@ use super::activity::{
 };
 use super::auth::{Principal, Scope};
 use super::problem::{Problem, ProblemDocument};
+use super::quota;
 
 /// The API's description, completed by the routes registered in [`router`].
 #[derive(OpenApi)]
@@ -289,7 +290,7 @@ async fn acquire(
 ) -> Result<Json<LockLease>, Problem> {
     principal.require(Scope::LocksWrite)?;
     let full = lock_name(&principal, &name)?;
-    let ttl = millis("ttl_ms", request.ttl_ms, Duration::from_secs(30))?;
+    let ttl = service.lease("ttl_ms", request.ttl_ms)?;
     let wait = Duration::from_millis(request.wait_ms.unwrap_or(0));
     if wait > service.max_wait {
         return Err(Problem::invalid(format!(
@@ -318,6 +319,22 @@ async fn acquire(
             }
         }
     };
+    let holder = principal.tenant.as_deref().unwrap_or(&principal.name);
+    let reserved = service.held.reserve(holder, full.as_str(), ttl + wait);
+    if reserved == quota::Reserved::Full {
+        metrics::counter!("turnstile_serve_tenant_limit_total").increment(1);
+        return Err(Problem::new(
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            "tenant-lock-limit",
+            "Too many locks held",
+            &format!(
+                "this tenant holds {} locks through this instance, the most --max-locks-per-tenant \
+                 allows; release one first",
+                service.held.limit()
+            ),
+        )
+        .retry_after(1));
+    }
     let options = LockOptions::new().ttl(ttl).wait(wait);
     let _waiting = service.activity.waiting(full.as_str());
     let started = Instant::now();
@@ -330,6 +347,9 @@ async fn acquire(
     if wait.is_zero() {
         service.observe_store("acquire", started.elapsed());
     }
+    if acquired.is_err() && reserved == quota::Reserved::New {
+        service.held.released(full.as_str());
+    }
     let guard = acquired.map_err(|error| {
         let held = error.kind() == ErrorKind::AcquireTimeout;
         let problem = Problem::from(error);
@@ -340,6 +360,7 @@ async fn acquire(
         }
     })?;
     let lease = guard.detach();
+    service.held.extended(full.as_str(), ttl);
     let token = lease.fencing_token.get();
     service.activity.held(
         full.as_str(),
@@ -398,17 +419,19 @@ async fn extend(
     principal.require(Scope::LocksWrite)?;
     let full = lock_name(&principal, &name)?;
     let owner = OwnerId::parse(&request.owner)?;
-    let ttl = millis("ttl_ms", request.ttl_ms, Duration::from_secs(30))?;
+    let ttl = service.lease("ttl_ms", request.ttl_ms)?;
     let outcome = service
         .timed("extend", service.locker.extend_detached(&full, &owner, ttl))
         .await?;
     match outcome {
         ExtendOutcome::Extended => {
             service.activity.extended(full.as_str(), ttl);
+            service.held.extended(full.as_str(), ttl);
             Ok(Json(Extended { ttl_ms: ms(ttl) }))
         }
         ExtendOutcome::Lost(reason) => {
             service.activity.gone(full.as_str());
+            service.held.released(full.as_str());
             service.activity.event(
                 "lost",
                 principal.tenant.as_deref(),
@@ -477,6 +500,7 @@ async fn release(
     };
     if outcome == "released" || outcome == "already_expired" {
         service.activity.gone(full.as_str());
+        service.held.released(full.as_str());
     }
     if outcome != "released" {
         service.activity.event(
@@ -569,6 +593,7 @@ async fn force_release(
         .await?;
     if let Some(info) = &info {
         service.activity.gone(full.as_str());
+        service.held.released(full.as_str());
         service.activity.event(
             "broken",
             principal.tenant.as_deref(),

@@ -13,6 +13,7 @@ mod api;
 mod auth;
 mod conn;
 mod problem;
+mod quota;
 mod tls;
 
 use std::net::SocketAddr;
@@ -62,6 +63,16 @@ pub(crate) struct ServeArgs {
     /// TLS private key (PEM).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// The longest lease an acquire or extend may ask for (`ttl_ms`): a crashed client's
+    /// lock is free again after at most this long.
+    #[arg(long, default_value = "5m", value_parser = crate::parse_ttl, value_name = "DURATION")]
+    max_ttl: Duration,
+    /// The most locks one tenant (or one token without a tenant) holds through this
+    /// instance at once; past it an acquire gets 429. Default: 16 on session-bound
+    /// stores (MySQL, PostgreSQL session mode: each held lock pins one of their 64
+    /// sessions), 10000 elsewhere.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000), value_name = "N")]
+    max_locks_per_tenant: Option<u32>,
     /// The longest long-poll an acquire may ask for (`wait_ms`).
     #[arg(long, default_value = "30s", value_parser = crate::parse_ttl, value_name = "DURATION")]
     max_wait: Duration,
@@ -113,6 +124,9 @@ pub(crate) struct Service {
     activity: Activity,
     engine: &'static str,
     max_wait: Duration,
+    max_ttl: Duration,
+    /// Locks held per tenant through this instance: `--max-locks-per-tenant`.
+    held: quota::HeldLocks,
     /// Permits for acquires that wait (long polls): `--max-long-polls`.
     long_polls: Arc<tokio::sync::Semaphore>,
     metrics: PrometheusHandle,
@@ -121,6 +135,20 @@ pub(crate) struct Service {
 }
 
 impl Service {
+    /// A lease asked for in `what` (default 30 s), at most `--max-ttl` (the lower bound
+    /// is the lock options' own, with their message).
+    fn lease(&self, what: &str, asked: Option<u64>) -> Result<Duration, Problem> {
+        let lease = asked.map_or(Duration::from_secs(30), Duration::from_millis);
+        if lease > self.max_ttl {
+            return Err(Problem::invalid(format!(
+                "{what} is at most {} on this service (--max-ttl): a lock outlives a crashed \
+                 holder by its lease; extend a shorter one instead",
+                self.max_ttl.as_millis()
+            )));
+        }
+        Ok(lease)
+    }
+
     fn idempotency(&self) -> Result<&Arc<dyn IdempotencyStore>, Problem> {
         self.idempotency.as_ref().map_err(|why| unsupported(why))
     }
@@ -171,6 +199,15 @@ fn unsupported(why: &str) -> Problem {
 }
 
 /// The engine's name, a metric label.
+/// Whether every lock held on this store pins a database session (a bounded pool).
+fn session_bound(url: &str) -> bool {
+    match engine_of(url) {
+        "mysql" => true,
+        "postgres" => url.contains("turnstile_mode=session"),
+        _ => false,
+    }
+}
+
 fn engine_of(url: &str) -> &'static str {
     let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
     match scheme.to_ascii_lowercase().as_str() {
@@ -292,6 +329,13 @@ async fn serve(args: ServeArgs) -> ExitCode {
         auth,
         activity: Activity::default(),
         max_wait: args.max_wait,
+        max_ttl: args.max_ttl,
+        held: quota::HeldLocks::new(
+            args.max_locks_per_tenant
+                .map_or(if session_bound(&url) { 16 } else { 10_000 }, |n| {
+                    usize::try_from(n).unwrap_or(usize::MAX)
+                }),
+        ),
         long_polls: Arc::new(tokio::sync::Semaphore::new(
             usize::try_from(args.max_long_polls).unwrap_or(usize::MAX),
         )),
@@ -440,7 +484,7 @@ async fn sample(service: Arc<Service>) {
 /// The whole application: the API, its OpenAPI document, metrics, the dashboard.
 fn app(service: Arc<Service>, max_body: usize) -> Router {
     let (api, openapi) = api::router().split_for_parts();
-    let openapi = Arc::new(finish_document(openapi, service.max_wait));
+    let openapi = Arc::new(finish_document(openapi, service.max_wait, service.max_ttl));
     api.route(
         "/openapi.json",
         get(move || {
@@ -480,7 +524,11 @@ fn app(service: Arc<Service>, max_body: usize) -> Router {
 /// The OpenAPI document as served: the handlers' own descriptions, plus the answers
 /// every operation can give (a bad request, authentication, a store that is down; for
 /// operations with a body, its size, media type and shape) and this instance's limits.
-fn finish_document(openapi: utoipa::openapi::OpenApi, max_wait: Duration) -> String {
+fn finish_document(
+    openapi: utoipa::openapi::OpenApi,
+    max_wait: Duration,
+    max_ttl: Duration,
+) -> String {
     let Ok(mut document) = serde_json::to_value(&openapi) else {
         return String::new();
     };
@@ -530,6 +578,20 @@ fn finish_document(openapi: utoipa::openapi::OpenApi, max_wait: Duration) -> Str
     let wait = &mut document["components"]["schemas"]["AcquireRequest"]["properties"]["wait_ms"];
     if wait.is_object() {
         wait["maximum"] = serde_json::Value::from(max_wait.as_millis() as u64);
+    }
+    // This service's own bounds, so that clients (and the API fuzzer) see them.
+    for schema in ["AcquireRequest", "ExtendRequest"] {
+        let ttl = &mut document["components"]["schemas"][schema]["properties"]["ttl_ms"];
+        if ttl.is_object() {
+            ttl["maximum"] = serde_json::Value::from(max_ttl.as_millis() as u64);
+        }
+    }
+    if let Some(responses) =
+        document["paths"]["/v1/locks/{name}/acquire"]["post"]["responses"].as_object_mut()
+    {
+        responses.entry("429").or_insert_with(|| {
+            problem("The tenant holds as many locks as --max-locks-per-tenant allows")
+        });
     }
     document.to_string()
 }
