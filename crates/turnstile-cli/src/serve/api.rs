@@ -327,7 +327,7 @@ async fn acquire(
             axum::http::StatusCode::TOO_MANY_REQUESTS,
             "tenant-lock-limit",
             "Too many locks held",
-            &format!(
+            format!(
                 "this tenant holds {} locks through this instance, the most --max-locks-per-tenant \
                  allows; release one first",
                 service.held.limit()

@@ -57,6 +57,17 @@ pub(crate) struct ServeArgs {
     /// Serve a non-loopback address without tokens: every caller is an admin.
     #[arg(long)]
     no_auth: bool,
+    /// Serve bearer tokens over plain HTTP on a non-loopback address (they cross the
+    /// network readable by anyone on the path); without it that is refused: give
+    /// --tls-cert and --tls-key.
+    #[arg(long)]
+    insecure_http: bool,
+    /// A `Host` the service answers to besides its listen address, `localhost` and
+    /// `127.0.0.1` (with its port, as browsers send it: `locks.internal:7070`); may be
+    /// given more than once. Without tokens, requests for any other host are refused,
+    /// so that a web page cannot reach the service through DNS rebinding.
+    #[arg(long, value_name = "HOST:PORT")]
+    allowed_host: Vec<String>,
     /// TLS certificate chain (PEM); with --tls-key, the service speaks HTTPS only.
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
@@ -130,6 +141,9 @@ pub(crate) struct Service {
     /// Permits for acquires that wait (long polls): `--max-long-polls`.
     long_polls: Arc<tokio::sync::Semaphore>,
     metrics: PrometheusHandle,
+    /// The `Host` values the service answers to when it has no tokens (lower case,
+    /// with the port).
+    allowed_hosts: Vec<String>,
     /// Cancelled at SIGTERM/SIGINT: long-polls end at once with a 503.
     shutdown: CancellationToken,
 }
@@ -199,6 +213,78 @@ fn unsupported(why: &str) -> Problem {
 }
 
 /// The engine's name, a metric label.
+/// The `Host` values a service on `address` answers to without tokens.
+fn allowed_hosts(address: SocketAddr, extra: &[String]) -> Vec<String> {
+    let port = address.port();
+    // Loopback names with or without the port: a rebinding page's requests carry its
+    // own domain, never these.
+    let mut hosts = vec![
+        format!("127.0.0.1:{port}"),
+        format!("localhost:{port}"),
+        format!("[::1]:{port}"),
+        "127.0.0.1".to_owned(),
+        "localhost".to_owned(),
+        "[::1]".to_owned(),
+        address.to_string(),
+    ];
+    hosts.extend(extra.iter().map(|host| host.to_ascii_lowercase()));
+    hosts
+}
+
+/// Without tokens, the service is one developer's: only requests addressed to it (its
+/// `Host`) are served, and a browser page from elsewhere (a cross-site `Origin` or
+/// `Sec-Fetch-Site`) may not change anything. With tokens, a browser cannot present
+/// one unasked, and this check is not needed.
+async fn guard_open_mode(
+    State(service): State<Arc<Service>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if !service.auth.is_open() {
+        return next.run(request).await;
+    }
+    let allowed = |host: &str| {
+        let host = host.to_ascii_lowercase();
+        service.allowed_hosts.contains(&host)
+    };
+    let headers = request.headers();
+    let host = headers
+        .get(header::HOST)
+        .and_then(|host| host.to_str().ok());
+    if host.is_some_and(|host| !allowed(host)) {
+        return Problem::new(
+            StatusCode::MISDIRECTED_REQUEST,
+            "unknown-host",
+            "Unknown host",
+            "this service (without tokens) answers only to its own address; name others with \
+             --allowed-host",
+        )
+        .into_response();
+    }
+    let changes = !matches!(request.method().as_str(), "GET" | "HEAD" | "OPTIONS");
+    let origin_elsewhere = headers
+        .get(header::ORIGIN)
+        .and_then(|origin| origin.to_str().ok())
+        .is_some_and(|origin| {
+            origin == "null"
+                || !origin
+                    .split_once("://")
+                    .is_some_and(|(_, host)| allowed(host.trim_end_matches('/')))
+        });
+    let cross_site = headers
+        .get("sec-fetch-site")
+        .is_some_and(|site| site != "same-origin" && site != "none");
+    if changes && (origin_elsewhere || cross_site) {
+        return Problem::forbidden(
+            "a page from another site may not change anything on a service without tokens; \
+             configure tokens to serve browsers elsewhere"
+                .to_owned(),
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
 /// Whether every lock held on this store pins a database session (a bounded pool).
 fn session_bound(url: &str) -> bool {
     match engine_of(url) {
@@ -262,6 +348,14 @@ async fn serve(args: ServeArgs) -> ExitCode {
             "{} is not a loopback address and no tokens are configured: anyone who reaches \
              it could take and break every lock. Give --tokens FILE (or TURNSTILE_TOKENS), \
              or --no-auth if that is really meant",
+            args.listen
+        ));
+    }
+    if !auth.is_open() && !loopback && args.tls_cert.is_none() && !args.insecure_http {
+        return usage(format!(
+            "{} is not a loopback address and this is plain HTTP: every bearer token would \
+             cross the network unencrypted. Give --tls-cert and --tls-key, or --insecure-http \
+             if the network is trusted",
             args.listen
         ));
     }
@@ -330,6 +424,7 @@ async fn serve(args: ServeArgs) -> ExitCode {
         activity: Activity::default(),
         max_wait: args.max_wait,
         max_ttl: args.max_ttl,
+        allowed_hosts: allowed_hosts(address, &args.allowed_host),
         held: quota::HeldLocks::new(
             args.max_locks_per_tenant
                 .map_or(if session_bound(&url) { 16 } else { 10_000 }, |n| {
@@ -423,7 +518,11 @@ fn announce(service: &Service, address: SocketAddr, tls: bool, loopback: bool) {
         }
     );
     if service.auth.is_open() {
-        println!("auth: none (no tokens configured: every caller is an admin)");
+        println!(
+            "auth: none (no tokens configured: every caller is an admin). No-token mode is for \
+             one developer's machine: requests must name this address as their Host, and pages \
+             from other sites may change nothing; configure --tokens for anything shared"
+        );
     } else {
         println!("auth: {} bearer token(s)", service.auth.token_count());
     }
@@ -499,7 +598,26 @@ fn app(service: Arc<Service>, max_body: usize) -> Router {
     )
     .route("/metrics", get(prometheus))
     .route("/healthz", get(|| async { "ok\n" }))
-    .route("/", get(|| async { Html(DASHBOARD) }))
+    .route(
+        "/",
+        get(|| async {
+            // One page with its script and styles inline: it may fetch from this origin
+            // only, and no other site may frame it.
+            (
+                [
+                    (
+                        header::CONTENT_SECURITY_POLICY,
+                        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                         connect-src 'self'; img-src 'self' data:; base-uri 'none'; \
+                         form-action 'none'; frame-ancestors 'none'",
+                    ),
+                    (header::X_FRAME_OPTIONS, "DENY"),
+                    (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+                ],
+                Html(DASHBOARD),
+            )
+        }),
+    )
     .fallback(|| async {
         Problem::new(
             StatusCode::NOT_FOUND,
@@ -517,6 +635,7 @@ fn app(service: Arc<Service>, max_body: usize) -> Router {
         )
     })
     .layer(DefaultBodyLimit::max(max_body))
+    .layer(middleware::from_fn_with_state(Arc::clone(&service), guard_open_mode))
     .layer(middleware::from_fn(observe))
     .with_state(service)
 }
