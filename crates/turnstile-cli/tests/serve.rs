@@ -585,6 +585,7 @@ async fn the_service_sweeps_expired_idempotency_records() {
             .post(
                 "/v1/idempotency/complete",
                 json!({"key": format!("k{n}"), "token": claimed.body["token"],
+                       "capability": claimed.body["capability"],
                        "outcome": "ok", "retention_ms": 1000}),
             )
             .await;
@@ -627,6 +628,7 @@ async fn idempotency_keys_over_http(service: &Service, engine: &str) {
         .await;
     assert_eq!(first.body["state"], "started", "{first:?}");
     let token = first.body["token"].as_u64().unwrap();
+    let capability = first.body["capability"].as_str().unwrap().to_owned();
 
     let busy = api
         .post(
@@ -660,22 +662,54 @@ async fn idempotency_keys_over_http(service: &Service, engine: &str) {
     let beat = api
         .post(
             "/v1/idempotency/heartbeat",
-            json!({"key": key, "scope": "shop", "token": token, "lease_ms": 10000}),
+            json!({"key": key, "scope": "shop", "token": token, "capability": capability, "lease_ms": 10000}),
         )
         .await;
     assert_eq!(beat.status, StatusCode::OK, "{beat:?}");
+    // The token alone (which any reader of the record sees) completes nothing: a
+    // forged outcome would be replayed to every retry.
+    for forged in [
+        json!("0".repeat(32)),
+        json!(capability.replace('a', "b").replace('1', "2")),
+    ] {
+        let refused = api
+            .post(
+                "/v1/idempotency/complete",
+                json!({"key": key, "scope": "shop", "token": token, "capability": forged, "outcome": "forged"}),
+            )
+            .await;
+        assert_eq!(refused.status, StatusCode::FORBIDDEN, "{refused:?}");
+        assert_eq!(refused.body["reason"], "claim-capability");
+    }
+    let missing = api
+        .post(
+            "/v1/idempotency/complete",
+            json!({"key": key, "scope": "shop", "token": token, "outcome": "forged"}),
+        )
+        .await;
+    assert_eq!(
+        missing.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{missing:?}"
+    );
+    let earlier = api
+        .post(
+            "/v1/idempotency/claim",
+            json!({"key": format!("{key}-older"), "scope": "shop", "fingerprint": fingerprint}),
+        )
+        .await;
     let wrong = api
         .post(
             "/v1/idempotency/complete",
-            json!({"key": key, "scope": "shop", "token": token - 1, "outcome": "nope"}),
+            json!({"key": format!("{key}-older"), "scope": "shop", "token": earlier.body["token"].as_u64().unwrap() - 1,
+                   "capability": capability, "outcome": "nope"}),
         )
         .await;
-    assert_eq!(wrong.status, StatusCode::CONFLICT);
-    assert_eq!(wrong.problem_type(), "/problems/fenced");
+    assert_eq!(wrong.status, StatusCode::FORBIDDEN, "{wrong:?}");
     let done = api
         .post(
             "/v1/idempotency/complete",
-            json!({"key": key, "scope": "shop", "token": token, "outcome": "{\"charged\":true}"}),
+            json!({"key": key, "scope": "shop", "token": token, "capability": capability, "outcome": "{\"charged\":true}"}),
         )
         .await;
     assert_eq!(done.body["state"], "done", "{done:?}");
@@ -696,6 +730,36 @@ async fn idempotency_keys_over_http(service: &Service, engine: &str) {
     assert_eq!(record.body["state"], "completed");
     assert_eq!(record.body["fingerprint"], fingerprint);
     assert_eq!(record.body["token"], token);
+    assert!(
+        record.body.get("capability").is_none(),
+        "a reader saw the capability"
+    );
+    // A claim whose lease ran out and was taken over is fenced, its capability
+    // notwithstanding.
+    let lapsed_key = unique_name("lapsed");
+    let lapsed = api
+        .post(
+            "/v1/idempotency/claim",
+            json!({"key": lapsed_key, "fingerprint": fingerprint, "lease_ms": 1000}),
+        )
+        .await;
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let taken_over = api
+        .post(
+            "/v1/idempotency/claim",
+            json!({"key": lapsed_key, "fingerprint": fingerprint}),
+        )
+        .await;
+    assert_eq!(taken_over.body["state"], "started");
+    let fenced = api
+        .post(
+            "/v1/idempotency/complete",
+            json!({"key": lapsed_key, "token": lapsed.body["token"],
+                   "capability": lapsed.body["capability"], "outcome": "late"}),
+        )
+        .await;
+    assert_eq!(fenced.status, StatusCode::CONFLICT, "{fenced:?}");
+    assert_eq!(fenced.problem_type(), "/problems/fenced");
     let missing = api.get("/v1/idempotency/record?key=never-used").await;
     assert_eq!(missing.status, StatusCode::NOT_FOUND);
     assert_eq!(missing.problem_type(), "/problems/no-record");
@@ -712,7 +776,7 @@ async fn idempotency_keys_over_http(service: &Service, engine: &str) {
     let given_back = api
         .post(
             "/v1/idempotency/release",
-            json!({"key": other_key, "token": first_token}),
+            json!({"key": other_key, "token": first_token, "capability": claimed.body["capability"]}),
         )
         .await;
     assert_eq!(given_back.body["state"], "done");

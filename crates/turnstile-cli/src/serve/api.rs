@@ -646,10 +646,15 @@ pub(crate) struct ClaimRequest {
 #[derive(Serialize, ToSchema)]
 pub(crate) struct Claimed {
     /// `started`: the key is yours; do the work, then complete or release with
-    /// `token`. `replay`: the request was done before; here is its outcome.
+    /// `token` and `capability`. `replay`: the request was done before; here is its
+    /// outcome.
     state: &'static str,
     /// For `started`: the claim's fencing token.
     token: Option<u64>,
+    /// For `started`: the claim's secret capability (32 hex digits), required to renew,
+    /// complete or give back the claim. It is handed out here only: keep it with the
+    /// work, never log it.
+    capability: Option<String>,
     /// For `replay`: the stored outcome, when it is UTF-8 text.
     outcome: Option<String>,
     /// For `replay`: the stored outcome in base64 (always present with `replay`).
@@ -720,6 +725,11 @@ async fn claim(
             Ok(Json(Claimed {
                 state: "started",
                 token: Some(token.get()),
+                capability: Some(service.claim_secret.capability(
+                    scope.as_str(),
+                    key.as_str(),
+                    token.get(),
+                )),
                 outcome: None,
                 outcome_base64: None,
             }))
@@ -729,6 +739,7 @@ async fn claim(
             Ok(Json(Claimed {
                 state: "replay",
                 token: None,
+                capability: None,
                 outcome_base64: Some(base64::engine::general_purpose::STANDARD.encode(&outcome)),
                 outcome: String::from_utf8(outcome).ok(),
             }))
@@ -785,6 +796,9 @@ pub(crate) struct ClaimRef {
     #[serde(deserialize_with = "whole_token")]
     #[schema(minimum = 0, maximum = 9223372036854775807_u64)]
     token: u64,
+    /// The claim's capability, as the claim returned it.
+    #[schema(pattern = "^[0-9a-f]{32}$")]
+    capability: String,
 }
 
 /// Renews a claim's lease.
@@ -825,6 +839,7 @@ pub(crate) struct Done {
 }
 
 fn claim_parts(
+    service: &Service,
     principal: &Principal,
     claim: &ClaimRef,
 ) -> Result<(KeyScope, IdempotencyKey, turnstile::fence::FencingToken), Problem> {
@@ -836,11 +851,23 @@ fn claim_parts(
             claim.token
         )));
     }
-    Ok((
-        key_scope(principal, claim.scope.as_deref())?,
-        IdempotencyKey::new(claim.key.clone())?,
-        turnstile::fence::FencingToken::new(claim.token),
-    ))
+    let scope = key_scope(principal, claim.scope.as_deref())?;
+    let key = IdempotencyKey::new(claim.key.clone())?;
+    if !service
+        .claim_secret
+        .verify(scope.as_str(), key.as_str(), claim.token, &claim.capability)
+    {
+        metrics::counter!("turnstile_serve_claim_capability_refused_total").increment(1);
+        return Err(Problem::forbidden(format!(
+            "the capability does not match the claim on key {:?} with token {}: only the \
+             claimer, with the capability its claim returned, may renew, complete or give it \
+             back",
+            key.as_str(),
+            claim.token
+        ))
+        .with("reason", "claim-capability"));
+    }
+    Ok((scope, key, turnstile::fence::FencingToken::new(claim.token)))
 }
 
 fn finished(
@@ -873,6 +900,7 @@ fn finished(
     responses(
         (status = 200, description = "Renewed", body = Done),
         (status = 409, description = "Fenced: the claim is no longer the record's", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "The capability does not match the claim", body = ProblemDocument, content_type = "application/problem+json"),
     )
 )]
 async fn heartbeat(
@@ -882,7 +910,7 @@ async fn heartbeat(
 ) -> Result<Json<Done>, Problem> {
     principal.require(Scope::IdempotencyWrite)?;
     let store = service.idempotency()?;
-    let (scope, key, token) = claim_parts(&principal, &request.claim)?;
+    let (scope, key, token) = claim_parts(&service, &principal, &request.claim)?;
     let lease = millis(
         "lease_ms",
         request.lease_ms,
@@ -906,6 +934,7 @@ async fn heartbeat(
     responses(
         (status = 200, description = "Stored", body = Done),
         (status = 409, description = "Fenced: the claim is no longer the record's", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "The capability does not match the claim", body = ProblemDocument, content_type = "application/problem+json"),
         (status = 413, description = "Body too large", body = ProblemDocument, content_type = "application/problem+json"),
     )
 )]
@@ -916,7 +945,7 @@ async fn complete(
 ) -> Result<Json<Done>, Problem> {
     principal.require(Scope::IdempotencyWrite)?;
     let store = service.idempotency()?;
-    let (scope, key, token) = claim_parts(&principal, &request.claim)?;
+    let (scope, key, token) = claim_parts(&service, &principal, &request.claim)?;
     let outcome = match (request.outcome, request.outcome_base64) {
         (Some(text), None) => text.into_bytes(),
         (None, Some(encoded)) => base64::engine::general_purpose::STANDARD
@@ -960,6 +989,7 @@ async fn complete(
     responses(
         (status = 200, description = "Given back", body = Done),
         (status = 409, description = "Fenced: the claim is no longer the record's", body = ProblemDocument, content_type = "application/problem+json"),
+        (status = 403, description = "The capability does not match the claim", body = ProblemDocument, content_type = "application/problem+json"),
     )
 )]
 async fn give_back(
@@ -969,7 +999,7 @@ async fn give_back(
 ) -> Result<Json<Done>, Problem> {
     principal.require(Scope::IdempotencyWrite)?;
     let store = service.idempotency()?;
-    let (scope, key, token) = claim_parts(&principal, &request)?;
+    let (scope, key, token) = claim_parts(&service, &principal, &request)?;
     let finish = service
         .timed("give_back", store.release(&scope, &key, token))
         .await?;

@@ -11,6 +11,7 @@
 mod activity;
 mod api;
 mod auth;
+mod capability;
 mod conn;
 mod problem;
 mod quota;
@@ -62,6 +63,11 @@ pub(crate) struct ServeArgs {
     /// --tls-cert and --tls-key.
     #[arg(long)]
     insecure_http: bool,
+    /// A file whose bytes sign the capabilities of idempotency claims (at least 16).
+    /// Every instance that serves the same claims needs the same one; without it the
+    /// tokens document is used, and without tokens a secret of this process.
+    #[arg(long, value_name = "FILE")]
+    claim_secret_file: Option<PathBuf>,
     /// A `Host` the service answers to besides its listen address, `localhost` and
     /// `127.0.0.1` (with its port, as browsers send it: `locks.internal:7070`); may be
     /// given more than once. Without tokens, requests for any other host are refused,
@@ -144,6 +150,8 @@ pub(crate) struct Service {
     /// The `Host` values the service answers to when it has no tokens (lower case,
     /// with the port).
     allowed_hosts: Vec<String>,
+    /// Signs the capabilities of idempotency claims.
+    claim_secret: capability::ClaimSecret,
     /// Cancelled at SIGTERM/SIGINT: long-polls end at once with a 503.
     shutdown: CancellationToken,
 }
@@ -338,8 +346,15 @@ fn usage(message: impl std::fmt::Display) -> ExitCode {
 }
 
 async fn serve(args: ServeArgs) -> ExitCode {
-    let auth = match load_tokens(args.tokens.as_deref()) {
-        Ok(auth) => auth,
+    let (auth, tokens_document) = match load_tokens(args.tokens.as_deref()) {
+        Ok(loaded) => loaded,
+        Err(message) => return usage(message),
+    };
+    let claim_secret = match claim_secret(
+        args.claim_secret_file.as_deref(),
+        tokens_document.as_deref(),
+    ) {
+        Ok(secret) => secret,
         Err(message) => return usage(message),
     };
     let loopback = args.listen.ip().is_loopback();
@@ -425,6 +440,7 @@ async fn serve(args: ServeArgs) -> ExitCode {
         max_wait: args.max_wait,
         max_ttl: args.max_ttl,
         allowed_hosts: allowed_hosts(address, &args.allowed_host),
+        claim_secret,
         held: quota::HeldLocks::new(
             args.max_locks_per_tenant
                 .map_or(if session_bound(&url) { 16 } else { 10_000 }, |n| {
@@ -487,16 +503,42 @@ fn optional<T>(what: &str, opened: Result<T, Error>) -> Result<Result<T, String>
     }
 }
 
-fn load_tokens(path: Option<&std::path::Path>) -> Result<Auth, String> {
+/// The tokens, and the document they came from (none in open mode).
+fn load_tokens(path: Option<&std::path::Path>) -> Result<(Auth, Option<String>), String> {
     let text = match path {
         Some(path) => std::fs::read_to_string(path)
             .map_err(|error| format!("cannot read {}: {error}", path.display()))?,
         None => match std::env::var("TURNSTILE_TOKENS") {
             Ok(text) if !text.trim().is_empty() => text,
-            _ => return Ok(Auth::open()),
+            _ => return Ok((Auth::open(), None)),
         },
     };
-    Auth::from_json(&text)
+    Ok((Auth::from_json(&text)?, Some(text)))
+}
+
+/// What signs claim capabilities: `--claim-secret-file`, else the tokens document
+/// (shared by every instance of a deployment), else a secret of this process (open
+/// mode: one developer's single instance).
+fn claim_secret(
+    file: Option<&std::path::Path>,
+    tokens: Option<&str>,
+) -> Result<capability::ClaimSecret, String> {
+    match (file, tokens) {
+        (Some(path), _) => {
+            let material = std::fs::read(path)
+                .map_err(|error| format!("cannot read {}: {error}", path.display()))?;
+            if material.len() < 16 {
+                return Err(format!(
+                    "{} holds {} bytes; a claim secret needs at least 16",
+                    path.display(),
+                    material.len()
+                ));
+            }
+            Ok(capability::ClaimSecret::derive(&material))
+        }
+        (None, Some(tokens)) => Ok(capability::ClaimSecret::derive(tokens.as_bytes())),
+        (None, None) => Ok(capability::ClaimSecret::random()),
+    }
 }
 
 fn announce(service: &Service, address: SocketAddr, tls: bool, loopback: bool) {
