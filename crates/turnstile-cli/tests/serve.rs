@@ -553,6 +553,11 @@ async fn a_store_password_reaches_no_token_and_no_error() {
     );
     for answer in &answers {
         assert!(!answer.body.to_string().contains(SECRET), "{answer:?}");
+        if answer.status.is_server_error() {
+            // The driver's text stays in the log; the client gets an id to quote.
+            let detail = answer.body["detail"].as_str().unwrap_or_default();
+            assert!(detail.contains("error id"), "{answer:?}");
+        }
     }
     drop(service);
     for entry in std::fs::read_dir(dir.path()).unwrap() {
@@ -1830,4 +1835,80 @@ fn tokens_over_plain_http_elsewhere_are_refused() {
     assert_eq!(output.status.code(), Some(64), "{output:?}");
     let said = String::from_utf8_lossy(&output.stderr);
     assert!(said.contains("--insecure-http"), "{said}");
+}
+
+/// The dashboard is per tenant and failed calls change nothing on it: another tenant's
+/// many events do not push a tenant's own out, and an extend with a wrong owner id
+/// does not remove the real holder's row.
+#[tokio::test]
+async fn the_dashboard_cannot_be_disturbed_by_other_callers() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    let service = Service::start_with(&store, &[], dir, Some(&tokens_document()));
+    let (acme, globex) = (service.as_token(ACME), service.as_token(GLOBEX));
+    // acme's own event: a lease it lets run out, then an extend that finds it lost.
+    let short = acme.acquire("short", json!({"ttl_ms": 100})).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let lost = acme
+        .post(
+            "/v1/locks/short/extend",
+            json!({"owner": short.body["owner"], "ttl_ms": 1000}),
+        )
+        .await;
+    assert_eq!(lost.status, StatusCode::CONFLICT, "{lost:?}");
+    let held = acme.acquire("row", json!({"ttl_ms": 60_000})).await;
+    assert_eq!(held.status, StatusCode::OK);
+    // A wrong owner id: refused, and nothing shown changes.
+    let wrong = acme
+        .post(
+            "/v1/locks/row/extend",
+            json!({"owner": "0".repeat(32), "ttl_ms": 1000}),
+        )
+        .await;
+    assert_eq!(wrong.status, StatusCode::CONFLICT, "{wrong:?}");
+    // Another tenant makes 150 events of its own.
+    for n in 0..150 {
+        let late = globex
+            .post(
+                &format!("/v1/locks/free-{n}/release"),
+                json!({"owner": "1".repeat(32)}),
+            )
+            .await;
+        assert_eq!(late.body["outcome"], "already_expired");
+    }
+    let seen = acme.get("/v1/dashboard").await;
+    let names: Vec<&str> = seen.body["held"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|lock| lock["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["row"], "the real holder's row was removed");
+    let events = seen.body["events"].as_array().unwrap();
+    assert!(
+        events.iter().any(|event| event["name"] == "short"),
+        "another tenant's events pushed this tenant's out: {events:?}"
+    );
+}
+
+/// --metrics-token closes /metrics to callers without it.
+#[tokio::test]
+async fn metrics_can_require_a_token() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    let service = Service::start(&store, &["--metrics-token", "scrape-token-0123456789"], dir);
+    let anonymous = service.anonymous().get("/metrics").await;
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+    let scraper = service
+        .as_token("scrape-token-0123456789")
+        .get("/metrics")
+        .await;
+    assert_eq!(scraper.status, StatusCode::OK);
+    assert!(
+        scraper
+            .body
+            .as_str()
+            .unwrap()
+            .contains("turnstile_http_requests_total")
+    );
 }

@@ -17,8 +17,9 @@ use utoipa::ToSchema;
 const EVENTS: usize = 100;
 const SECONDS: usize = 300;
 const LATENCY_SAMPLES: usize = 512;
-/// Locks shown at most (the ones whose lease ends last are dropped first).
-const HELD: usize = 1000;
+/// Locks shown at most per tenant (and for callers without one): past it a tenant's
+/// newer locks are not shown, and no tenant's count hides another's.
+const HELD_PER_TENANT: usize = 1000;
 
 #[derive(Default)]
 pub(crate) struct Activity {
@@ -29,7 +30,9 @@ pub(crate) struct Activity {
 struct State {
     held: BTreeMap<String, Held>,
     waiting: HashMap<String, u32>,
-    events: VecDeque<Event>,
+    /// Recent events per tenant (`None`: callers without one), each buffer bounded,
+    /// so that no tenant's traffic pushes another's events out.
+    events: HashMap<Option<String>, VecDeque<Event>>,
     idempotency: VecDeque<IdempotencySecond>,
     outbox: VecDeque<OutboxSample>,
     latency: BTreeMap<&'static str, VecDeque<Duration>>,
@@ -37,10 +40,11 @@ struct State {
 
 impl State {
     fn event(&mut self, kind: &'static str, tenant: Option<&str>, name: &str, detail: String) {
-        if self.events.len() == EVENTS {
-            self.events.pop_front();
+        let events = self.events.entry(tenant.map(str::to_owned)).or_default();
+        if events.len() == EVENTS {
+            events.pop_front();
         }
-        self.events.push_back(Event {
+        events.push_back(Event {
             at_ms: unix_ms(),
             kind,
             name: name.to_owned(),
@@ -185,7 +189,12 @@ impl Activity {
         let mut state = self.state();
         let now = Instant::now();
         state.expire(now);
-        if state.held.len() >= HELD {
+        let shown = state
+            .held
+            .values()
+            .filter(|held| held.tenant.as_deref() == tenant)
+            .count();
+        if shown >= HELD_PER_TENANT {
             return;
         }
         state.held.insert(
@@ -206,8 +215,18 @@ impl Activity {
         }
     }
 
-    pub(crate) fn gone(&self, key: &str) {
-        self.state().held.remove(key);
+    /// The lock at `key` is no longer held by `owner`: its row goes, unless another
+    /// owner's lock is shown there (a call with a wrong owner id changes nothing that
+    /// is shown).
+    pub(crate) fn gone(&self, key: &str, owner: Option<&str>) {
+        let mut state = self.state();
+        let theirs = state
+            .held
+            .get(key)
+            .is_some_and(|held| owner.is_none_or(|owner| owner.starts_with(held.holder.as_str())));
+        if theirs {
+            state.held.remove(key);
+        }
     }
 
     /// Counts a waiter until the returned guard drops.
@@ -304,13 +323,14 @@ impl Activity {
                 waiters: state.waiting.get(key).copied().unwrap_or(0),
             })
             .collect();
-        let events = state
+        let mut events: Vec<Event> = state
             .events
             .iter()
-            .filter(|event| visible(event.tenant.as_deref()))
-            .rev()
-            .cloned()
+            .filter(|(owner, _)| visible(owner.as_deref()))
+            .flat_map(|(_, events)| events.iter().cloned())
             .collect();
+        events.sort_by(|a, b| b.at_ms.cmp(&a.at_ms));
+        events.truncate(EVENTS);
         // Idempotency counts, outbox and latency are instance-wide: shown to callers of
         // every tenant only when they are not confined to one.
         if tenant.is_some() {

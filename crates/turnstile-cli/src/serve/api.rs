@@ -348,7 +348,7 @@ async fn acquire(
         service.observe_store("acquire", started.elapsed());
     }
     if acquired.is_err() && reserved == quota::Reserved::New {
-        service.held.released(full.as_str());
+        service.held.released(full.as_str(), None);
     }
     let guard = acquired.map_err(|error| {
         let held = error.kind() == ErrorKind::AcquireTimeout;
@@ -360,7 +360,9 @@ async fn acquire(
         }
     })?;
     let lease = guard.detach();
-    service.held.extended(full.as_str(), ttl);
+    service
+        .held
+        .acquired(full.as_str(), lease.owner.as_str(), ttl);
     let token = lease.fencing_token.get();
     service.activity.held(
         full.as_str(),
@@ -430,8 +432,11 @@ async fn extend(
             Ok(Json(Extended { ttl_ms: ms(ttl) }))
         }
         ExtendOutcome::Lost(reason) => {
-            service.activity.gone(full.as_str());
-            service.held.released(full.as_str());
+            service.held.released(full.as_str(), Some(owner.as_str()));
+            // Only the holder's own loss removes its row: an extend with another owner
+            // id (a stale holder's, or a wrong one) leaves the real holder shown. The
+            // event goes to this tenant's own buffer.
+            service.activity.gone(full.as_str(), Some(owner.as_str()));
             service.activity.event(
                 "lost",
                 principal.tenant.as_deref(),
@@ -499,8 +504,8 @@ async fn release(
         _ => "unknown",
     };
     if outcome == "released" || outcome == "already_expired" {
-        service.activity.gone(full.as_str());
-        service.held.released(full.as_str());
+        service.activity.gone(full.as_str(), Some(owner.as_str()));
+        service.held.released(full.as_str(), Some(owner.as_str()));
     }
     if outcome != "released" {
         service.activity.event(
@@ -592,8 +597,8 @@ async fn force_release(
         .timed("break", service.locker.force_release(&full))
         .await?;
     if let Some(info) = &info {
-        service.activity.gone(full.as_str());
-        service.held.released(full.as_str());
+        service.activity.gone(full.as_str(), None);
+        service.held.released(full.as_str(), None);
         service.activity.event(
             "broken",
             principal.tenant.as_deref(),

@@ -63,6 +63,17 @@ pub(crate) struct ServeArgs {
     /// --tls-cert and --tls-key.
     #[arg(long)]
     insecure_http: bool,
+    /// A bearer token that /metrics requires. Without it (the default) /metrics is
+    /// open to anyone who reaches the service, as Prometheus scrapers expect: it shows
+    /// counts (outbox pending and parked keys, idempotency outcomes), never names, keys
+    /// or tokens. The TURNSTILE_METRICS_TOKEN environment variable may hold it instead.
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "TURNSTILE_METRICS_TOKEN",
+        hide_env_values = true
+    )]
+    metrics_token: Option<String>,
     /// A file whose bytes sign the capabilities of idempotency claims (at least 16).
     /// Every instance that serves the same claims needs the same one; without it the
     /// tokens document is used, and without tokens a secret of this process.
@@ -152,6 +163,8 @@ pub(crate) struct Service {
     allowed_hosts: Vec<String>,
     /// Signs the capabilities of idempotency claims.
     claim_secret: capability::ClaimSecret,
+    /// The SHA-256 of the token /metrics requires, if any.
+    metrics_token: Option<[u8; 32]>,
     /// Cancelled at SIGTERM/SIGINT: long-polls end at once with a 503.
     shutdown: CancellationToken,
 }
@@ -441,6 +454,7 @@ async fn serve(args: ServeArgs) -> ExitCode {
         max_ttl: args.max_ttl,
         allowed_hosts: allowed_hosts(address, &args.allowed_host),
         claim_secret,
+        metrics_token: args.metrics_token.as_deref().map(sha256),
         held: quota::HeldLocks::new(
             args.max_locks_per_tenant
                 .map_or(if session_bound(&url) { 16 } else { 10_000 }, |n| {
@@ -760,7 +774,39 @@ fn finish_document(
 /// The dashboard: one page, its script and styles inline, nothing fetched from elsewhere.
 const DASHBOARD: &str = include_str!("dashboard.html");
 
-async fn prometheus(State(service): State<Arc<Service>>) -> impl IntoResponse {
+fn sha256(text: &str) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(text.as_bytes()).into()
+}
+
+async fn prometheus(
+    State(service): State<Arc<Service>>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    if let Some(expected) = &service.metrics_token {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.strip_prefix("Bearer "))
+            .map(|token| sha256(token.trim()));
+        // Digests compared in constant time.
+        let matches = given.is_some_and(|given| {
+            given
+                .iter()
+                .zip(expected)
+                .fold(0u8, |difference, (a, b)| difference | (a ^ b))
+                == 0
+        });
+        if !matches {
+            return Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "Metrics need a token",
+                "this service's /metrics requires the bearer token given with --metrics-token",
+            )
+            .into_response();
+        }
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -768,6 +814,7 @@ async fn prometheus(State(service): State<Arc<Service>>) -> impl IntoResponse {
         )],
         service.metrics.render(),
     )
+        .into_response()
 }
 
 /// Counts and times every request by route (never by name or key) and status.

@@ -111,9 +111,22 @@ impl Problem {
     }
 }
 
+/// What a client is told of a store's own error: not the driver's text (it names
+/// tables, hosts and users), but an id under which the whole error is logged.
+fn logged(error: &turnstile::Error, what: &str) -> String {
+    let id = format!("{:016x}", rand::random::<u64>());
+    tracing::warn!(error_id = %id, %error, "{what}");
+    format!("{what}; the service's log has the cause under error id {id}")
+}
+
 impl From<turnstile::Error> for Problem {
     fn from(error: turnstile::Error) -> Self {
-        let detail = error.to_string();
+        let detail = match error.kind() {
+            ErrorKind::StoreUnavailable => logged(&error, "the store did not answer"),
+            ErrorKind::Configuration => logged(&error, "the store refused the service"),
+            ErrorKind::Store => logged(&error, "the store answered with an error"),
+            _ => error.to_string(),
+        };
         match error.kind() {
             ErrorKind::InvalidName | ErrorKind::InvalidOptions | ErrorKind::InvalidUrl => {
                 Problem::invalid(detail)

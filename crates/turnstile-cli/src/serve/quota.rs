@@ -17,7 +17,15 @@ use tokio::time::Instant;
 /// and when its lease ends.
 pub(crate) struct HeldLocks {
     max_per_holder: usize,
-    held: Mutex<HashMap<String, (String, Instant)>>,
+    held: Mutex<HashMap<String, Held>>,
+}
+
+/// One counted lock.
+struct Held {
+    holder: String,
+    /// The owner id, once the acquire succeeded.
+    owner: Option<String>,
+    until: Instant,
 }
 
 /// What a reservation found.
@@ -44,7 +52,7 @@ impl HeldLocks {
         self.max_per_holder
     }
 
-    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, Instant)>> {
+    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
         self.held
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -54,27 +62,49 @@ impl HeldLocks {
     pub(crate) fn reserve(&self, holder: &str, key: &str, ttl: Duration) -> Reserved {
         let now = Instant::now();
         let mut held = self.held();
-        held.retain(|_, (_, until)| *until > now);
-        if held.get(key).is_some_and(|(who, _)| who == holder) {
+        held.retain(|_, held| held.until > now);
+        if held.get(key).is_some_and(|held| held.holder == holder) {
             return Reserved::Already;
         }
-        let count = held.values().filter(|(who, _)| who == holder).count();
+        let count = held.values().filter(|held| held.holder == holder).count();
         if count >= self.max_per_holder {
             return Reserved::Full;
         }
-        held.insert(key.to_owned(), (holder.to_owned(), now + ttl));
+        held.insert(
+            key.to_owned(),
+            Held {
+                holder: holder.to_owned(),
+                owner: None,
+                until: now + ttl,
+            },
+        );
         Reserved::New
+    }
+
+    /// `key` was acquired by `owner` for `ttl` from now.
+    pub(crate) fn acquired(&self, key: &str, owner: &str, ttl: Duration) {
+        if let Some(held) = self.held().get_mut(key) {
+            held.owner = Some(owner.to_owned());
+            held.until = Instant::now() + ttl;
+        }
     }
 
     /// The lease of `key` now ends `ttl` from now.
     pub(crate) fn extended(&self, key: &str, ttl: Duration) {
-        if let Some((_, until)) = self.held().get_mut(key) {
-            *until = Instant::now() + ttl;
+        if let Some(held) = self.held().get_mut(key) {
+            held.until = Instant::now() + ttl;
         }
     }
 
-    /// `key` is no longer held (released, broken, lost, or its acquire failed).
-    pub(crate) fn released(&self, key: &str) {
-        self.held().remove(key);
+    /// `key` is no longer held by `owner` (released, lost, or its acquire failed:
+    /// `None`, whoever held it). A call with another owner id changes nothing.
+    pub(crate) fn released(&self, key: &str, owner: Option<&str>) {
+        let mut held = self.held();
+        let theirs = held.get(key).is_some_and(|held| {
+            owner.is_none_or(|owner| held.owner.as_deref().is_none_or(|held| held == owner))
+        });
+        if theirs {
+            held.remove(key);
+        }
     }
 }
