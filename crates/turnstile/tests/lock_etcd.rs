@@ -114,3 +114,29 @@ async fn a_paused_holders_late_write_is_rejected() {
     .unwrap();
     conformance::a_paused_holders_late_write_is_rejected_by_an_sqlite_fence(&locker, &app).await;
 }
+
+/// Names that extend one another (`acme` and `acme/x`, as a global lock and a tenant's
+/// lock in the service) are separate locks: holding one neither holds nor blocks the
+/// other, and breaking one leaves the other held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_and_its_extensions_are_separate_locks() {
+    let store = shared().await;
+    let locker = store.locker().await;
+    let base = unique_name("acme");
+    let options = LockOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Duration::from_millis(500));
+    let extension = locker
+        .acquire(format!("{base}/x").as_str(), &options)
+        .await
+        .unwrap();
+    let plain = locker
+        .acquire(base.as_str(), &options)
+        .await
+        .expect("a lock under a longer name blocked this one");
+    assert!(locker.force_release(base.as_str()).await.unwrap().is_some());
+    let status = locker.status(format!("{base}/x").as_str()).await.unwrap();
+    assert!(status.is_some(), "breaking {base} broke {base}/x");
+    drop(plain);
+    extension.release().await.unwrap();
+}

@@ -1,7 +1,9 @@
 //! Locks in etcd (`etcd://host:port[,host:port…]`, feature `etcd`).
 //!
-//! Each acquisition is a key `{prefix}/{name}/{owner}`; the key with the smallest
-//! create revision under the name holds the lock. Keys live on this client's
+//! Each acquisition is a key `{prefix}/{name}\x1f{owner}` (U+001F, a control character
+//! no name may hold, ends the name, so that one name's keys never fall in another's
+//! range; versions before this one used `/`, so upgrade while no lock is held); the
+//! key with the smallest create revision under the name holds the lock. Keys live on this client's
 //! **session lease** — one lease per whole-second TTL in use (the TTL rounded up, plus
 //! one second), kept alive every half second while the store lives, as etcd's own
 //! concurrency package does — so no lease is granted or revoked per acquisition. An
@@ -425,8 +427,12 @@ impl EtcdLockStore {
         Ok(session)
     }
 
+    /// The keys of `name`'s line: `{prefix}/{name}` and a terminator that no name can
+    /// hold (a control character), so that no other name's keys fall in this range:
+    /// with `/` alone, the keys of `acme/x` lay inside the range of a lock named
+    /// `acme`, which then saw them in its line (and breaking it deleted them).
     fn name_prefix(&self, name: &LockName) -> String {
-        format!("{}/{}/", self.prefix, name.as_str())
+        format!("{}/{}\u{1f}", self.prefix, name.as_str())
     }
 
     /// Reads the first `count` keys in line for `name`, oldest first.
