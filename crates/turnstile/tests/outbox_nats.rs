@@ -352,6 +352,21 @@ async fn wait_until_empty(outbox: &impl OutboxStore) {
     );
 }
 
+/// A publisher to the shared server and a stream of its own for one test, keeping
+/// duplicates for 120 s: `(publisher, stream name, subject prefix)`.
+async fn fresh_stream(label: &str) -> (JetStreamPublisher, String, String) {
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names(label);
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(120),
+    )
+    .await;
+    (publisher, stream_name, subject)
+}
+
 /// The NATS server the tests share (the outage test has its own).
 fn shared_nats() -> &'static NatsServer {
     static SERVER: std::sync::OnceLock<NatsServer> = std::sync::OnceLock::new();
@@ -371,15 +386,7 @@ fn names(label: &str) -> (String, String) {
 }
 
 async fn three_relays_deliver_every_committed_message_once_in_key_order(outbox: impl TestOutbox) {
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("three");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("three").await;
     let watched = watch_publishes(shared_nats(), &subject).await;
     let shutdown = CancellationToken::new();
     let mut relays = Vec::new();
@@ -402,15 +409,7 @@ async fn three_relays_deliver_every_committed_message_once_in_key_order(outbox: 
 }
 
 async fn a_poison_message_parks_its_key_while_the_others_flow(outbox: impl TestOutbox) {
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("poison");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("poison").await;
     let topic = format!("{subject}.created");
     // Larger than the server's max_payload (1 MiB): refused for good.
     let poison = Message::new(topic.as_str(), "poisoned", vec![b'x'; 2 * 1024 * 1024]).unwrap();
@@ -591,15 +590,7 @@ async fn a_topic_the_broker_cannot_serve_parks_only_its_keys(outbox: impl TestOu
 }
 
 async fn delivered_messages_are_kept_for_audit_then_swept(outbox: impl TestOutbox) {
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("kept");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("kept").await;
     let store = outbox.keeping(Duration::from_secs(1)).await;
     let committed = enqueue(&outbox, &format!("{subject}.x"), 2, 6).await;
     let relay = Relay::new(store.clone(), publisher.clone());
@@ -660,15 +651,7 @@ fn check_published_once(published: &[String], committed: &HashSet<String>) {
 /// relays run: each enqueue must land as one step, or a relay delivers a key's later
 /// message before an earlier one has its row and never sees the earlier one again.
 async fn enqueues_outside_a_transaction_lose_nothing(outbox: impl TestOutbox) {
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("alone");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("alone").await;
     let watched = watch_publishes(shared_nats(), &subject).await;
     let shutdown = CancellationToken::new();
     let mut relays = Vec::new();
@@ -718,15 +701,7 @@ async fn enqueues_outside_a_transaction_lose_nothing(outbox: impl TestOutbox) {
 /// sequence number was taken takes the number back: no gap is left, the key is not
 /// parked, and the next message of the key is delivered.
 async fn a_failed_enqueue_leaves_no_gap(outbox: impl TestOutbox) {
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("nogap");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("nogap").await;
     let refused_topic = format!("{subject}.refused");
     outbox.refuse_topic(&refused_topic).await;
     let key = format!("{subject}-account");
@@ -752,15 +727,7 @@ async fn a_failed_enqueue_leaves_no_gap(outbox: impl TestOutbox) {
 /// DELETE) is never published past the hole: the messages before it go out, the key
 /// parks with the gap as its reason, and nothing after it is sent or settled.
 async fn a_missing_message_is_never_stepped_over(outbox: impl TestOutbox) {
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("gap");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("gap").await;
     let topic = format!("{subject}.created");
     let key = format!("{subject}-gappy");
     let messages: Vec<Message> = (1..=4)
@@ -917,15 +884,7 @@ async fn a_mysql_enqueue_in_a_transaction_begun_as_sql_stays_in_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_postgres_relay_is_woken_by_notify() {
     let outbox = Postgres::new().await;
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("notify");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("notify").await;
     let relay_store = outbox.another().await;
     let relay = Relay::new(relay_store.clone(), publisher.clone()).with_options(
         RelayOptions::new().idle_poll(Duration::from_secs(30), Duration::from_secs(30)),
@@ -964,15 +923,7 @@ async fn the_inbox_makes_delivery_effectively_once() {
     use turnstile::outbox::nats::JetStreamConsumer;
 
     let outbox = Sqlite::new().await;
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("inbox");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("inbox").await;
     let topic = format!("{subject}.payment");
     let mut expected: BTreeMap<String, i64> = BTreeMap::new();
     for n in 0..60_i64 {
@@ -1089,15 +1040,7 @@ async fn a_database_restart_under_the_relay_loses_nothing() {
         pool: sqlx::PgPool::connect_with(app_options).await.unwrap(),
         url,
     };
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("restart");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("restart").await;
     let relay = Relay::new(outbox.another().await, publisher.clone()).with_options(
         RelayOptions::new()
             .lease(Duration::from_secs(5))
@@ -1161,15 +1104,7 @@ async fn a_consumer_can_insist_on_key_order() {
     use turnstile::outbox::nats::JetStreamConsumer;
     use turnstile::outbox::relay::Publisher;
 
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("ordered");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("ordered").await;
     let topic = format!("{subject}.x");
     let messages: Vec<Message> = (1..=3)
         .map(|n| Message::json(topic.as_str(), "acct-1", &n).unwrap())
@@ -1279,15 +1214,7 @@ impl turnstile::outbox::relay::Publisher for AfterClaim {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blocked_settlement_is_retried_not_republished() {
     let outbox = Postgres::new().await;
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("deadlock");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("deadlock").await;
     let watched = watch_publishes(shared_nats(), &subject).await;
     let topic = format!("{subject}.created");
     let mut committed = HashSet::new();
@@ -1425,15 +1352,7 @@ async fn consume_in_order(
 async fn cursors_are_per_producer_and_survive_a_restored_outbox() {
     use turnstile::idempotency::inbox::Inbox;
     use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("producers");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("producers").await;
     let topic = format!("{subject}.created");
     let (first, second) = (Sqlite::new().await, Sqlite::new().await);
     assert_ne!(first.outbox.identity(), second.outbox.identity());
@@ -1504,15 +1423,7 @@ async fn cursors_are_per_producer_and_survive_a_restored_outbox() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_foreign_message_without_an_id_gets_none() {
     use turnstile::outbox::nats::JetStreamConsumer;
-    let publisher = connect(shared_nats()).await;
-    let (stream_name, subject) = names("foreign");
-    stream(
-        &publisher,
-        &stream_name,
-        &format!("{subject}.>"),
-        Duration::from_secs(120),
-    )
-    .await;
+    let (publisher, stream_name, subject) = fresh_stream("foreign").await;
     for body in ["one", "two"] {
         publisher
             .jetstream()
