@@ -399,13 +399,16 @@ async fn three_relays_deliver_every_committed_message_once_in_key_order(outbox: 
         relays.push(tokio::spawn(async move { relay.run(shutdown).await }));
     }
     let committed = enqueue(&outbox, &format!("{subject}.created"), 12, 400).await;
-    wait_until_empty(&outbox.store()).await;
-    shutdown.cancel();
-    for relay in relays {
-        relay.await.unwrap().unwrap();
-    }
-    check_delivery(&read_all(&publisher, &stream_name).await, &committed);
-    check_published_once(&published_ids(watched).await, &committed);
+    let relays = RunningRelays { shutdown, relays };
+    relays
+        .drain_and_check(
+            &outbox.store(),
+            &publisher,
+            &stream_name,
+            watched,
+            &committed,
+        )
+        .await;
 }
 
 async fn a_poison_message_parks_its_key_while_the_others_flow(outbox: impl TestOutbox) {
@@ -608,6 +611,33 @@ async fn delivered_messages_are_kept_for_audit_then_swept(outbox: impl TestOutbo
     check_delivery(&read_all(&publisher, &stream_name).await, &committed);
 }
 
+/// Relays running in tasks until `shutdown`.
+struct RunningRelays {
+    shutdown: CancellationToken,
+    relays: Vec<tokio::task::JoinHandle<turnstile::Result<()>>>,
+}
+
+impl RunningRelays {
+    /// Waits until `store` has nothing pending, stops the relays, and checks that the
+    /// stream holds exactly `committed`, in key order, each published once.
+    async fn drain_and_check(
+        self,
+        store: &impl OutboxStore,
+        publisher: &JetStreamPublisher,
+        stream_name: &str,
+        watched: async_nats::Subscriber,
+        committed: &HashSet<String>,
+    ) {
+        wait_until_empty(store).await;
+        self.shutdown.cancel();
+        for relay in self.relays {
+            relay.await.unwrap().unwrap();
+        }
+        check_delivery(&read_all(publisher, stream_name).await, committed);
+        check_published_once(&published_ids(watched).await, committed);
+    }
+}
+
 /// Every publish that reaches the NATS server on `subject.>`, seen by a plain
 /// subscriber: it gets each publish before JetStream's duplicate window drops a
 /// repeat, so it counts what the stream would hide.
@@ -688,13 +718,16 @@ async fn enqueues_outside_a_transaction_lose_nothing(outbox: impl TestOutbox) {
         .into_iter()
         .flatten()
         .collect();
-    wait_until_empty(&outbox.store()).await;
-    shutdown.cancel();
-    for relay in relays {
-        relay.await.unwrap().unwrap();
-    }
-    check_delivery(&read_all(&publisher, &stream_name).await, &committed);
-    check_published_once(&published_ids(watched).await, &committed);
+    let relays = RunningRelays { shutdown, relays };
+    relays
+        .drain_and_check(
+            &outbox.store(),
+            &publisher,
+            &stream_name,
+            watched,
+            &committed,
+        )
+        .await;
 }
 
 /// An enqueue outside a transaction whose message row is refused after its key's
