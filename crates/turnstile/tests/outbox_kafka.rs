@@ -81,17 +81,22 @@ async fn copies_and_redeliveries_are_handled_once_in_key_order() {
     let mut crashed: HashSet<String> = HashSet::new();
     for _ in 0..400 {
         consumer
-            .process(50, Duration::from_millis(500), async |incoming| {
-                let cents = projection.apply(incoming).await?;
-                // Dies between its commit and its offset commit, once per such message.
-                if cents % 7 == 0 && crashed.insert(incoming.inbox_id().unwrap()) {
-                    return Err(turnstile::Error::new(
-                        turnstile::ErrorKind::Store,
-                        "crashed before the commit",
-                    ));
-                }
-                Ok(())
-            })
+            .process(
+                50,
+                Duration::from_millis(500),
+                Duration::from_millis(10),
+                async |incoming| {
+                    let cents = projection.apply(incoming).await?;
+                    // Dies between its commit and its offset commit, once per such message.
+                    if cents % 7 == 0 && crashed.insert(incoming.inbox_id().unwrap()) {
+                        return Err(turnstile::Error::new(
+                            turnstile::ErrorKind::Store,
+                            "crashed before the commit",
+                        ));
+                    }
+                    Ok(())
+                },
+            )
             .await
             .unwrap();
         if projection.handled == 96 && projection.skipped >= 16 + crashed.len() {
@@ -156,10 +161,15 @@ async fn a_broker_outage_is_waited_out_and_nothing_is_lost() {
     let mut seen = HashSet::new();
     for _ in 0..100 {
         consumer
-            .process(100, Duration::from_millis(500), async |incoming| {
-                seen.insert(incoming.id.clone().unwrap());
-                Ok(())
-            })
+            .process(
+                100,
+                Duration::from_millis(500),
+                Duration::from_millis(10),
+                async |incoming| {
+                    seen.insert(incoming.id.clone().unwrap());
+                    Ok(())
+                },
+            )
             .await
             .unwrap();
         if seen.is_superset(&ids) {
@@ -196,4 +206,137 @@ async fn a_lease_too_short_for_the_producers_delivery_timeout_is_refused() {
     let roomy =
         Relay::new(outbox.clone(), publisher).with_options(RelayOptions::new().lease(longest * 2));
     assert_eq!(roomy.run_once().await.unwrap().published, 1);
+}
+
+/// A message whose handler always fails no longer makes the consumer loop on it: its
+/// partition is paused for the delay, the message is
+/// tried exactly `max_deliveries` times, then produced once to `{topic}.dead-letter`
+/// with its key, payload and headers, its offset committed, and the messages behind it
+/// in its partition handled in order; the consumer then has nothing left to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_is_retried_after_a_delay_then_dead_lettered() {
+    let cluster = MockCluster::new(1).unwrap();
+    cluster.create_topic("orders", 2, 1).unwrap();
+    cluster.create_topic("orders.dead-letter", 1, 1).unwrap();
+    let url = format!("kafka://{}", cluster.bootstrap_servers());
+    let publisher = KafkaPublisher::connect(&url).unwrap();
+    let mut poison_id = String::new();
+    for n in 0..12_u64 {
+        let message = Message::new(
+            "orders",
+            format!("k{}", n % 2),
+            format!("m{n}").into_bytes(),
+        )
+        .unwrap();
+        if n == 2 {
+            poison_id = message.id().to_owned();
+        }
+        publisher.publish(&message, n / 2 + 1).await.unwrap();
+    }
+    let consumer = KafkaConsumer::connect(&url, "orders", "poison")
+        .unwrap()
+        .max_deliveries(3);
+    // Longer than librdkafka takes to fetch a partition again after a seek (up to
+    // `fetch.wait.max.ms`, 500 ms), so that a retry without the pause would show.
+    let delay = Duration::from_millis(1500);
+    let mut attempts: Vec<(std::time::Instant, u64)> = Vec::new();
+    let mut handled: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let mut total = turnstile::outbox::Processed::default();
+    let mut calls = 0;
+    while calls < 100 && (total.dead_lettered == 0 || total.acked < 11) {
+        calls += 1;
+        let done = consumer
+            .process(20, Duration::from_millis(500), delay, async |incoming| {
+                if incoming.payload == b"m2" {
+                    attempts.push((std::time::Instant::now(), incoming.deliveries));
+                    return Err(turnstile::Error::new(turnstile::ErrorKind::Store, "poison"));
+                }
+                handled
+                    .entry(incoming.key.clone().unwrap())
+                    .or_default()
+                    .push(incoming.seq.unwrap());
+                Ok(())
+            })
+            .await
+            .unwrap();
+        total.acked += done.acked;
+        total.retried += done.retried;
+        total.dead_lettered += done.dead_lettered;
+    }
+    assert_eq!(
+        attempts.iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        [1, 2, 3],
+        "the poison message is tried max_deliveries times, counted"
+    );
+    for pair in attempts.windows(2) {
+        let gap = pair[1].0 - pair[0].0;
+        assert!(gap >= delay, "retried after {gap:?}, before the delay");
+    }
+    // Every other message once, in order: k0's messages behind the poison one (its
+    // seq 2) after it was dead-lettered.
+    assert_eq!(handled["k0"], [1, 3, 4, 5, 6]);
+    assert_eq!(handled["k1"], [1, 2, 3, 4, 5, 6]);
+    assert_eq!(
+        total,
+        turnstile::outbox::Processed {
+            acked: 11,
+            retried: 2,
+            dead_lettered: 1
+        }
+    );
+    // Nothing comes back: the consumer does not loop.
+    for _ in 0..3 {
+        let done = consumer
+            .process(20, Duration::from_millis(300), delay, async |_| {
+                panic!("a message came back")
+            })
+            .await
+            .unwrap();
+        assert_eq!(done, turnstile::outbox::Processed::default());
+    }
+    // One copy in the dead-letter topic, with the original's key, payload and headers.
+    let check = KafkaConsumer::connect(&url, "orders.dead-letter", "check").unwrap();
+    let mut copies = Vec::new();
+    for _ in 0..40 {
+        check
+            .process(10, Duration::from_millis(500), delay, async |incoming| {
+                copies.push(incoming.clone());
+                Ok(())
+            })
+            .await
+            .unwrap();
+        if !copies.is_empty() {
+            break;
+        }
+    }
+    check
+        .process(10, Duration::from_millis(500), delay, async |incoming| {
+            copies.push(incoming.clone());
+            Ok(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(copies.len(), 1, "one copy in the dead-letter topic");
+    let copy = &copies[0];
+    assert_eq!(copy.payload, b"m2");
+    assert_eq!(copy.id.as_deref(), Some(poison_id.as_str()));
+    assert_eq!(copy.key.as_deref(), Some("k0"));
+    assert_eq!(copy.seq, Some(2));
+    assert_eq!(
+        copy.header(turnstile::outbox::DEAD_LETTER_DELIVERIES_HEADER),
+        Some("3")
+    );
+    assert_eq!(
+        copy.header(turnstile::outbox::DEAD_LETTER_SOURCE_HEADER),
+        Some("orders")
+    );
+    assert!(
+        copy.header(turnstile::outbox::DEAD_LETTER_REASON_HEADER)
+            .unwrap()
+            .ends_with("poison")
+    );
+    assert!(
+        copy.header(turnstile::outbox::DEAD_LETTER_POSITION_HEADER)
+            .is_some()
+    );
 }

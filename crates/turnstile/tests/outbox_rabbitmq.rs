@@ -92,7 +92,6 @@ async fn copies_and_redeliveries_are_handled_once_in_key_order() {
         .await
         .unwrap();
     let mut expected: BTreeMap<String, i64> = BTreeMap::new();
-    let mut by_key: BTreeMap<String, Vec<(Message, u64)>> = BTreeMap::new();
     for n in 0..90_i64 {
         let account = format!("acct-{}", n % 6);
         *expected.entry(account.clone()).or_default() += n;
@@ -102,15 +101,24 @@ async fn copies_and_redeliveries_are_handled_once_in_key_order() {
             &serde_json::json!({"account": account, "cents": n}),
         )
         .unwrap();
-        let seq = enqueue(&outbox, &message).await;
-        by_key.entry(account).or_default().push((message, seq));
+        enqueue(&outbox, &message).await;
     }
-    // A relay that published the first two messages of every key, then died.
-    for messages in by_key.values() {
-        for (message, seq) in &messages[..2] {
-            publisher.publish(message, *seq).await.unwrap();
+    // A relay that published the first two messages of every key, as it read them from
+    // the store (with the outbox's identity), then died without recording them (its
+    // lease runs out).
+    for leased in outbox
+        .claim(6, 2, Duration::from_millis(200))
+        .await
+        .unwrap()
+    {
+        for stored in &leased.messages {
+            publisher
+                .publish(&stored.message, stored.seq)
+                .await
+                .unwrap();
         }
     }
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let relay = Relay::new(outbox.clone(), publisher).with_options(RelayOptions::new().max_keys(2));
     while relay.run_once().await.unwrap().keys > 0 {}
     drain(&outbox).await;
@@ -122,18 +130,23 @@ async fn copies_and_redeliveries_are_handled_once_in_key_order() {
     let mut crashed = 0;
     for _ in 0..100 {
         let done = consumer
-            .process(50, Duration::from_millis(200), async |incoming| {
-                let cents = projection.apply(incoming).await?;
-                // Dies between its commit and its ack: the message comes back.
-                if incoming.deliveries == 1 && cents % 7 == 0 {
-                    crashed += 1;
-                    return Err(turnstile::Error::new(
-                        turnstile::ErrorKind::Store,
-                        "crashed before the ack",
-                    ));
-                }
-                Ok(())
-            })
+            .process(
+                50,
+                Duration::from_millis(200),
+                Duration::from_millis(20),
+                async |incoming| {
+                    let cents = projection.apply(incoming).await?;
+                    // Dies between its commit and its ack: the message comes back.
+                    if incoming.deliveries == 1 && cents % 7 == 0 {
+                        crashed += 1;
+                        return Err(turnstile::Error::new(
+                            turnstile::ErrorKind::Store,
+                            "crashed before the ack",
+                        ));
+                    }
+                    Ok(())
+                },
+            )
             .await
             .unwrap();
         if done.acked == 0 && done.retried == 0 && projection.handled == 90 {
@@ -280,4 +293,285 @@ async fn a_broker_outage_is_waited_out_and_nothing_is_lost() {
         }
     }
     assert_eq!(seen, ids, "lost messages");
+}
+
+/// Declares a durable quorum queue bound to exchange `turnstile` for `routing`.
+async fn quorum_queue(url: &str, name: &str, routing: &str) {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_declare(
+            "turnstile".into(),
+            lapin::ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString(LongString::from("quorum".as_bytes().to_vec())),
+    );
+    channel
+        .queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            arguments,
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            name.into(),
+            "turnstile".into(),
+            routing.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let _ = connection.close(200, "done".into()).await;
+}
+
+/// Every message in `queue`, taken off it (basic.get, acknowledged).
+async fn take_all(url: &str, queue: &str) -> Vec<lapin::message::BasicGetMessage> {
+    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut taken = Vec::new();
+    while let Some(message) = channel
+        .basic_get(
+            queue.into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+    {
+        taken.push(message);
+    }
+    let _ = connection.close(200, "done".into()).await;
+    taken
+}
+
+fn header(properties: &lapin::BasicProperties, name: &str) -> Option<String> {
+    properties
+        .headers()
+        .as_ref()?
+        .inner()
+        .iter()
+        .find_map(|(key, value)| match value {
+            lapin::types::AMQPValue::LongString(text) if key.as_str() == name => {
+                Some(String::from_utf8_lossy(text.as_bytes()).into_owned())
+            }
+            _ => None,
+        })
+}
+
+/// A message whose handler always fails no longer blocks the queue in a tight loop: it
+/// is returned only after the delay (the others are handled meanwhile), tried exactly
+/// `max_deliveries` times, then copied once to `{queue}.dead-letter` with its payload,
+/// id and the reason, and acknowledged; the consumer then has nothing left to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_is_retried_after_a_delay_then_dead_lettered() {
+    let rabbit = shared_rabbitmq();
+    let topic = unique_name("poison").replace('-', "_");
+    let queue_name = format!("{topic}.q");
+    queue(&rabbit.url(), &queue_name, &topic).await;
+    let publisher = RabbitMqPublisher::connect(&rabbit.url(), "turnstile")
+        .await
+        .unwrap();
+    let mut poison_id = String::new();
+    for n in 0..10_u64 {
+        let message = Message::new(
+            topic.as_str(),
+            format!("k{}", n % 2),
+            format!("m{n}").into_bytes(),
+        )
+        .unwrap();
+        if n == 3 {
+            poison_id = message.id().to_owned();
+        }
+        publisher.publish(&message, n + 1).await.unwrap();
+    }
+    let consumer = RabbitMqConsumer::connect(&rabbit.url(), &queue_name, "c1", 20)
+        .await
+        .unwrap()
+        .max_deliveries(3);
+    assert_eq!(
+        consumer.dead_letter_queue(),
+        format!("{queue_name}.dead-letter")
+    );
+    let delay = Duration::from_millis(400);
+    let mut attempts: Vec<(std::time::Instant, u64)> = Vec::new();
+    let mut handled: Vec<Vec<u8>> = Vec::new();
+    let mut total = turnstile::outbox::Processed::default();
+    let mut calls = 0;
+    while calls < 40 && (total.dead_lettered == 0 || handled.len() < 9) {
+        calls += 1;
+        let done = consumer
+            .process(20, Duration::from_millis(200), delay, async |incoming| {
+                if incoming.payload == b"m3" {
+                    attempts.push((std::time::Instant::now(), incoming.deliveries));
+                    return Err(turnstile::Error::new(
+                        turnstile::ErrorKind::Store,
+                        "poison:\nno handler takes it",
+                    ));
+                }
+                handled.push(incoming.payload.clone());
+                Ok(())
+            })
+            .await
+            .unwrap();
+        total.acked += done.acked;
+        total.retried += done.retried;
+        total.dead_lettered += done.dead_lettered;
+    }
+    let mut others = handled.clone();
+    others.sort();
+    others.dedup();
+    assert_eq!(others.len(), 9, "every other message handled: {handled:?}");
+    assert_eq!(handled.len(), 9, "each other message handled once");
+    assert_eq!(
+        attempts.iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        [1, 2, 3],
+        "the poison message is tried max_deliveries times, counted"
+    );
+    for pair in attempts.windows(2) {
+        let gap = pair[1].0 - pair[0].0;
+        assert!(gap >= delay, "retried after {gap:?}, before the delay");
+    }
+    assert_eq!(
+        total,
+        turnstile::outbox::Processed {
+            acked: 9,
+            retried: 2,
+            dead_lettered: 1
+        }
+    );
+    // Nothing comes back: the consumer does not loop.
+    for _ in 0..3 {
+        let done = consumer
+            .process(20, Duration::from_millis(300), delay, async |_| {
+                panic!("a message came back")
+            })
+            .await
+            .unwrap();
+        assert_eq!(done, turnstile::outbox::Processed::default());
+    }
+    assert!(take_all(&rabbit.url(), &queue_name).await.is_empty());
+    let dead = take_all(&rabbit.url(), consumer.dead_letter_queue()).await;
+    assert_eq!(dead.len(), 1, "one copy in the dead-letter queue");
+    let copy = &dead[0];
+    assert_eq!(copy.delivery.data, b"m3");
+    assert_eq!(
+        copy.delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .unwrap()
+            .as_str(),
+        poison_id
+    );
+    assert_eq!(copy.delivery.properties.delivery_mode(), &Some(2));
+    let properties = &copy.delivery.properties;
+    assert_eq!(header(properties, "turnstile-key").as_deref(), Some("k1"));
+    assert_eq!(
+        header(properties, turnstile::outbox::DEAD_LETTER_DELIVERIES_HEADER).as_deref(),
+        Some("3")
+    );
+    assert_eq!(
+        header(properties, turnstile::outbox::DEAD_LETTER_SOURCE_HEADER),
+        Some(queue_name.clone())
+    );
+    let reason = header(properties, turnstile::outbox::DEAD_LETTER_REASON_HEADER).unwrap();
+    assert!(reason.contains("poison: no handler takes it"), "{reason}");
+}
+
+/// A quorum queue counts deliveries itself (`x-delivery-count`): a message it already
+/// delivered twice (and got back) is dead-lettered on its first failure at a consumer
+/// allowing three deliveries — a classic queue's count, kept by the consumer, would
+/// start again at this consumer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_queues_own_delivery_count_is_used() {
+    let rabbit = shared_rabbitmq();
+    let topic = unique_name("quorum").replace('-', "_");
+    let queue_name = format!("{topic}.q");
+    quorum_queue(&rabbit.url(), &queue_name, &topic).await;
+    let publisher = RabbitMqPublisher::connect(&rabbit.url(), "turnstile")
+        .await
+        .unwrap();
+    publisher
+        .publish(
+            &Message::new(topic.as_str(), "k", b"poison".to_vec()).unwrap(),
+            1,
+        )
+        .await
+        .unwrap();
+    // Another client got it twice and gave it back.
+    {
+        let connection =
+            lapin::Connection::connect(&rabbit.url(), lapin::ConnectionProperties::default())
+                .await
+                .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        for _ in 0..2 {
+            let message = channel
+                .basic_get(queue_name.as_str().into(), Default::default())
+                .await
+                .unwrap()
+                .unwrap();
+            message
+                .delivery
+                .reject(lapin::options::BasicRejectOptions { requeue: true })
+                .await
+                .unwrap();
+        }
+        let _ = connection.close(200, "done".into()).await;
+    }
+    let consumer = RabbitMqConsumer::connect(&rabbit.url(), &queue_name, "c1", 20)
+        .await
+        .unwrap()
+        .max_deliveries(3);
+    let mut seen = Vec::new();
+    let mut total = turnstile::outbox::Processed::default();
+    for _ in 0..10 {
+        let done = consumer
+            .process(
+                10,
+                Duration::from_millis(300),
+                Duration::from_millis(100),
+                async |incoming| {
+                    seen.push(incoming.deliveries);
+                    Err(turnstile::Error::new(turnstile::ErrorKind::Store, "poison"))
+                },
+            )
+            .await
+            .unwrap();
+        total.retried += done.retried;
+        total.dead_lettered += done.dead_lettered;
+        if total.dead_lettered > 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        seen,
+        [3],
+        "the broker's count: the third delivery, the last"
+    );
+    assert_eq!(total.dead_lettered, 1);
+    let dead = take_all(&rabbit.url(), consumer.dead_letter_queue()).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].delivery.data, b"poison");
 }

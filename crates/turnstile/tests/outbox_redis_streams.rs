@@ -23,8 +23,6 @@ async fn copies_in_the_stream_are_handled_once_in_key_order() {
     let outbox = SqliteOutbox::open(dir.path().join("app.db")).await.unwrap();
     let publisher = RedisStreamsPublisher::connect(&redis.url()).await.unwrap();
     let mut expected: BTreeMap<String, i64> = BTreeMap::new();
-    let mut ids = HashSet::new();
-    let mut by_key: BTreeMap<String, Vec<(Message, u64)>> = BTreeMap::new();
     for n in 0..120_i64 {
         let account = format!("acct-{}", n % 8);
         *expected.entry(account.clone()).or_default() += n;
@@ -35,19 +33,26 @@ async fn copies_in_the_stream_are_handled_once_in_key_order() {
         )
         .unwrap();
         let mut transaction = outbox.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
-        let seq = outbox.enqueue(&mut transaction, &message).await.unwrap();
+        outbox.enqueue(&mut transaction, &message).await.unwrap();
         outbox.commit(transaction).await.unwrap();
-        ids.insert(message.id().to_owned());
-        by_key.entry(account).or_default().push((message, seq));
     }
-    // A relay that published the first three messages of every key and died before
-    // recording it: the copies are in the stream, and the next relay publishes those
-    // messages again.
-    for messages in by_key.values() {
-        for (message, seq) in &messages[..3] {
-            publisher.publish(message, *seq).await.unwrap();
+    // A relay that published the first three messages of every key, as it read them
+    // from the store (with the outbox's identity), and died before recording it: the
+    // copies are in the stream, and the next relay publishes those messages again once
+    // the lease has run out.
+    for leased in outbox
+        .claim(8, 3, Duration::from_millis(200))
+        .await
+        .unwrap()
+    {
+        for stored in &leased.messages {
+            publisher
+                .publish(&stored.message, stored.seq)
+                .await
+                .unwrap();
         }
     }
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let shutdown = CancellationToken::new();
     let mut relays = Vec::new();
     for _ in 0..2 {
@@ -287,4 +292,157 @@ async fn a_broker_outage_is_waited_out_and_nothing_is_lost() {
         "lost {} messages",
         ids.difference(&seen).count()
     );
+}
+
+/// The fields of a stream entry, by name.
+fn fields(entry: &redis::Value) -> BTreeMap<String, Vec<u8>> {
+    let mut found = BTreeMap::new();
+    if let redis::Value::Array(pair) = entry
+        && let Some(redis::Value::Array(fields)) = pair.get(1)
+    {
+        for field in fields.chunks(2) {
+            if let [
+                redis::Value::BulkString(name),
+                redis::Value::BulkString(value),
+            ] = field
+            {
+                found.insert(String::from_utf8(name.clone()).unwrap(), value.clone());
+            }
+        }
+    }
+    found
+}
+
+/// An entry whose handler always fails stays pending and comes back only once it has
+/// been idle the delay (the others are handled meanwhile), is tried exactly
+/// `max_deliveries` times (Redis's delivery count), then is appended once to
+/// `{stream}:dead-letter` with its fields and the reason, and acknowledged at once with
+/// it; the consumer then has nothing left to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_entry_is_retried_after_a_delay_then_dead_lettered() {
+    let redis = shared_redis();
+    let stream = turnstile_test_support::unique_name("poison");
+    let publisher = RedisStreamsPublisher::connect(&redis.url()).await.unwrap();
+    let mut poison_id = String::new();
+    for n in 0..10_u64 {
+        let message = Message::new(
+            stream.as_str(),
+            format!("k{}", n % 2),
+            format!("m{n}").into_bytes(),
+        )
+        .unwrap();
+        if n == 3 {
+            poison_id = message.id().to_owned();
+        }
+        publisher.publish(&message, n + 1).await.unwrap();
+    }
+    let consumer = RedisStreamsConsumer::connect(&redis.url(), &stream, "projection", "c1")
+        .await
+        .unwrap()
+        .max_deliveries(3);
+    assert_eq!(
+        consumer.dead_letter_stream(),
+        format!("{stream}:dead-letter")
+    );
+    let delay = Duration::from_millis(300);
+    let mut attempts: Vec<(std::time::Instant, u64)> = Vec::new();
+    let mut handled: Vec<Vec<u8>> = Vec::new();
+    let mut total = turnstile::outbox::Processed::default();
+    let mut calls = 0;
+    while calls < 60 && (total.dead_lettered == 0 || handled.len() < 9) {
+        calls += 1;
+        let done = consumer
+            .process(20, Duration::from_millis(100), delay, async |incoming| {
+                if incoming.payload == b"m3" {
+                    attempts.push((std::time::Instant::now(), incoming.deliveries));
+                    return Err(turnstile::Error::new(turnstile::ErrorKind::Store, "poison"));
+                }
+                handled.push(incoming.payload.clone());
+                Ok(())
+            })
+            .await
+            .unwrap();
+        total.acked += done.acked;
+        total.retried += done.retried;
+        total.dead_lettered += done.dead_lettered;
+    }
+    assert_eq!(
+        handled.len(),
+        9,
+        "each other entry handled once: {handled:?}"
+    );
+    assert_eq!(
+        attempts.iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        [1, 2, 3],
+        "the poison entry is tried max_deliveries times, counted"
+    );
+    for pair in attempts.windows(2) {
+        let gap = pair[1].0 - pair[0].0;
+        // Idle time is counted from the delivery, a little before the handler ran.
+        assert!(
+            gap + Duration::from_millis(20) >= delay,
+            "retried after {gap:?}, before the delay"
+        );
+    }
+    assert_eq!(
+        total,
+        turnstile::outbox::Processed {
+            acked: 9,
+            retried: 2,
+            dead_lettered: 1
+        }
+    );
+    // Nothing comes back: the consumer does not loop.
+    tokio::time::sleep(delay).await;
+    for _ in 0..3 {
+        let done = consumer
+            .process(20, Duration::from_millis(100), delay, async |_| {
+                panic!("an entry came back")
+            })
+            .await
+            .unwrap();
+        assert_eq!(done, turnstile::outbox::Processed::default());
+    }
+    let mut connection = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let pending: redis::Value = redis::cmd("XPENDING")
+        .arg(&stream)
+        .arg("projection")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let redis::Value::Array(summary) = pending else {
+        panic!("{pending:?}")
+    };
+    assert_eq!(
+        summary.first(),
+        Some(&redis::Value::Int(0)),
+        "nothing pending"
+    );
+    let dead: redis::Value = redis::cmd("XRANGE")
+        .arg(consumer.dead_letter_stream())
+        .arg("-")
+        .arg("+")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let redis::Value::Array(dead) = dead else {
+        panic!("{dead:?}")
+    };
+    assert_eq!(dead.len(), 1, "one copy in the dead-letter stream");
+    let copy = fields(&dead[0]);
+    assert_eq!(copy["payload"], b"m3");
+    assert_eq!(copy["id"], poison_id.as_bytes());
+    assert_eq!(copy["key"], b"k1");
+    let reason = String::from_utf8(copy[turnstile::outbox::DEAD_LETTER_REASON_HEADER].clone());
+    assert!(reason.unwrap().ends_with("poison"));
+    assert_eq!(copy[turnstile::outbox::DEAD_LETTER_DELIVERIES_HEADER], b"3");
+    assert_eq!(
+        copy[turnstile::outbox::DEAD_LETTER_SOURCE_HEADER],
+        stream.as_bytes()
+    );
+    assert!(copy.contains_key(turnstile::outbox::DEAD_LETTER_POSITION_HEADER));
 }

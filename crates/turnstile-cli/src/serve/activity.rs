@@ -329,7 +329,7 @@ impl Activity {
             .filter(|(owner, _)| visible(owner.as_deref()))
             .flat_map(|(_, events)| events.iter().cloned())
             .collect();
-        events.sort_by(|a, b| b.at_ms.cmp(&a.at_ms));
+        events.sort_by_key(|event| std::cmp::Reverse(event.at_ms));
         events.truncate(EVENTS);
         // Idempotency counts, outbox and latency are instance-wide: shown to callers of
         // every tenant only when they are not confined to one.

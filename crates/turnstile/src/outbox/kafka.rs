@@ -23,7 +23,8 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::relay::Publisher;
-use super::{Failure, Incoming, Message, Processed};
+use super::telemetry;
+use super::{DEFAULT_MAX_DELIVERIES, DeadLetterNote, Failure, Incoming, Message, Processed};
 use crate::error::{Error, ErrorKind, Result};
 use crate::lock::BoxFuture;
 
@@ -160,37 +161,171 @@ impl Publisher for KafkaPublisher {
 }
 
 /// A consumer in a Kafka consumer group. A message's offset is committed only after its
-/// handler succeeded; after a failure the consumer seeks back to it, so it — and what
+/// handler succeeded; after a failure the consumer goes back to it, so it — and what
 /// followed it in its partition — is delivered again, in order.
+///
+/// **Failures and poison messages.** After a failure the message's partition is
+/// paused for the `retry_after` of [`process`](Self::process) (the consumer's other
+/// partitions go on), then consumed again from the failed message. Kafka keeps no
+/// delivery count, so this consumer counts, in memory, the consecutive failures of the
+/// message at each partition's offset (a consumer that takes over the partition starts
+/// counting again). Once a message's handler has failed on its
+/// [`max_deliveries`](Self::max_deliveries)-th delivery ([`DEFAULT_MAX_DELIVERIES`]
+/// unless told otherwise), the message is **dead-lettered**: a copy — the same key,
+/// payload and headers, plus
+/// [`DEAD_LETTER_REASON_HEADER`](super::DEAD_LETTER_REASON_HEADER) and the other
+/// `turnstile-dead-letter-*` headers — is produced to the topic `{topic}.dead-letter`
+/// by an idempotent producer, and only once Kafka acknowledged it (the delivery
+/// report) is the original's offset committed, and its partition goes on. Create the
+/// dead-letter topic (or let the brokers create topics): while the copy cannot be
+/// stored, the message is retried after the delay, with an error logged.
 pub struct KafkaConsumer {
     consumer: StreamConsumer,
+    producer: FutureProducer,
+    max_deliveries: u32,
+    state: std::sync::Mutex<KafkaState>,
+}
+
+#[derive(Default)]
+struct KafkaState {
+    /// By (topic, partition): the offset of the message that failed last there, and
+    /// its consecutive failures.
+    failures: std::collections::HashMap<(String, i32), (i64, u64)>,
+    /// Paused partitions: (topic, partition, the offset to go back to, when).
+    paused: Vec<(String, i32, i64, tokio::time::Instant)>,
 }
 
 impl std::fmt::Debug for KafkaConsumer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("KafkaConsumer")
+        f.debug_struct("KafkaConsumer")
+            .field("max_deliveries", &self.max_deliveries)
+            .finish()
     }
+}
+
+/// The topic a message of `topic` is dead-lettered to: `{topic}.dead-letter`.
+pub fn dead_letter_topic(topic: &str) -> String {
+    format!("{topic}.dead-letter")
 }
 
 impl KafkaConsumer {
     /// Joins consumer group `group` for `topic` at `url`, reading from the earliest
     /// offset the group has not committed.
     pub fn connect(url: &str, topic: &str, group: &str) -> Result<Self> {
+        let servers = bootstrap(url)?;
         let consumer: StreamConsumer = ClientConfig::new()
-            .set("bootstrap.servers", bootstrap(url)?)
+            .set("bootstrap.servers", &servers)
             .set("group.id", group)
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
             .create()
             .map_err(configuration)?;
         consumer.subscribe(&[topic]).map_err(configuration)?;
-        Ok(KafkaConsumer { consumer })
+        let producer = ClientConfig::new()
+            .set("bootstrap.servers", &servers)
+            .set("enable.idempotence", "true")
+            .set(
+                "message.timeout.ms",
+                DELIVERY_TIMEOUT.as_millis().to_string(),
+            )
+            .create()
+            .map_err(configuration)?;
+        Ok(KafkaConsumer {
+            consumer,
+            producer,
+            max_deliveries: DEFAULT_MAX_DELIVERIES,
+            state: std::sync::Mutex::new(KafkaState::default()),
+        })
+    }
+
+    /// Dead-letters a message whose handler failed on its `deliveries`-th delivery (at
+    /// least 1; [`DEFAULT_MAX_DELIVERIES`] by default) instead of going back to it.
+    pub fn max_deliveries(mut self, deliveries: u32) -> Self {
+        self.max_deliveries = deliveries.max(1);
+        self
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, KafkaState> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Resumes the paused partitions whose delay has passed, from the message that
+    /// failed.
+    fn resume_due(&self) {
+        let now = tokio::time::Instant::now();
+        let due: Vec<(String, i32, i64)> = {
+            let mut state = self.state();
+            let (due, waiting) = std::mem::take(&mut state.paused)
+                .into_iter()
+                .partition(|(_, _, _, at)| *at <= now);
+            state.paused = waiting;
+            due.into_iter()
+                .map(|(topic, partition, offset, _)| (topic, partition, offset))
+                .collect()
+        };
+        for (topic, partition, offset) in due {
+            let mut list = TopicPartitionList::new();
+            list.add_partition(&topic, partition);
+            // A partition this consumer lost in a rebalance is not its to resume: its
+            // new owner starts from the committed offset.
+            if let Err(error) = self.consumer.resume(&list) {
+                tracing::debug!(topic, partition, %error, "cannot resume the partition");
+            }
+            self.go_back(&topic, partition, offset);
+        }
+    }
+
+    /// Seeks `partition` back to `offset`.
+    fn go_back(&self, topic: &str, partition: i32, offset: i64) {
+        let mut position = TopicPartitionList::new();
+        let seeked = position
+            .add_partition_offset(topic, partition, Offset::Offset(offset))
+            .and_then(|()| {
+                self.consumer
+                    .seek_partitions(position, Duration::from_secs(5))
+            });
+        match seeked {
+            Ok(list) => {
+                for element in list.elements() {
+                    if let Err(error) = element.error() {
+                        tracing::debug!(topic, partition, %error, "cannot seek the partition");
+                    }
+                }
+            }
+            Err(error) => tracing::debug!(topic, partition, %error, "cannot seek the partition"),
+        }
+    }
+
+    /// Pauses `partition` for `delay`, to consume it again from `offset`.
+    fn pause(&self, topic: &str, partition: i32, offset: i64, delay: Duration) {
+        let mut list = TopicPartitionList::new();
+        list.add_partition(topic, partition);
+        if let Err(error) = self.consumer.pause(&list) {
+            tracing::warn!(topic, partition, %error, "cannot pause the partition");
+        }
+        self.go_back(topic, partition, offset);
+        self.state().paused.push((
+            topic.to_owned(),
+            partition,
+            offset,
+            tokio::time::Instant::now() + delay,
+        ));
     }
 
     /// Handles up to `batch` messages, waiting up to `wait` for each; commits a
-    /// message's offset once `handle` returns `Ok`; after `Err`, seeks back to the
-    /// message and returns (it comes again on the next call).
-    pub async fn process<F>(&self, batch: usize, wait: Duration, mut handle: F) -> Result<Processed>
+    /// message's offset once `handle` returns `Ok`. After `Err` its partition is paused
+    /// for `retry_after` and then consumed again from the message, or, on the message's
+    /// [`max_deliveries`](Self::max_deliveries)-th delivery, the message is
+    /// dead-lettered (see [`KafkaConsumer`]).
+    pub async fn process<F>(
+        &self,
+        batch: usize,
+        wait: Duration,
+        retry_after: Duration,
+        mut handle: F,
+    ) -> Result<Processed>
     where
         F: AsyncFnMut(&Incoming) -> Result<()>,
     {
@@ -201,11 +336,45 @@ impl KafkaConsumer {
             )
         };
         let mut processed = Processed::default();
-        for _ in 0..batch.max(1) {
-            let Ok(received) = tokio::time::timeout(wait, self.consumer.recv()).await else {
-                break;
+        let mut handled = 0;
+        let mut deadline = tokio::time::Instant::now() + wait;
+        while handled < batch.max(1) {
+            self.resume_due();
+            let until = self
+                .state()
+                .paused
+                .iter()
+                .map(|(_, _, _, at)| *at)
+                .min()
+                .map_or(deadline, |at| at.min(deadline));
+            let received = tokio::select! {
+                received = self.consumer.recv() => received,
+                () = tokio::time::sleep_until(until) => {
+                    if tokio::time::Instant::now() >= deadline {
+                        break;
+                    }
+                    continue;
+                }
             };
             let message = received.map_err(unavailable)?;
+            let place = (message.topic().to_owned(), message.partition());
+            let failed_before = {
+                let state = self.state();
+                if state
+                    .paused
+                    .iter()
+                    .any(|(topic, partition, _, _)| (topic, *partition) == (&place.0, place.1))
+                {
+                    // Fetched before its partition was paused: it comes again, in
+                    // order, once the partition resumes.
+                    continue;
+                }
+                match state.failures.get(&place) {
+                    Some((offset, failures)) if *offset == message.offset() => *failures,
+                    _ => 0,
+                }
+            };
+            handled += 1;
             let mut headers = Vec::new();
             if let Some(list) = message.headers() {
                 for header in list.iter() {
@@ -222,6 +391,7 @@ impl KafkaConsumer {
                     .find(|(key, _)| key == name)
                     .map(|(_, value)| value.clone())
             };
+            let deliveries = failed_before + 1;
             let incoming = Incoming {
                 // Without a turnstile-id the message has no id: its offset is not one
                 // (a copy published again gets another).
@@ -232,33 +402,115 @@ impl KafkaConsumer {
                 topic: message.topic().to_owned(),
                 headers: headers.clone(),
                 payload: message.payload().unwrap_or_default().to_vec(),
-                deliveries: 1,
+                deliveries,
             };
             match handle(&incoming).await {
                 Ok(()) => {
                     self.consumer
                         .commit_message(&message, CommitMode::Sync)
                         .map_err(unavailable)?;
+                    self.state().failures.remove(&place);
                     processed.acked += 1;
                 }
+                Err(error) if deliveries >= u64::from(self.max_deliveries) => {
+                    let note = DeadLetterNote::new(
+                        &error,
+                        deliveries,
+                        message.topic(),
+                        Some(format!("{}/{}", message.partition(), message.offset())),
+                    );
+                    let destination = dead_letter_topic(message.topic());
+                    match self.dead_letter(&message, &note, &destination).await {
+                        Ok(()) => {
+                            self.consumer
+                                .commit_message(&message, CommitMode::Sync)
+                                .map_err(unavailable)?;
+                            self.state().failures.remove(&place);
+                            telemetry::dead_lettered(
+                                "kafka",
+                                incoming.id.as_deref(),
+                                &note,
+                                &destination,
+                            );
+                            processed.dead_lettered += 1;
+                        }
+                        Err(failure) => {
+                            telemetry::dead_letter_failed(
+                                "kafka",
+                                incoming.id.as_deref(),
+                                &note,
+                                &destination,
+                                &failure,
+                            );
+                            self.state()
+                                .failures
+                                .insert(place, (message.offset(), deliveries));
+                            self.pause(
+                                message.topic(),
+                                message.partition(),
+                                message.offset(),
+                                retry_after,
+                            );
+                            processed.retried += 1;
+                        }
+                    }
+                }
                 Err(error) => {
-                    tracing::warn!(id = ?incoming.id, %error, "handler failed; the consumer goes back to the message");
-                    let mut position = TopicPartitionList::new();
-                    position
-                        .add_partition_offset(
-                            message.topic(),
-                            message.partition(),
-                            Offset::Offset(message.offset()),
-                        )
-                        .map_err(unavailable)?;
-                    self.consumer
-                        .seek_partitions(position, Duration::from_secs(5))
-                        .map_err(unavailable)?;
+                    tracing::warn!(
+                        id = ?incoming.id,
+                        deliveries,
+                        max_deliveries = self.max_deliveries,
+                        %error,
+                        "handler failed; the consumer goes back to the message after the delay"
+                    );
+                    self.state()
+                        .failures
+                        .insert(place, (message.offset(), deliveries));
+                    self.pause(
+                        message.topic(),
+                        message.partition(),
+                        message.offset(),
+                        retry_after,
+                    );
                     processed.retried += 1;
-                    break;
                 }
             }
+            deadline = tokio::time::Instant::now() + wait;
         }
         Ok(processed)
+    }
+
+    /// Produces the dead-letter copy of `message` to `destination` and waits for its
+    /// delivery report.
+    async fn dead_letter(
+        &self,
+        message: &rdkafka::message::BorrowedMessage<'_>,
+        note: &DeadLetterNote,
+        destination: &str,
+    ) -> std::result::Result<(), String> {
+        let mut headers = OwnedHeaders::new();
+        if let Some(list) = message.headers() {
+            for header in list.iter() {
+                headers = headers.insert(header);
+            }
+        }
+        for (name, value) in note.headers() {
+            headers = headers.insert(Header {
+                key: name,
+                value: Some(value.as_str()),
+            });
+        }
+        let mut record = FutureRecord::<[u8], [u8]>::to(destination).headers(headers);
+        if let Some(key) = message.key() {
+            record = record.key(key);
+        }
+        if let Some(payload) = message.payload() {
+            record = record.payload(payload);
+        }
+        self.producer
+            .send(record, DELIVERY_TIMEOUT)
+            .await
+            .map(|_| ())
+            .map_err(|(error, _)| error.to_string())
     }
 }

@@ -559,8 +559,111 @@ impl Incoming {
 pub struct Processed {
     /// Messages handled and acknowledged.
     pub acked: usize,
-    /// Messages sent back for redelivery (the handler failed).
+    /// Messages sent back for redelivery after a delay (the handler failed, on a
+    /// delivery before the consumer's `max_deliveries`; or on the last one, when the
+    /// dead-letter copy could not be stored).
     pub retried: usize,
+    /// Messages whose handler failed on their last allowed delivery (the consumer's
+    /// `max_deliveries`): copied to the consumer's dead-letter destination, where an
+    /// operator can see and replay them, and only then acknowledged at the source.
+    pub dead_lettered: usize,
+}
+
+/// How many deliveries a consumer gives a message whose handler keeps failing before it
+/// dead-letters the message, unless told otherwise (each consumer's `max_deliveries`):
+/// the first delivery and four retries, each after the consumer's retry delay.
+pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
+
+/// The header (a Redis Streams field) a dead-letter copy carries with the handler's
+/// last error, as visible ASCII of at most [`MAX_DEAD_LETTER_REASON_LEN`] bytes.
+pub const DEAD_LETTER_REASON_HEADER: &str = "turnstile-dead-letter-reason";
+
+/// The header (a Redis Streams field) a dead-letter copy carries with the number of
+/// deliveries the message had when it was dead-lettered, in decimal.
+pub const DEAD_LETTER_DELIVERIES_HEADER: &str = "turnstile-dead-letter-deliveries";
+
+/// The header (a Redis Streams field) a dead-letter copy carries with where the
+/// original was consumed from, to replay it there: the JetStream subject, the RabbitMQ
+/// queue, the Kafka topic or the Redis stream.
+pub const DEAD_LETTER_SOURCE_HEADER: &str = "turnstile-dead-letter-source";
+
+/// The header (a Redis Streams field) a dead-letter copy carries with the original's
+/// place at its source, where the broker has one: the JetStream stream and sequence
+/// (`STREAM/SEQ`), the Kafka partition and offset (`PARTITION/OFFSET`), the Redis
+/// entry id. RabbitMQ copies have none.
+pub const DEAD_LETTER_POSITION_HEADER: &str = "turnstile-dead-letter-position";
+
+/// The longest handler error a dead-letter copy carries ([`DEAD_LETTER_REASON_HEADER`]),
+/// in bytes.
+pub const MAX_DEAD_LETTER_REASON_LEN: usize = 1024;
+
+/// Why and from where a consumer dead-letters a message: the headers its copy carries.
+#[cfg_attr(
+    not(any(
+        feature = "nats",
+        feature = "rabbitmq",
+        feature = "kafka",
+        feature = "redis"
+    )),
+    allow(dead_code)
+)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DeadLetterNote {
+    /// The handler's last error, as visible ASCII, cut to
+    /// [`MAX_DEAD_LETTER_REASON_LEN`] bytes.
+    pub(crate) reason: String,
+    /// Deliveries so far (the last one included).
+    pub(crate) deliveries: u64,
+    /// Where the original was consumed from ([`DEAD_LETTER_SOURCE_HEADER`]).
+    pub(crate) source: String,
+    /// Its place there, if the broker has one ([`DEAD_LETTER_POSITION_HEADER`]).
+    pub(crate) position: Option<String>,
+}
+
+#[cfg_attr(
+    not(any(
+        feature = "nats",
+        feature = "rabbitmq",
+        feature = "kafka",
+        feature = "redis"
+    )),
+    allow(dead_code)
+)]
+impl DeadLetterNote {
+    pub(crate) fn new(
+        error: &Error,
+        deliveries: u64,
+        source: impl Into<String>,
+        position: Option<String>,
+    ) -> Self {
+        let mut reason = String::new();
+        for c in error.to_string().chars() {
+            let c = if (' '..='~').contains(&c) { c } else { ' ' };
+            if reason.len() + 1 > MAX_DEAD_LETTER_REASON_LEN {
+                break;
+            }
+            reason.push(c);
+        }
+        DeadLetterNote {
+            reason,
+            deliveries,
+            source: source.into(),
+            position,
+        }
+    }
+
+    /// The headers (name, value) the copy carries.
+    pub(crate) fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut headers = vec![
+            (DEAD_LETTER_REASON_HEADER, self.reason.clone()),
+            (DEAD_LETTER_DELIVERIES_HEADER, self.deliveries.to_string()),
+            (DEAD_LETTER_SOURCE_HEADER, self.source.clone()),
+        ];
+        if let Some(position) = &self.position {
+            headers.push((DEAD_LETTER_POSITION_HEADER, position.clone()));
+        }
+        headers
+    }
 }
 
 /// Backoff of a failing key: `min(max, base × 2^attempts)`, times a random factor from

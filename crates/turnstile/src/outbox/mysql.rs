@@ -338,7 +338,7 @@ impl MysqlOutbox {
     /// transaction of its own (committed before it returns) where the server can say
     /// that none is open (MariaDB's `@@in_transaction`); where it cannot (MySQL), an
     /// enqueue outside a `sqlx` transaction is refused with
-    /// [`ErrorKind::InvalidOptions`](crate::ErrorKind::InvalidOptions) and writes
+    /// [`ErrorKind::InvalidOptions`] and writes
     /// nothing.
     pub async fn enqueue(
         &self,

@@ -16,7 +16,8 @@ use std::time::Duration;
 use async_nats::jetstream::context::PublishErrorKind;
 
 use super::relay::Publisher;
-use super::{Failure, Incoming, Message, Processed};
+use super::telemetry;
+use super::{DEFAULT_MAX_DELIVERIES, DeadLetterNote, Failure, Incoming, Message, Processed};
 use crate::error::{Error, ErrorKind, Result};
 use crate::lock::BoxFuture;
 
@@ -167,14 +168,63 @@ impl Publisher for JetStreamPublisher {
     }
 }
 
+/// Where a [`JetStreamConsumer`] puts a copy of a message its handler kept failing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DeadLetterSubject {
+    /// `{prefix}.{subject}`, after the original's subject: the default, with prefix
+    /// `dead-letter` (`orders.created` → `dead-letter.orders.created`).
+    Prefix(String),
+    /// One subject the application names, for every dead-lettered message.
+    Subject(String),
+}
+
+impl Default for DeadLetterSubject {
+    fn default() -> Self {
+        DeadLetterSubject::Prefix("dead-letter".to_owned())
+    }
+}
+
+impl DeadLetterSubject {
+    fn for_subject(&self, subject: &str) -> String {
+        match self {
+            DeadLetterSubject::Prefix(prefix) => format!("{prefix}.{subject}"),
+            DeadLetterSubject::Subject(subject) => subject.clone(),
+        }
+    }
+}
+
+/// The header a dead-letter copy carries with the original's `Nats-Msg-Id`: the copy
+/// has one of its own (`dead-letter/{stream}/{stream sequence}`), so that a dead-letter
+/// stream that also holds the original subject, or a replay dead-lettered again,
+/// never drops the copy as a duplicate of the original. Put it back as `Nats-Msg-Id`
+/// when replaying.
+pub const DEAD_LETTER_MSG_ID_HEADER: &str = "turnstile-dead-letter-msg-id";
+
 /// A durable JetStream pull consumer that acknowledges a message only after its handler
 /// succeeded — which, for effectively-once handling, commits the handler's transaction
 /// with the message recorded in an [`Inbox`](crate::idempotency::inbox::Inbox) first.
 /// A handler that fails (or a process that dies before the ack) gets the message again.
+///
+/// **Poison messages.** A failed message is sent back with a delay (a JetStream `Nak`
+/// with the `retry_after` of [`process`](Self::process)). Once its handler has failed
+/// on its [`max_deliveries`](Self::max_deliveries)-th delivery (JetStream's own count,
+/// `info.delivered`, which also counts deliveries whose ack wait ran out;
+/// [`DEFAULT_MAX_DELIVERIES`] unless told otherwise), the message is
+/// **dead-lettered**: a copy — the same payload and headers, with
+/// [`DEAD_LETTER_REASON_HEADER`](super::DEAD_LETTER_REASON_HEADER) and the other
+/// `turnstile-dead-letter-*` headers — is published to its
+/// [`DeadLetterSubject`] (`dead-letter.{subject}` by default), and only once a stream
+/// acknowledged the copy is the original terminated (`Term`). Create a stream that
+/// takes the dead-letter subjects (and that this consumer does not read): while none
+/// does, the message is not terminated but retried after the delay, with an error
+/// logged (`turnstile_outbox_dead_letter_failures_total`).
 #[derive(Debug)]
 pub struct JetStreamConsumer {
     consumer: async_nats::jetstream::consumer::PullConsumer,
+    jetstream: async_nats::jetstream::Context,
     name: String,
+    max_deliveries: u32,
+    dead_letter: DeadLetterSubject,
 }
 
 impl JetStreamConsumer {
@@ -210,13 +260,31 @@ impl JetStreamConsumer {
             .map_err(|error| unavailable(error.to_string()))?;
         Ok(JetStreamConsumer {
             consumer,
+            jetstream: jetstream.clone(),
             name: name.to_owned(),
+            max_deliveries: DEFAULT_MAX_DELIVERIES,
+            dead_letter: DeadLetterSubject::default(),
         })
     }
 
+    /// Dead-letters a message whose handler failed on its `deliveries`-th delivery
+    /// (at least 1; [`DEFAULT_MAX_DELIVERIES`] by default) instead of sending it back.
+    pub fn max_deliveries(mut self, deliveries: u32) -> Self {
+        self.max_deliveries = deliveries.max(1);
+        self
+    }
+
+    /// Where dead-lettered messages go (`dead-letter.{subject}` by default).
+    pub fn dead_letter_subject(mut self, subject: DeadLetterSubject) -> Self {
+        self.dead_letter = subject;
+        self
+    }
+
     /// Fetches up to `batch` messages (waiting up to `wait` for them) and runs `handle`
-    /// on each, in stream order. A message is acknowledged once `handle` returns `Ok`,
-    /// and sent back for redelivery after `retry_after` when it returns `Err`.
+    /// on each, in stream order. A message is acknowledged once `handle` returns `Ok`;
+    /// when it returns `Err` the message is sent back for redelivery after
+    /// `retry_after`, or, on its [`max_deliveries`](Self::max_deliveries)-th delivery,
+    /// dead-lettered (see [`JetStreamConsumer`]).
     pub async fn process<F>(
         &self,
         batch: usize,
@@ -254,8 +322,56 @@ impl JetStreamConsumer {
                         .map_err(|error| unavailable(error.to_string()))?;
                     processed.acked += 1;
                 }
+                Err(error) if incoming.deliveries >= u64::from(self.max_deliveries) => {
+                    let position = message
+                        .info()
+                        .ok()
+                        .map(|info| format!("{}/{}", info.stream, info.stream_sequence));
+                    let note = DeadLetterNote::new(
+                        &error,
+                        incoming.deliveries,
+                        incoming.topic.as_str(),
+                        position,
+                    );
+                    let destination = self.dead_letter.for_subject(&incoming.topic);
+                    match self.dead_letter(&message, &note, &destination).await {
+                        Ok(()) => {
+                            message
+                                .double_ack_with(async_nats::jetstream::AckKind::Term)
+                                .await
+                                .map_err(|error| unavailable(error.to_string()))?;
+                            telemetry::dead_lettered(
+                                "nats",
+                                incoming.id.as_deref(),
+                                &note,
+                                &destination,
+                            );
+                            processed.dead_lettered += 1;
+                        }
+                        Err(failure) => {
+                            telemetry::dead_letter_failed(
+                                "nats",
+                                incoming.id.as_deref(),
+                                &note,
+                                &destination,
+                                &failure,
+                            );
+                            message
+                                .ack_with(async_nats::jetstream::AckKind::Nak(Some(retry_after)))
+                                .await
+                                .map_err(|error| unavailable(error.to_string()))?;
+                            processed.retried += 1;
+                        }
+                    }
+                }
                 Err(error) => {
-                    tracing::warn!(id = ?incoming.id, %error, "handler failed; the message will be redelivered");
+                    tracing::warn!(
+                        id = ?incoming.id,
+                        deliveries = incoming.deliveries,
+                        max_deliveries = self.max_deliveries,
+                        %error,
+                        "handler failed; the message will be redelivered after the delay"
+                    );
                     message
                         .ack_with(async_nats::jetstream::AckKind::Nak(Some(retry_after)))
                         .await
@@ -265,6 +381,52 @@ impl JetStreamConsumer {
             }
         }
         Ok(processed)
+    }
+
+    /// Publishes the dead-letter copy of `message` to `destination` and waits for a
+    /// stream's ack.
+    async fn dead_letter(
+        &self,
+        message: &async_nats::jetstream::Message,
+        note: &DeadLetterNote,
+        destination: &str,
+    ) -> std::result::Result<(), String> {
+        let mut headers = async_nats::HeaderMap::new();
+        if let Some(original) = &message.headers {
+            for (name, values) in original.iter() {
+                let text: &str = name.as_ref();
+                // Conditions for the original publish would refuse the copy; its id is
+                // kept under another name (see DEAD_LETTER_MSG_ID_HEADER).
+                let lower = text.to_ascii_lowercase();
+                if lower.starts_with("nats-expected-") || lower == "nats-rollup" {
+                    continue;
+                }
+                if lower == "nats-msg-id" {
+                    for value in values {
+                        headers.append(DEAD_LETTER_MSG_ID_HEADER, value.as_str());
+                    }
+                    continue;
+                }
+                for value in values {
+                    headers.append(text, value.as_str());
+                }
+            }
+        }
+        for (name, value) in note.headers() {
+            headers.insert(name, value.as_str());
+        }
+        // The copy's own id, the same for every copy of this stream message: a stream
+        // with a duplicate window keeps one copy even if the consumer died between the
+        // copy's ack and the original's termination.
+        if let Some(position) = &note.position {
+            headers.insert("Nats-Msg-Id", format!("dead-letter/{position}").as_str());
+        }
+        let ack = self
+            .jetstream
+            .publish_with_headers(destination.to_owned(), headers, message.payload.clone())
+            .await
+            .map_err(|error| error.to_string())?;
+        ack.await.map(|_| ()).map_err(|error| error.to_string())
     }
 }
 

@@ -15,15 +15,16 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, BasicRejectOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use tokio::sync::Mutex;
 
 use super::relay::Publisher;
-use super::{Failure, Incoming, Message, Processed};
+use super::telemetry;
+use super::{DEFAULT_MAX_DELIVERIES, DeadLetterNote, Failure, Incoming, Message, Processed};
 use crate::error::{Error, ErrorKind, Result};
 use crate::lock::BoxFuture;
 
@@ -270,19 +271,108 @@ impl Publisher for RabbitMqPublisher {
     }
 }
 
+/// How many messages a [`RabbitMqConsumer`] keeps failure counts for (classic queues
+/// count no deliveries of their own): past that, the count of the message that failed
+/// longest ago is forgotten, and that message starts counting again.
+pub const MAX_COUNTED_FAILURES: usize = 10_000;
+
 /// A consumer of one RabbitMQ queue: a message is acknowledged only after its handler
-/// succeeded; after a failure it is returned to the queue (`nack` with requeue) and
-/// delivered again.
+/// succeeded.
+///
+/// **Failures and poison messages.** A message whose handler failed is not returned to
+/// the queue at once (a tight loop that would hold up the queue): this consumer keeps
+/// it, unacknowledged, for the `retry_after` of [`process`](Self::process) — carrying
+/// on with the queue's other messages meanwhile — then returns it (`basic.reject` with
+/// requeue) to be delivered again. Its deliveries are counted with the queue's own
+/// count where the queue keeps one (a quorum queue's `x-delivery-count`), else by this
+/// consumer, in memory, by `message_id` (or, for a message without one, by a digest of
+/// its routing key and payload), for up to [`MAX_COUNTED_FAILURES`] messages. Once a
+/// message's handler has failed on its [`max_deliveries`](Self::max_deliveries)-th
+/// delivery ([`DEFAULT_MAX_DELIVERIES`] unless told otherwise), the message is
+/// **dead-lettered**: a copy — the same payload and properties (without an
+/// `expiration`), persistent, with [`DEAD_LETTER_REASON_HEADER`](super::DEAD_LETTER_REASON_HEADER)
+/// and the other `turnstile-dead-letter-*` headers — is published to the durable
+/// queue `{queue}.dead-letter` (declared by [`connect`](Self::connect) when missing),
+/// with publisher confirms, and only once the broker confirmed it is the original
+/// acknowledged. A copy the broker does not take leaves the original to be retried
+/// after the delay, with an error logged.
+///
+/// A quorum queue's own `x-delivery-limit` (20 by default since RabbitMQ 4.0) drops or
+/// dead-letters a message by the queue's policy once reached: keep `max_deliveries`
+/// below it.
+///
+/// Messages held for their delay count toward `prefetch`: with every prefetched
+/// message held, the consumer waits for the first delay to pass. A consumer that is
+/// dropped (or stops calling `process`) returns what it holds when its channel closes.
 pub struct RabbitMqConsumer {
+    connection: Connection,
     // Kept open for as long as the consumer lives.
-    _connection: Connection,
     _channel: Channel,
-    deliveries: Mutex<lapin::Consumer>,
+    queue: String,
+    dead_letter_queue: String,
+    max_deliveries: u32,
+    state: Mutex<ConsumerState>,
+}
+
+/// A failed delivery held back until its delay has passed.
+struct Held {
+    due: tokio::time::Instant,
+    delivery: lapin::message::Delivery,
+}
+
+struct ConsumerState {
+    deliveries: lapin::Consumer,
+    held: Vec<Held>,
+    /// Deliveries so far of messages whose handler failed, by message.
+    failures: std::collections::HashMap<String, (u64, std::time::Instant)>,
+    /// A confirming channel for dead-letter copies, opened again after it closed.
+    dead_letters: Option<Channel>,
+}
+
+impl ConsumerState {
+    /// Records that a message failed on its `deliveries`-th delivery.
+    fn failed(&mut self, message: &str, deliveries: u64) {
+        if self.failures.len() >= MAX_COUNTED_FAILURES && !self.failures.contains_key(message) {
+            let oldest = self
+                .failures
+                .iter()
+                .min_by_key(|(_, (_, at))| *at)
+                .map(|(key, _)| key.clone());
+            if let Some(oldest) = oldest {
+                self.failures.remove(&oldest);
+            }
+        }
+        self.failures
+            .insert(message.to_owned(), (deliveries, std::time::Instant::now()));
+    }
+
+    /// Returns the held deliveries whose delay has passed to the queue.
+    async fn release_due(&mut self) -> std::result::Result<(), lapin::Error> {
+        let now = tokio::time::Instant::now();
+        let mut index = 0;
+        while index < self.held.len() {
+            if self.held[index].due <= now {
+                let held = self.held.swap_remove(index);
+                // basic.reject, not basic.nack: RabbitMQ 4.3+ counts a rejected
+                // delivery in a quorum queue's delivery count, not a nacked one.
+                held.delivery
+                    .reject(BasicRejectOptions { requeue: true })
+                    .await?;
+            } else {
+                index += 1;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for RabbitMqConsumer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("RabbitMqConsumer")
+        f.debug_struct("RabbitMqConsumer")
+            .field("queue", &self.queue)
+            .field("dead_letter_queue", &self.dead_letter_queue)
+            .field("max_deliveries", &self.max_deliveries)
+            .finish()
     }
 }
 
@@ -296,9 +386,52 @@ fn header_text(table: &FieldTable, name: &str) -> Option<String> {
     })
 }
 
+/// A quorum queue's count of earlier deliveries of a message (`x-delivery-count`).
+fn broker_count(table: &FieldTable) -> Option<u64> {
+    table.inner().iter().find_map(|(key, value)| {
+        if key.as_str() != "x-delivery-count" {
+            return None;
+        }
+        match value {
+            AMQPValue::ShortShortInt(n) => u64::try_from(*n).ok(),
+            AMQPValue::ShortShortUInt(n) => Some(u64::from(*n)),
+            AMQPValue::ShortInt(n) => u64::try_from(*n).ok(),
+            AMQPValue::ShortUInt(n) => Some(u64::from(*n)),
+            AMQPValue::LongInt(n) => u64::try_from(*n).ok(),
+            AMQPValue::LongUInt(n) => Some(u64::from(*n)),
+            AMQPValue::LongLongInt(n) => u64::try_from(*n).ok(),
+            AMQPValue::Timestamp(n) => Some(*n),
+            AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).parse().ok(),
+            AMQPValue::ShortString(text) => text.as_str().parse().ok(),
+            _ => None,
+        }
+    })
+}
+
+/// What this consumer counts a message's failures by: its `message_id`, or a digest of
+/// its routing key and payload.
+fn failure_key(delivery: &lapin::message::Delivery) -> String {
+    if let Some(id) = delivery.properties.message_id() {
+        return format!("id:{}", id.as_str());
+    }
+    use sha2::Digest;
+    let mut digest = sha2::Sha256::new();
+    digest.update(delivery.routing_key.as_str().as_bytes());
+    digest.update([0]);
+    digest.update(&delivery.data);
+    let hash = digest.finalize();
+    let mut key = String::with_capacity(7 + 2 * hash.len());
+    key.push_str("sha256:");
+    for byte in hash {
+        key.push_str(&format!("{byte:02x}"));
+    }
+    key
+}
+
 impl RabbitMqConsumer {
     /// Consumes `queue` (which must exist) at `url`, with at most `prefetch`
-    /// unacknowledged messages in hand.
+    /// unacknowledged messages in hand, and declares its dead-letter queue
+    /// `{queue}.dead-letter` (durable) unless it exists.
     pub async fn connect(
         url: &str,
         queue: &str,
@@ -313,6 +446,10 @@ impl RabbitMqConsumer {
                 format!("cannot consume queue {queue:?} at {redacted}: {error}"),
             )
         };
+        let dead_letter_queue = format!("{queue}.dead-letter");
+        let dead_letters = dead_letter_channel(&connection, &dead_letter_queue)
+            .await
+            .map_err(failed)?;
         channel
             .basic_qos(prefetch.max(1), BasicQosOptions::default())
             .await
@@ -327,19 +464,48 @@ impl RabbitMqConsumer {
             .await
             .map_err(failed)?;
         Ok(RabbitMqConsumer {
-            _connection: connection,
+            connection,
             _channel: channel,
-            deliveries: Mutex::new(deliveries),
+            queue: queue.to_owned(),
+            dead_letter_queue,
+            max_deliveries: DEFAULT_MAX_DELIVERIES,
+            state: Mutex::new(ConsumerState {
+                deliveries,
+                held: Vec::new(),
+                failures: std::collections::HashMap::new(),
+                dead_letters: Some(dead_letters),
+            }),
         })
     }
 
+    /// Dead-letters a message whose handler failed on its `deliveries`-th delivery (at
+    /// least 1; [`DEFAULT_MAX_DELIVERIES`] by default) instead of returning it.
+    pub fn max_deliveries(mut self, deliveries: u32) -> Self {
+        self.max_deliveries = deliveries.max(1);
+        self
+    }
+
+    /// The durable queue dead-lettered messages go to: `{queue}.dead-letter`.
+    pub fn dead_letter_queue(&self) -> &str {
+        &self.dead_letter_queue
+    }
+
     /// Handles up to `batch` messages, waiting up to `wait` for each; acknowledges a
-    /// message once `handle` returns `Ok`, and returns it to the queue after `Err`.
-    pub async fn process<F>(&self, batch: usize, wait: Duration, mut handle: F) -> Result<Processed>
+    /// message once `handle` returns `Ok`. After `Err` the message is returned to the
+    /// queue once `retry_after` has passed (this consumer holds it meanwhile and goes
+    /// on with others), or, on its [`max_deliveries`](Self::max_deliveries)-th
+    /// delivery, dead-lettered (see [`RabbitMqConsumer`]).
+    pub async fn process<F>(
+        &self,
+        batch: usize,
+        wait: Duration,
+        retry_after: Duration,
+        mut handle: F,
+    ) -> Result<Processed>
     where
         F: AsyncFnMut(&Incoming) -> Result<()>,
     {
-        let mut deliveries = self.deliveries.lock().await;
+        let mut state = self.state.lock().await;
         let mut processed = Processed::default();
         let unavailable = |error: lapin::Error| {
             Error::new(
@@ -347,9 +513,24 @@ impl RabbitMqConsumer {
                 format!("the RabbitMQ consumer failed: {error}"),
             )
         };
-        for _ in 0..batch.max(1) {
-            let Ok(next) = tokio::time::timeout(wait, deliveries.next()).await else {
-                break;
+        let mut handled = 0;
+        let mut deadline = tokio::time::Instant::now() + wait;
+        while handled < batch.max(1) {
+            state.release_due().await.map_err(unavailable)?;
+            let until = state
+                .held
+                .iter()
+                .map(|held| held.due)
+                .min()
+                .map_or(deadline, |due| due.min(deadline));
+            let next = tokio::select! {
+                next = state.deliveries.next() => next,
+                () = tokio::time::sleep_until(until) => {
+                    if tokio::time::Instant::now() >= deadline {
+                        break;
+                    }
+                    continue;
+                }
             };
             let Some(delivery) = next else {
                 return Err(Error::new(
@@ -358,6 +539,7 @@ impl RabbitMqConsumer {
                 ));
             };
             let delivery = delivery.map_err(unavailable)?;
+            handled += 1;
             let properties = &delivery.properties;
             let table = properties.headers().clone().unwrap_or_default();
             let mut headers = Vec::new();
@@ -366,6 +548,11 @@ impl RabbitMqConsumer {
                     headers.push((key.as_str().to_owned(), value));
                 }
             }
+            let counted_by = failure_key(&delivery);
+            let failed_before = state.failures.get(&counted_by).map_or(0, |(n, _)| *n);
+            let deliveries = (failed_before + 1)
+                .max(broker_count(&table).map_or(1, |n| n.saturating_add(1)))
+                .max(if delivery.redelivered { 2 } else { 1 });
             let incoming = Incoming {
                 // Without a message_id the message has no id: a delivery tag restarts
                 // with every channel, and a redelivery gets a new one.
@@ -379,7 +566,7 @@ impl RabbitMqConsumer {
                 topic: delivery.routing_key.as_str().to_owned(),
                 headers,
                 payload: delivery.data.clone(),
-                deliveries: if delivery.redelivered { 2 } else { 1 },
+                deliveries,
             };
             match handle(&incoming).await {
                 Ok(()) => {
@@ -387,21 +574,188 @@ impl RabbitMqConsumer {
                         .ack(BasicAckOptions::default())
                         .await
                         .map_err(unavailable)?;
+                    state.failures.remove(&counted_by);
                     processed.acked += 1;
                 }
+                Err(error) if deliveries >= u64::from(self.max_deliveries) => {
+                    let note = DeadLetterNote::new(&error, deliveries, self.queue.as_str(), None);
+                    match self.dead_letter(&mut state, &delivery, &note).await {
+                        Ok(()) => {
+                            delivery
+                                .ack(BasicAckOptions::default())
+                                .await
+                                .map_err(unavailable)?;
+                            state.failures.remove(&counted_by);
+                            telemetry::dead_lettered(
+                                "rabbitmq",
+                                incoming.id.as_deref(),
+                                &note,
+                                &self.dead_letter_queue,
+                            );
+                            processed.dead_lettered += 1;
+                        }
+                        Err(failure) => {
+                            telemetry::dead_letter_failed(
+                                "rabbitmq",
+                                incoming.id.as_deref(),
+                                &note,
+                                &self.dead_letter_queue,
+                                &failure,
+                            );
+                            state.failed(&counted_by, deliveries);
+                            state.held.push(Held {
+                                due: tokio::time::Instant::now() + retry_after,
+                                delivery,
+                            });
+                            processed.retried += 1;
+                        }
+                    }
+                }
                 Err(error) => {
-                    tracing::warn!(id = ?incoming.id, %error, "handler failed; the message goes back to the queue");
-                    delivery
-                        .nack(BasicNackOptions {
-                            requeue: true,
-                            ..BasicNackOptions::default()
-                        })
-                        .await
-                        .map_err(unavailable)?;
+                    tracing::warn!(
+                        id = ?incoming.id,
+                        deliveries,
+                        max_deliveries = self.max_deliveries,
+                        %error,
+                        "handler failed; the message goes back to the queue after the delay"
+                    );
+                    state.failed(&counted_by, deliveries);
+                    state.held.push(Held {
+                        due: tokio::time::Instant::now() + retry_after,
+                        delivery,
+                    });
                     processed.retried += 1;
                 }
             }
+            deadline = tokio::time::Instant::now() + wait;
         }
         Ok(processed)
     }
+
+    /// Publishes the dead-letter copy of `delivery` and waits for the broker's confirm.
+    async fn dead_letter(
+        &self,
+        state: &mut ConsumerState,
+        delivery: &lapin::message::Delivery,
+        note: &DeadLetterNote,
+    ) -> std::result::Result<(), String> {
+        let channel = match state.dead_letters.take() {
+            Some(channel) if channel.status().connected() => channel,
+            _ => dead_letter_channel(&self.connection, &self.dead_letter_queue)
+                .await
+                .map_err(|error| error.to_string())?,
+        };
+        let original = &delivery.properties;
+        let mut headers = original.headers().clone().unwrap_or_default();
+        for (name, value) in note.headers() {
+            headers.insert(ShortString::from(name), long(&value));
+        }
+        // The same properties but `expiration` (the copy must not expire there) and
+        // `user_id` (the broker refuses one that is not this connection's user).
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        if let Some(value) = original.content_type() {
+            properties = properties.with_content_type(value.clone());
+        }
+        if let Some(value) = original.content_encoding() {
+            properties = properties.with_content_encoding(value.clone());
+        }
+        if let Some(value) = original.priority() {
+            properties = properties.with_priority(*value);
+        }
+        if let Some(value) = original.correlation_id() {
+            properties = properties.with_correlation_id(value.clone());
+        }
+        if let Some(value) = original.reply_to() {
+            properties = properties.with_reply_to(value.clone());
+        }
+        if let Some(value) = original.message_id() {
+            properties = properties.with_message_id(value.clone());
+        }
+        if let Some(value) = original.timestamp() {
+            properties = properties.with_timestamp(*value);
+        }
+        if let Some(value) = original.kind() {
+            properties = properties.with_type(value.clone());
+        }
+        if let Some(value) = original.app_id() {
+            properties = properties.with_app_id(value.clone());
+        }
+        let confirm = channel
+            .basic_publish(
+                ShortString::from(""),
+                ShortString::from(self.dead_letter_queue.as_str()),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &delivery.data,
+                properties,
+            )
+            .await
+            .map_err(|error| error.to_string())?;
+        // A channel whose confirm did not come is not used again: a late confirm or
+        // return on it would be paired with the next copy.
+        let Ok(confirmed) = tokio::time::timeout(CONFIRM_TIMEOUT, confirm).await else {
+            tokio::spawn(async move {
+                let _ = channel
+                    .close(200, ShortString::from("no confirm in time"))
+                    .await;
+            });
+            return Err(format!("no confirm within {CONFIRM_TIMEOUT:?}"));
+        };
+        let confirmation = confirmed.map_err(|error| error.to_string())?;
+        state.dead_letters = Some(channel);
+        match confirmation {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(format!(
+                "the dead-letter queue {:?} does not exist (the copy was returned)",
+                self.dead_letter_queue
+            )),
+            Confirmation::Nack(_) => Err("the broker refused the copy (nack)".to_owned()),
+            Confirmation::NotRequested => Err("the channel is not in confirm mode".to_owned()),
+        }
+    }
+}
+
+/// A confirming channel on `connection`, with `queue` declared (durable) unless it
+/// exists (as it is, when an operator made it, say, a quorum queue).
+async fn dead_letter_channel(
+    connection: &Connection,
+    queue: &str,
+) -> std::result::Result<Channel, lapin::Error> {
+    // A passive declare of a missing queue closes its channel: ask on one of its own.
+    let probe = connection.create_channel().await?;
+    let exists = probe
+        .queue_declare(
+            ShortString::from(queue),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .is_ok();
+    if probe.status().connected() {
+        let _ = probe.close(200, ShortString::from("done")).await;
+    }
+    let channel = connection.create_channel().await?;
+    if !exists {
+        channel
+            .queue_declare(
+                ShortString::from(queue),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+    }
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    Ok(channel)
 }

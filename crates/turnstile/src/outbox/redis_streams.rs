@@ -14,7 +14,8 @@ use redis::Value;
 use redis::aio::{ConnectionManager, MultiplexedConnection};
 
 use super::relay::Publisher;
-use super::{Failure, Incoming, Message, Processed};
+use super::telemetry;
+use super::{DEFAULT_MAX_DELIVERIES, DeadLetterNote, Failure, Incoming, Message, Processed};
 use crate::engine::redis::{connect_manager, map_error, open_client};
 use crate::error::Result;
 use crate::lock::BoxFuture;
@@ -105,13 +106,26 @@ impl Publisher for RedisStreamsPublisher {
 
 /// A consumer in a Redis Streams consumer group. An entry is acknowledged (`XACK`) only
 /// after its handler succeeded; one whose handler failed, or whose consumer died, stays
-/// pending and is claimed again (`XAUTOCLAIM`) once it has been idle `retry_after`.
+/// pending and is claimed again (`XCLAIM`) once it has been idle `retry_after`.
+///
+/// **Poison entries.** The number of deliveries is Redis's own (the pending entry's
+/// delivery count, read with `XPENDING` before the claim). Once an entry's handler has
+/// failed on its [`max_deliveries`](Self::max_deliveries)-th delivery
+/// ([`DEFAULT_MAX_DELIVERIES`] unless told otherwise), the entry is **dead-lettered**:
+/// in one Lua script — atomically, and only while the entry is still pending with this
+/// consumer — a copy with every field of the original, plus
+/// [`DEAD_LETTER_REASON_HEADER`](super::DEAD_LETTER_REASON_HEADER) and the other
+/// `turnstile-dead-letter-*` fields, is appended (`XADD`) to the stream
+/// `{stream}:dead-letter`, and the original is acknowledged (`XACK`). The dead-letter
+/// stream is not trimmed: an operator reads it (`XRANGE`), replays what should be, and
+/// deletes it.
 #[derive(Debug)]
 pub struct RedisStreamsConsumer {
     connection: MultiplexedConnection,
     stream: String,
     group: String,
     consumer: String,
+    max_deliveries: u32,
 }
 
 fn text(value: &Value) -> Option<String> {
@@ -130,8 +144,24 @@ fn bytes(value: &Value) -> Vec<u8> {
     }
 }
 
-/// `[[id, [field, value, …]], …]` as (entry id, Incoming).
-fn entries(stream: &str, value: &Value, deliveries: u64) -> Vec<(String, Incoming)> {
+fn number(value: &Value) -> Option<u64> {
+    match value {
+        Value::Int(n) => u64::try_from(*n).ok(),
+        other => text(other).and_then(|text| text.parse().ok()),
+    }
+}
+
+/// An entry as read: its id, its fields as stored (for a dead-letter copy), and what
+/// the handler gets.
+struct Entry {
+    id: String,
+    fields: Vec<(Vec<u8>, Vec<u8>)>,
+    incoming: Incoming,
+}
+
+/// `[[id, [field, value, …]], …]` as entries; `deliveries` gives an entry's delivery
+/// count by its id.
+fn entries(stream: &str, value: &Value, deliveries: impl Fn(&str) -> u64) -> Vec<Entry> {
     let Value::Array(items) = value else {
         return Vec::new();
     };
@@ -153,10 +183,12 @@ fn entries(stream: &str, value: &Value, deliveries: u64) -> Vec<(String, Incomin
             topic: stream.to_owned(),
             headers: Vec::new(),
             payload: Vec::new(),
-            deliveries,
+            deliveries: deliveries(&entry_id),
         };
+        let mut raw = Vec::new();
         for field in fields.chunks(2) {
             let [name, value] = field else { continue };
+            raw.push((bytes(name), bytes(value)));
             match text(name).as_deref() {
                 Some("id") => incoming.id = text(value),
                 Some("key") => incoming.key = text(value),
@@ -181,10 +213,31 @@ fn entries(stream: &str, value: &Value, deliveries: u64) -> Vec<(String, Incomin
             }
         }
         incoming.producer = incoming.header(super::PRODUCER_HEADER).map(str::to_owned);
-        found.push((entry_id, incoming));
+        found.push(Entry {
+            id: entry_id,
+            fields: raw,
+            incoming,
+        });
     }
     found
 }
+
+/// Appends the copy (ARGV[4…]: fields and values) to the dead-letter stream and
+/// acknowledges the original, if it is still pending with this consumer; 1 if so, 0 if
+/// not (another consumer claimed it meanwhile, or it was acknowledged).
+const DEAD_LETTER_SCRIPT: &str = r"
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if #pending == 0 then
+  return 0
+end
+local fields = {}
+for i = 4, #ARGV do
+  fields[#fields + 1] = ARGV[i]
+end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+return 1
+";
 
 impl RedisStreamsConsumer {
     /// Joins (creating if needed) consumer group `group` on `stream` as `consumer`.
@@ -222,13 +275,28 @@ impl RedisStreamsConsumer {
             stream: stream.to_owned(),
             group: group.to_owned(),
             consumer: consumer.to_owned(),
+            max_deliveries: DEFAULT_MAX_DELIVERIES,
         })
+    }
+
+    /// Dead-letters an entry whose handler failed on its `deliveries`-th delivery (at
+    /// least 1; [`DEFAULT_MAX_DELIVERIES`] by default) instead of leaving it pending.
+    pub fn max_deliveries(mut self, deliveries: u32) -> Self {
+        self.max_deliveries = deliveries.max(1);
+        self
+    }
+
+    /// The stream dead-lettered entries go to: `{stream}:dead-letter`.
+    pub fn dead_letter_stream(&self) -> String {
+        format!("{}:dead-letter", self.stream)
     }
 
     /// Handles up to `batch` entries: first those pending longer than `retry_after`
     /// (failed, or left by a dead consumer), else new ones (waiting up to `block` for
     /// them). An entry is acknowledged once `handle` returns `Ok`; after `Err` it stays
-    /// pending and comes back after `retry_after`.
+    /// pending and comes back after `retry_after`, or, on its
+    /// [`max_deliveries`](Self::max_deliveries)-th delivery, it is dead-lettered (see
+    /// [`RedisStreamsConsumer`]).
     pub async fn process<F>(
         &self,
         batch: usize,
@@ -242,24 +310,51 @@ impl RedisStreamsConsumer {
         let mut connection = self.connection.clone();
         let fail = |error| map_error(error, "cannot read the stream");
         let count = batch.max(1);
-        let claimed: Value = redis::cmd("XAUTOCLAIM")
+        let idle = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
+        // Entries pending longer than `retry_after`, with Redis's delivery counts.
+        let pending: Value = redis::cmd("XPENDING")
             .arg(&self.stream)
             .arg(&self.group)
-            .arg(&self.consumer)
-            .arg(u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX))
-            .arg("0-0")
-            .arg("COUNT")
+            .arg("IDLE")
+            .arg(idle)
+            .arg("-")
+            .arg("+")
             .arg(count)
             .query_async(&mut connection)
             .await
             .map_err(fail)?;
-        let mut found = match &claimed {
-            Value::Array(parts) => parts
-                .get(1)
-                .map(|list| entries(&self.stream, list, 2))
-                .unwrap_or_default(),
-            _ => Vec::new(),
-        };
+        let mut counts = std::collections::HashMap::new();
+        if let Value::Array(items) = &pending {
+            for item in items {
+                if let Value::Array(fields) = item
+                    && let (Some(id), Some(deliveries)) = (
+                        fields.first().and_then(text),
+                        fields.get(3).and_then(number),
+                    )
+                {
+                    counts.insert(id, deliveries);
+                }
+            }
+        }
+        let mut found = Vec::new();
+        if !counts.is_empty() {
+            let mut claim = redis::cmd("XCLAIM");
+            claim
+                .arg(&self.stream)
+                .arg(&self.group)
+                .arg(&self.consumer)
+                .arg(idle);
+            for id in counts.keys() {
+                claim.arg(id);
+            }
+            let claimed: Value = claim.query_async(&mut connection).await.map_err(fail)?;
+            // The claim is one more delivery. Claimed in stream order, as XCLAIM
+            // answers in the order asked; sort to keep the stream's.
+            found = entries(&self.stream, &claimed, |id| {
+                counts.get(id).map_or(2, |n| n.saturating_add(1))
+            });
+            found.sort_by_key(|entry| stream_order(&entry.id));
+        }
         if found.is_empty() {
             let read: Value = redis::cmd("XREADGROUP")
                 .arg("GROUP")
@@ -280,30 +375,98 @@ impl RedisStreamsConsumer {
                     if let Value::Array(pair) = stream
                         && let Some(list) = pair.get(1)
                     {
-                        found.extend(entries(&self.stream, list, 1));
+                        found.extend(entries(&self.stream, list, |_| 1));
                     }
                 }
             }
         }
         let mut processed = Processed::default();
-        for (entry_id, incoming) in found {
-            match handle(&incoming).await {
+        for entry in found {
+            let incoming = &entry.incoming;
+            match handle(incoming).await {
                 Ok(()) => {
                     redis::cmd("XACK")
                         .arg(&self.stream)
                         .arg(&self.group)
-                        .arg(&entry_id)
+                        .arg(&entry.id)
                         .query_async::<Value>(&mut connection)
                         .await
                         .map_err(|error| map_error(error, "cannot acknowledge the entry"))?;
                     processed.acked += 1;
                 }
+                Err(error) if incoming.deliveries >= u64::from(self.max_deliveries) => {
+                    let note = DeadLetterNote::new(
+                        &error,
+                        incoming.deliveries,
+                        self.stream.as_str(),
+                        Some(entry.id.clone()),
+                    );
+                    let destination = self.dead_letter_stream();
+                    let script = redis::Script::new(DEAD_LETTER_SCRIPT);
+                    let mut script = script.prepare_invoke();
+                    script
+                        .key(&self.stream)
+                        .key(&destination)
+                        .arg(&self.group)
+                        .arg(&self.consumer)
+                        .arg(&entry.id);
+                    for (name, value) in &entry.fields {
+                        script.arg(name.as_slice()).arg(value.as_slice());
+                    }
+                    for (name, value) in note.headers() {
+                        script.arg(name).arg(value);
+                    }
+                    match script.invoke_async::<i64>(&mut connection).await {
+                        Ok(1) => {
+                            telemetry::dead_lettered(
+                                "redis",
+                                incoming.id.as_deref(),
+                                &note,
+                                &destination,
+                            );
+                            processed.dead_lettered += 1;
+                        }
+                        Ok(_) => {
+                            // Claimed by another consumer, or acknowledged, meanwhile:
+                            // it is theirs now.
+                            tracing::warn!(
+                                id = ?incoming.id,
+                                entry = entry.id,
+                                "the entry to dead-letter is no longer pending with this consumer; left to the one that has it"
+                            );
+                            processed.retried += 1;
+                        }
+                        Err(error) => {
+                            telemetry::dead_letter_failed(
+                                "redis",
+                                incoming.id.as_deref(),
+                                &note,
+                                &destination,
+                                &error.to_string(),
+                            );
+                            processed.retried += 1;
+                        }
+                    }
+                }
                 Err(error) => {
-                    tracing::warn!(id = ?incoming.id, %error, "handler failed; the entry stays pending and comes back");
+                    tracing::warn!(
+                        id = ?incoming.id,
+                        deliveries = incoming.deliveries,
+                        max_deliveries = self.max_deliveries,
+                        %error,
+                        "handler failed; the entry stays pending and comes back after the delay"
+                    );
                     processed.retried += 1;
                 }
             }
         }
         Ok(processed)
     }
+}
+
+/// An entry id (`MS-SEQ`) as a sortable pair; ids that do not parse sort last.
+fn stream_order(id: &str) -> (u64, u64) {
+    id.split_once('-')
+        .and_then(|(ms, seq)| Some((ms.parse().ok()?, seq.parse().ok()?)))
+        .unwrap_or((u64::MAX, u64::MAX))
 }

@@ -338,6 +338,10 @@ impl Relay {
         let (poll_min, poll_max) = self.options.idle_poll;
         let mut idle = poll_min;
         let mut reported: Option<Instant> = None;
+        // While every publish of a round fails (the broker is down), the whole relay
+        // pauses, longer each time up to the longest backoff, instead of leasing the
+        // next keys at once only to fail them too.
+        let mut outage: Option<Duration> = None;
         while !shutdown.is_cancelled() {
             // The lag gauges, now and then (one read of the store).
             if reported.is_none_or(|at| at.elapsed() >= STATUS_EVERY) {
@@ -351,7 +355,22 @@ impl Relay {
                 }
             }
             match self.run_once().await {
+                Ok(round)
+                    if round.keys > 0 && round.published == 0 && round.failed == round.keys =>
+                {
+                    let pause = outage.map_or(self.options.backoff.base, |last| {
+                        (last * 2).min(self.options.backoff.max)
+                    });
+                    outage = Some(pause);
+                    telemetry::relay_paused(pause, round.failed);
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(pause) => {}
+                    }
+                    continue;
+                }
                 Ok(round) if round.keys > 0 => {
+                    outage = None;
                     idle = poll_min;
                     continue;
                 }

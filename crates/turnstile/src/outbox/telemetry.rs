@@ -12,10 +12,13 @@
 //! | `turnstile_outbox_settle_retries_total` | counter | — (a settlement the store failed, tried again within the lease) |
 //! | `turnstile_outbox_topics_refused_total` | counter | — (a topic check the broker failed: no stream, a duplicate window too short) |
 //! | `turnstile_outbox_skipped_total` | counter | — (head messages an operator moved aside with `outbox skip`) |
+//! | `turnstile_outbox_relay_pauses_total` | counter | — (rounds whose every publish failed: the relay paused, backing off) |
 //! | `turnstile_outbox_fenced_total` | counter | — (settlements refused: the lease had moved on) |
 //! | `turnstile_outbox_pending` | gauge | — (undelivered messages of keys not parked; set by running relays every 5 s) |
 //! | `turnstile_outbox_oldest_pending_seconds` | gauge | — (the lag: age of the oldest undelivered message) |
 //! | `turnstile_outbox_parked_keys` | gauge | — |
+//! | `turnstile_outbox_dead_lettered_total` | counter | `broker` = `nats`, `rabbitmq`, `kafka`, `redis` (messages a consumer dead-lettered after their handler failed on their last allowed delivery) |
+//! | `turnstile_outbox_dead_letter_failures_total` | counter | `broker` (dead-letter copies the broker did not take: the message is retried after the delay instead) |
 
 use std::time::Duration;
 
@@ -96,6 +99,11 @@ pub(crate) fn skipped(key: &str, seq: u64, moved: bool) {
     );
 }
 
+pub(crate) fn relay_paused(pause: Duration, failed: usize) {
+    metrics::counter!("turnstile_outbox_relay_pauses_total").increment(1);
+    tracing::warn!(pause = ?pause, failed, "every publish of the round failed (is the broker down?); the relay pauses");
+}
+
 pub(crate) fn fenced(key: &str) {
     metrics::counter!("turnstile_outbox_fenced_total").increment(1);
     tracing::warn!(
@@ -110,4 +118,67 @@ pub(crate) fn status(status: &super::Status) {
         .set(status.oldest_pending.map_or(0.0, |age| age.as_secs_f64()));
     metrics::gauge!("turnstile_outbox_parked_keys").set(status.parked.len() as f64);
     tracing::trace!(pending = status.pending, parked = status.parked.len(), oldest = ?status.oldest_pending, "outbox status");
+}
+
+/// A consumer copied a message its handler kept failing to its dead-letter destination
+/// and acknowledged the original.
+#[cfg_attr(
+    not(any(
+        feature = "nats",
+        feature = "rabbitmq",
+        feature = "kafka",
+        feature = "redis"
+    )),
+    allow(dead_code)
+)]
+pub(crate) fn dead_lettered(
+    broker: &'static str,
+    id: Option<&str>,
+    note: &super::DeadLetterNote,
+    destination: &str,
+) {
+    metrics::counter!("turnstile_outbox_dead_lettered_total", "broker" => broker).increment(1);
+    tracing::error!(
+        broker,
+        id,
+        source = %note.source,
+        position = note.position.as_deref(),
+        deliveries = note.deliveries,
+        destination,
+        reason = %note.reason,
+        "the handler failed on the message's last allowed delivery: it was dead-lettered \
+         (copied to the destination, then acknowledged), to be seen and replayed there"
+    );
+}
+
+/// A dead-letter copy was not stored: the message stays at its source and is retried
+/// after the delay.
+#[cfg_attr(
+    not(any(
+        feature = "nats",
+        feature = "rabbitmq",
+        feature = "kafka",
+        feature = "redis"
+    )),
+    allow(dead_code)
+)]
+pub(crate) fn dead_letter_failed(
+    broker: &'static str,
+    id: Option<&str>,
+    note: &super::DeadLetterNote,
+    destination: &str,
+    error: &str,
+) {
+    metrics::counter!("turnstile_outbox_dead_letter_failures_total", "broker" => broker)
+        .increment(1);
+    tracing::error!(
+        broker,
+        id,
+        source = %note.source,
+        deliveries = note.deliveries,
+        destination,
+        error,
+        "cannot dead-letter a message whose handler keeps failing: it stays at its source \
+         and is retried after the delay; make the dead-letter destination take it"
+    );
 }
