@@ -675,7 +675,16 @@ async fn idempotency_keys_over_http(service: &Service, engine: &str) {
     // forged outcome would be replayed to every retry.
     for forged in [
         json!("0".repeat(32)),
-        json!(capability.replace('a', "b").replace('1', "2")),
+        // The real one with its first digit changed.
+        json!(format!(
+            "{}{}",
+            if capability.starts_with('0') {
+                '1'
+            } else {
+                '0'
+            },
+            &capability[1..]
+        )),
     ] {
         let refused = api
             .post(
