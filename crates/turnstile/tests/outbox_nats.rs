@@ -1491,3 +1491,61 @@ async fn a_foreign_message_without_an_id_gets_none() {
         .unwrap();
     assert_eq!(refusals, [turnstile::ErrorKind::InvalidOptions; 2]);
 }
+
+/// A relay that dies after the broker's acks and before it settles, and stays down
+/// longer than the stream's duplicate window: the next relay publishes the round
+/// again, and the stream keeps both copies (its window has passed). The consumer's
+/// inbox is what makes the effects happen once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_past_the_duplicate_window_are_handled_once_by_the_inbox() {
+    use turnstile::idempotency::inbox::Inbox;
+    use turnstile::outbox::relay::Publisher as _;
+    use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
+    let publisher = connect(shared_nats()).await;
+    let (stream_name, subject) = names("window");
+    stream(
+        &publisher,
+        &stream_name,
+        &format!("{subject}.>"),
+        Duration::from_secs(2),
+    )
+    .await;
+    let outbox = Sqlite::new().await;
+    let topic = format!("{subject}.created");
+    for n in 0..6 {
+        let message = Message::json(topic.as_str(), format!("k{}", n % 2), &n).unwrap();
+        outbox.enqueue_one(&message, true).await;
+    }
+    let store = outbox.store();
+    // The relay that dies: its publishes are acked, its round never settles.
+    let lease = Duration::from_millis(500);
+    for leased in store.claim(8, 8, lease).await.unwrap() {
+        for stored in &leased.messages {
+            publisher
+                .publish(&stored.message, stored.seq)
+                .await
+                .unwrap();
+        }
+    }
+    // Down past its lease and past the stream's duplicate window.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let relay = Relay::new(store.clone(), publisher.clone()).with_options(
+        RelayOptions::new().lease(lease).backoff(Backoff {
+            base: Duration::from_millis(10),
+            max: Duration::from_millis(100),
+        }),
+    );
+    while relay.run_once().await.unwrap().keys > 0 {}
+    assert_eq!(
+        read_all(&publisher, &stream_name).await.len(),
+        12,
+        "past its window the stream keeps the second copy"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let keys = SqliteIdempotencyStore::open(dir.path().join("consumer.db"))
+        .await
+        .unwrap();
+    let inbox = Inbox::new(keys.clone(), "effects").unwrap();
+    let handled = consume_in_order(&publisher, &stream_name, "effects", &keys, &inbox).await;
+    assert_eq!(handled.len(), 6, "an effect happened twice: {handled:?}");
+}
