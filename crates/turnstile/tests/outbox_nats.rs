@@ -1499,8 +1499,8 @@ async fn a_foreign_message_without_an_id_gets_none() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_past_the_duplicate_window_are_handled_once_by_the_inbox() {
     use turnstile::idempotency::inbox::Inbox;
-    use turnstile::outbox::relay::Publisher as _;
     use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
+    use turnstile::outbox::relay::Publisher as _;
     let publisher = connect(shared_nats()).await;
     let (stream_name, subject) = names("window");
     stream(
