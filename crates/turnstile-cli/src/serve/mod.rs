@@ -170,10 +170,14 @@ pub(crate) struct Service {
 }
 
 impl Service {
-    /// A lease asked for in `what` (default 30 s), at most `--max-ttl` (the lower bound
-    /// is the lock options' own, with their message).
+    /// A lease asked for in `what` (default 30 s, or `--max-ttl` if shorter), at most
+    /// `--max-ttl`; the lower bound is the lock options' own, with their message.
     fn lease(&self, what: &str, asked: Option<u64>) -> Result<Duration, Problem> {
-        let lease = asked.map_or(Duration::from_secs(30), Duration::from_millis);
+        // The default never exceeds the service's own bound.
+        let lease = asked.map_or(
+            Duration::from_secs(30).min(self.max_ttl),
+            Duration::from_millis,
+        );
         if lease > self.max_ttl {
             return Err(Problem::invalid(format!(
                 "{what} is at most {} on this service (--max-ttl): a lock outlives a crashed \
