@@ -319,7 +319,7 @@ async fn acquire(
             }
         }
     };
-    let holder = principal.tenant.as_deref().unwrap_or(&principal.name);
+    let holder = principal.holder();
     let reserved = service.held.reserve(holder, full.as_str(), ttl + wait);
     if reserved == quota::Reserved::Full {
         metrics::counter!("turnstile_serve_tenant_limit_total").increment(1);
@@ -348,7 +348,7 @@ async fn acquire(
         service.observe_store("acquire", started.elapsed());
     }
     if acquired.is_err() && reserved == quota::Reserved::New {
-        service.held.released(full.as_str(), None);
+        service.held.released(holder, full.as_str(), None);
     }
     let guard = acquired.map_err(|error| {
         let held = error.kind() == ErrorKind::AcquireTimeout;
@@ -362,7 +362,7 @@ async fn acquire(
     let lease = guard.detach();
     service
         .held
-        .acquired(full.as_str(), lease.owner.as_str(), ttl);
+        .acquired(holder, full.as_str(), lease.owner.as_str(), ttl);
     let token = lease.fencing_token.get();
     service.activity.held(
         full.as_str(),
@@ -428,11 +428,15 @@ async fn extend(
     match outcome {
         ExtendOutcome::Extended => {
             service.activity.extended(full.as_str(), ttl);
-            service.held.extended(full.as_str(), ttl);
+            service
+                .held
+                .extended(principal.holder(), full.as_str(), ttl);
             Ok(Json(Extended { ttl_ms: ms(ttl) }))
         }
         ExtendOutcome::Lost(reason) => {
-            service.held.released(full.as_str(), Some(owner.as_str()));
+            service
+                .held
+                .released(principal.holder(), full.as_str(), Some(owner.as_str()));
             // Only the holder's own loss removes its row: an extend with another owner
             // id (a stale holder's, or a wrong one) leaves the real holder shown. The
             // event goes to this tenant's own buffer.
@@ -505,7 +509,9 @@ async fn release(
     };
     if outcome == "released" || outcome == "already_expired" {
         service.activity.gone(full.as_str(), Some(owner.as_str()));
-        service.held.released(full.as_str(), Some(owner.as_str()));
+        service
+            .held
+            .released(principal.holder(), full.as_str(), Some(owner.as_str()));
     }
     if outcome != "released" {
         service.activity.event(
@@ -598,7 +604,9 @@ async fn force_release(
         .await?;
     if let Some(info) = &info {
         service.activity.gone(full.as_str(), None);
-        service.held.released(full.as_str(), None);
+        service
+            .held
+            .released(principal.holder(), full.as_str(), None);
         service.activity.event(
             "broken",
             principal.tenant.as_deref(),

@@ -97,6 +97,12 @@ pub(crate) struct Principal {
 }
 
 impl Principal {
+    /// Whose held locks a call counts against (`--max-locks-per-tenant`): the tenant,
+    /// or the token's name for a token without one.
+    pub(crate) fn holder(&self) -> &str {
+        self.tenant.as_deref().unwrap_or(&self.name)
+    }
+
     /// Whether the caller may do what `needed` covers.
     pub(crate) fn allows(&self, needed: Scope) -> bool {
         self.scopes.iter().any(|&granted| {
@@ -249,10 +255,7 @@ impl Auth {
                 "send `Authorization: Bearer <token>`",
             ));
         };
-        let Some(token) = value
-            .strip_prefix(b"Bearer ")
-            .or_else(|| value.strip_prefix(b"bearer "))
-        else {
+        let Some(token) = bearer(value) else {
             return Err(Problem::unauthenticated(
                 "the Authorization header must be `Bearer <token>`",
             ));
@@ -272,6 +275,13 @@ impl Auth {
             Err(Problem::unauthenticated("unknown token"))
         }
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` header value.
+pub(crate) fn bearer(value: &[u8]) -> Option<&[u8]> {
+    value
+        .strip_prefix(b"Bearer ")
+        .or_else(|| value.strip_prefix(b"bearer "))
 }
 
 fn parse_sha256(hex: &str) -> Option<[u8; 32]> {

@@ -64,13 +64,9 @@ impl ClaimSecret {
 
     /// Whether `given` is that claim's capability (compared in constant time).
     pub(super) fn verify(&self, scope: &str, key: &str, token: u64, given: &str) -> bool {
+        use subtle::ConstantTimeEq;
         let expected = self.capability(scope, key, token);
-        expected.len() == given.len()
-            && expected
-                .bytes()
-                .zip(given.bytes())
-                .fold(0u8, |difference, (a, b)| difference | (a ^ b))
-                == 0
+        bool::from(expected.as_bytes().ct_eq(given.as_bytes()))
     }
 }
 

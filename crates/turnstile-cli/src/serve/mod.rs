@@ -458,7 +458,10 @@ async fn serve(args: ServeArgs) -> ExitCode {
         max_ttl: args.max_ttl,
         allowed_hosts: allowed_hosts(address, &args.allowed_host),
         claim_secret,
-        metrics_token: args.metrics_token.as_deref().map(sha256),
+        metrics_token: args
+            .metrics_token
+            .as_deref()
+            .map(|token| sha256(token.as_bytes())),
         held: quota::HeldLocks::new(
             args.max_locks_per_tenant
                 .map_or(if session_bound(&url) { 16 } else { 10_000 }, |n| {
@@ -778,9 +781,9 @@ fn finish_document(
 /// The dashboard: one page, its script and styles inline, nothing fetched from elsewhere.
 const DASHBOARD: &str = include_str!("dashboard.html");
 
-fn sha256(text: &str) -> [u8; 32] {
+fn sha256(text: &[u8]) -> [u8; 32] {
     use sha2::Digest;
-    sha2::Sha256::digest(text.as_bytes()).into()
+    sha2::Sha256::digest(text).into()
 }
 
 async fn prometheus(
@@ -788,19 +791,12 @@ async fn prometheus(
     headers: axum::http::HeaderMap,
 ) -> Response {
     if let Some(expected) = &service.metrics_token {
-        let given = headers
+        use subtle::ConstantTimeEq;
+        // Digests compared in constant time, as the API's tokens are.
+        let matches = headers
             .get(header::AUTHORIZATION)
-            .and_then(|value| value.to_str().ok())
-            .and_then(|value| value.strip_prefix("Bearer "))
-            .map(|token| sha256(token.trim()));
-        // Digests compared in constant time.
-        let matches = given.is_some_and(|given| {
-            given
-                .iter()
-                .zip(expected)
-                .fold(0u8, |difference, (a, b)| difference | (a ^ b))
-                == 0
-        });
+            .and_then(|value| auth::bearer(value.as_bytes()))
+            .is_some_and(|token| bool::from(sha256(token).ct_eq(expected)));
         if !matches {
             return Problem::new(
                 StatusCode::UNAUTHORIZED,

@@ -13,16 +13,15 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// Locks held, by lock key: the holder (tenant, or token name for tokens without one)
-/// and when its lease ends.
+/// Locks held, by holder (tenant, or token name for tokens without one) and lock key:
+/// an acquire looks at its own holder's locks only.
 pub(crate) struct HeldLocks {
     max_per_holder: usize,
-    held: Mutex<HashMap<String, Held>>,
+    held: Mutex<HashMap<String, HashMap<String, Held>>>,
 }
 
 /// One counted lock.
 struct Held {
-    holder: String,
     /// The owner id, once the acquire succeeded.
     owner: Option<String>,
     until: Instant,
@@ -39,6 +38,8 @@ pub(crate) enum Reserved {
     Full,
 }
 
+type Holders = HashMap<String, HashMap<String, Held>>;
+
 impl HeldLocks {
     pub(crate) fn new(max_per_holder: usize) -> Self {
         HeldLocks {
@@ -52,7 +53,7 @@ impl HeldLocks {
         self.max_per_holder
     }
 
-    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
+    fn held(&self) -> std::sync::MutexGuard<'_, Holders> {
         self.held
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -62,18 +63,17 @@ impl HeldLocks {
     pub(crate) fn reserve(&self, holder: &str, key: &str, ttl: Duration) -> Reserved {
         let now = Instant::now();
         let mut held = self.held();
-        held.retain(|_, held| held.until > now);
-        if held.get(key).is_some_and(|held| held.holder == holder) {
+        let mine = held.entry(holder.to_owned()).or_default();
+        mine.retain(|_, held| held.until > now);
+        if mine.contains_key(key) {
             return Reserved::Already;
         }
-        let count = held.values().filter(|held| held.holder == holder).count();
-        if count >= self.max_per_holder {
+        if mine.len() >= self.max_per_holder {
             return Reserved::Full;
         }
-        held.insert(
+        mine.insert(
             key.to_owned(),
             Held {
-                holder: holder.to_owned(),
                 owner: None,
                 until: now + ttl,
             },
@@ -81,30 +81,56 @@ impl HeldLocks {
         Reserved::New
     }
 
+    /// Which holder counts `key`: `holder` when it does, else whichever holder does (a
+    /// lock broken, or released, by another caller).
+    fn counted_by(held: &Holders, holder: &str, key: &str) -> Option<String> {
+        if held.get(holder).is_some_and(|mine| mine.contains_key(key)) {
+            return Some(holder.to_owned());
+        }
+        held.iter()
+            .find(|(_, locks)| locks.contains_key(key))
+            .map(|(holder, _)| holder.clone())
+    }
+
+    /// The counted entry of `key` (see [`counted_by`](Self::counted_by)).
+    fn find<'a>(held: &'a mut Holders, holder: &str, key: &str) -> Option<&'a mut Held> {
+        let holder = Self::counted_by(held, holder, key)?;
+        held.get_mut(&holder)?.get_mut(key)
+    }
+
     /// `key` was acquired by `owner` for `ttl` from now.
-    pub(crate) fn acquired(&self, key: &str, owner: &str, ttl: Duration) {
-        if let Some(held) = self.held().get_mut(key) {
+    pub(crate) fn acquired(&self, holder: &str, key: &str, owner: &str, ttl: Duration) {
+        if let Some(held) = Self::find(&mut self.held(), holder, key) {
             held.owner = Some(owner.to_owned());
             held.until = Instant::now() + ttl;
         }
     }
 
     /// The lease of `key` now ends `ttl` from now.
-    pub(crate) fn extended(&self, key: &str, ttl: Duration) {
-        if let Some(held) = self.held().get_mut(key) {
+    pub(crate) fn extended(&self, holder: &str, key: &str, ttl: Duration) {
+        if let Some(held) = Self::find(&mut self.held(), holder, key) {
             held.until = Instant::now() + ttl;
         }
     }
 
     /// `key` is no longer held by `owner` (released, lost, or its acquire failed:
     /// `None`, whoever held it). A call with another owner id changes nothing.
-    pub(crate) fn released(&self, key: &str, owner: Option<&str>) {
+    pub(crate) fn released(&self, holder: &str, key: &str, owner: Option<&str>) {
         let mut held = self.held();
-        let theirs = held.get(key).is_some_and(|held| {
+        let Some(counter) = Self::counted_by(&held, holder, key) else {
+            return;
+        };
+        let Some(locks) = held.get_mut(&counter) else {
+            return;
+        };
+        let theirs = locks.get(key).is_some_and(|held| {
             owner.is_none_or(|owner| held.owner.as_deref().is_none_or(|held| held == owner))
         });
         if theirs {
-            held.remove(key);
+            locks.remove(key);
+            if locks.is_empty() {
+                held.remove(&counter);
+            }
         }
     }
 }
