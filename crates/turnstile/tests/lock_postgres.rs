@@ -873,6 +873,71 @@ async fn one_name_is_used_in_one_mode() {
     assert_eq!(error.kind(), ErrorKind::InvalidOptions, "{error}");
 }
 
+/// A session that holds a lock's advisory key without being the lock's holder (a name
+/// crafted to hash alike, stood in for here by a raw `pg_advisory_lock` on the key) does
+/// not keep a waiter waiting until its deadline: the waiter is refused with a reason
+/// within about two checks. A lock held the ordinary way still makes waiters wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_mode_refuses_a_key_held_for_another_name() {
+    let url = shared_postgres().fresh_database("collide");
+    let session = Locker::connect(&format!("{url}?turnstile_mode=session"))
+        .await
+        .unwrap();
+    let waiting = LockOptions::new().wait(Duration::from_secs(6));
+
+    // Held by a Turnstile holder of the same name: an ordinary wait that times out.
+    let other = Locker::connect(&format!("{url}?turnstile_mode=session"))
+        .await
+        .unwrap();
+    let held = other.acquire("owned", &LockOptions::new()).await.unwrap();
+    let error = session
+        .acquire("owned", &LockOptions::new().wait(Duration::from_millis(2500)))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::AcquireTimeout, "{error}");
+    held.release().await.unwrap();
+
+    // The key of a name used before, and of a name never used, held by a foreign session.
+    session
+        .acquire("victim", &LockOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    for name in ["victim", "never-used"] {
+        let foreign = sqlx::PgPool::connect(&url).await.unwrap();
+        let mut raw = foreign.acquire().await.unwrap();
+        sqlx::query("SELECT pg_advisory_lock(hashtextextended($1, 1953854062))")
+            .bind(name)
+            .execute(&mut *raw)
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let error = session.acquire(name, &waiting).await.unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::InvalidName, "{name}: {error}");
+        assert!(error.to_string().contains("hashes to the same key"), "{error}");
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "{name}: refused only after {:?}",
+            started.elapsed()
+        );
+        sqlx::query("SELECT pg_advisory_unlock_all()")
+            .execute(&mut *raw)
+            .await
+            .unwrap();
+        drop(raw);
+        // Once the key is free, the name is usable again.
+        session
+            .acquire(name, &waiting)
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+}
+
 /// Both modes asked for a brand-new name at the same instant: at most one gets it, the
 /// other finds it held or is refused. Before the session acquire's marker row was an
 /// upsert that sees a lease row committed after the statement began, both got the lock

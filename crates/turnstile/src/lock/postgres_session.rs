@@ -17,7 +17,16 @@
 //! # Guarantees
 //! - **Atomicity**: `pg_try_advisory_lock` in the server. The advisory key is a 64-bit
 //!   hash of the name (`hashtextextended`); two names that hash alike exclude each other,
-//!   which is safe (never two holders of one name), merely stricter.
+//!   which is safe (never two holders of one name), merely stricter. The hash is not
+//!   cryptographic, so a client that can choose names (a tenant of `turnstile serve`)
+//!   could craft one that shares another name's key and keep that name busy. A waiter
+//!   therefore checks, at most once a second per name, that the session holding its key
+//!   is the one its name's token row records; when another session has held the key
+//!   for a second without being the name's holder, the acquire is refused with
+//!   [`ErrorKind::InvalidName`] naming the holding backend, instead of waiting forever
+//!   (test `session_mode_refuses_a_key_held_for_another_name` in `lock_postgres.rs`).
+//!   A keyed hash would hide the key from such a client, but processes of older
+//!   versions would then stop excluding newer ones on the same names.
 //! - **Fencing tokens**: the per-name counter shared with lease mode
 //!   (`{prefix}_tokens`), floored by the database clock and incremented in the same
 //!   statement that takes the lock. Its commit does not wait for the disk by default
@@ -43,6 +52,7 @@
 //! - **Waiting**: same-process waiters are woken directly; others re-check with a backoff
 //!   from 5 ms to 100 ms.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -103,7 +113,27 @@ pub struct PostgresSessionLockStore {
     /// later (`ALTER ROLE`) reaches sessions that start after it only when the store
     /// is opened again.
     idle_timeout_default: tokio::sync::OnceCell<String>,
+    /// Per busy name: when its key's holder was last compared with the name's token
+    /// row, and the backend that held the key without being the name's holder then.
+    collision_checks: Arc<std::sync::Mutex<HashMap<String, KeyCheck>>>,
 }
+
+/// The last comparison of a busy name's key holder with the name's recorded holder.
+#[derive(Clone, Copy)]
+struct KeyCheck {
+    at: Instant,
+    foreign_holder: Option<u64>,
+}
+
+/// How often a waiter compares its key's holder with its name's holder: one query
+/// a second per busy name, and a foreign holder must be seen twice this far apart
+/// before the acquire is refused (an acquire that has taken the key but not yet
+/// committed its token row looks foreign for a moment).
+const KEY_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Names whose checks are remembered; past this the memory is cleared (a check is
+/// then merely repeated).
+const KEY_CHECKS_KEPT: usize = 4096;
 
 impl std::fmt::Debug for PostgresSessionLockStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -260,12 +290,61 @@ impl PostgresSessionLockStore {
             sql: Arc::new(sql),
             signals: ReleaseSignals::new(),
             idle_timeout_default: tokio::sync::OnceCell::new(),
+            collision_checks: Arc::default(),
         })
     }
 
     /// The lease-mode store over the same tables (for fences, migrations, the pool).
     pub fn tables(&self) -> &PostgresLockStore {
         &self.tables
+    }
+
+    /// Refuses `name` when its advisory key has been held, for at least
+    /// [`KEY_CHECK_INTERVAL`], by a session that is not the name's holder: another name
+    /// hashes to the same key (or something outside Turnstile takes the key), and
+    /// waiting would last as long as that other lock. Called when the key is busy; asks
+    /// the server at most once per interval per name.
+    async fn refuse_foreign_key_holder(&self, name: &LockName) -> Result<()> {
+        let earlier = {
+            let checks = self.collision_checks.lock().unwrap_or_else(|p| p.into_inner());
+            checks.get(name.as_str()).copied()
+        };
+        if earlier.is_some_and(|check| check.at.elapsed() < KEY_CHECK_INTERVAL) {
+            return Ok(());
+        }
+        let foreign_holder = match self.current_holder(name).await? {
+            // The recorded holder matches the session that holds the key only when
+            // that session took this name.
+            Some((pid, owner, _)) if owner.is_empty() => Some(pid),
+            _ => None,
+        };
+        {
+            let mut checks = self.collision_checks.lock().unwrap_or_else(|p| p.into_inner());
+            if checks.len() >= KEY_CHECKS_KEPT {
+                checks.clear();
+            }
+            checks.insert(
+                name.as_str().to_owned(),
+                KeyCheck {
+                    at: Instant::now(),
+                    foreign_holder,
+                },
+            );
+        }
+        // Two sightings of one foreign holder count only when they are close together
+        // (a wait that checks every interval); an old sighting is only a first one.
+        let recent = earlier.filter(|check| check.at.elapsed() < 3 * KEY_CHECK_INTERVAL);
+        match (recent.and_then(|check| check.foreign_holder), foreign_holder) {
+            (Some(before), Some(now)) if before == now => Err(Error::new(
+                ErrorKind::InvalidName,
+                format!(
+                    "lock \"{name}\" cannot be taken: its PostgreSQL advisory key is held by backend {now}, \
+                     which does not hold \"{name}\" (another lock name hashes to the same key, or an \
+                     application takes Turnstile's advisory keys); rename the lock, or use lease mode"
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Who holds `name` by the server: (backend pid, owner, token).
@@ -352,6 +431,7 @@ impl LockBackend for PostgresSessionLockStore {
             }
             if !ok {
                 connection.recycle();
+                self.refuse_foreign_key_holder(name).await?;
                 return Ok(TryAcquire::Held {
                     remaining_ttl: None,
                 });
