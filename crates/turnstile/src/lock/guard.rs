@@ -144,6 +144,13 @@ impl LockGuard {
         sent: Instant,
         options: &LockOptions,
     ) -> LockGuard {
+        // The simulation's mutant: the deadline counted from the reply (must be caught).
+        #[cfg(test)]
+        let sent = if super::simulation::deadline_at_reply() {
+            Instant::now()
+        } else {
+            sent
+        };
         let lease = Lease::new(
             LockRenewal {
                 backend: Arc::clone(&backend),

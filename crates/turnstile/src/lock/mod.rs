@@ -18,6 +18,8 @@ mod queue;
 #[cfg(any(feature = "mysql", feature = "postgres"))]
 mod session;
 mod signals;
+#[cfg(test)]
+mod simulation;
 pub mod telemetry;
 
 #[cfg(feature = "etcd")]

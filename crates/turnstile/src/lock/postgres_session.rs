@@ -306,7 +306,10 @@ impl PostgresSessionLockStore {
     /// the server at most once per interval per name.
     async fn refuse_foreign_key_holder(&self, name: &LockName) -> Result<()> {
         let earlier = {
-            let checks = self.collision_checks.lock().unwrap_or_else(|p| p.into_inner());
+            let checks = self
+                .collision_checks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             checks.get(name.as_str()).copied()
         };
         if earlier.is_some_and(|check| check.at.elapsed() < KEY_CHECK_INTERVAL) {
@@ -319,7 +322,10 @@ impl PostgresSessionLockStore {
             _ => None,
         };
         {
-            let mut checks = self.collision_checks.lock().unwrap_or_else(|p| p.into_inner());
+            let mut checks = self
+                .collision_checks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             if checks.len() >= KEY_CHECKS_KEPT {
                 checks.clear();
             }
@@ -334,7 +340,10 @@ impl PostgresSessionLockStore {
         // Two sightings of one foreign holder count only when they are close together
         // (a wait that checks every interval); an old sighting is only a first one.
         let recent = earlier.filter(|check| check.at.elapsed() < 3 * KEY_CHECK_INTERVAL);
-        match (recent.and_then(|check| check.foreign_holder), foreign_holder) {
+        match (
+            recent.and_then(|check| check.foreign_holder),
+            foreign_holder,
+        ) {
             (Some(before), Some(now)) if before == now => Err(Error::new(
                 ErrorKind::InvalidName,
                 format!(
