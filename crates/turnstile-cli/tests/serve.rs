@@ -4,7 +4,7 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
@@ -816,7 +816,9 @@ async fn idempotency_keys_over_http(service: &Service, engine: &str) {
 }
 
 /// Two instances on one store: a critical section guarded through either of them is
-/// never entered twice at once.
+/// never entered twice at once, and the instances really contend: some acquire through
+/// one instance is called while a holder that came through the other is inside (between
+/// its grant and its release), so the store kept it waiting for that holder's release.
 async fn two_instances_keep_exclusion(store: &str) {
     let dir = Arc::new(tempfile::tempdir().unwrap());
     let services = [
@@ -824,24 +826,34 @@ async fn two_instances_keep_exclusion(store: &str) {
         Service::start(store, &[], dir),
     ];
     let name = unique_name("shared");
-    let inside = AtomicBool::new(false);
+    // The instance (1 or 2) the holder inside the section came through; 0: nobody.
+    let inside = AtomicUsize::new(0);
     let entered = AtomicU32::new(0);
+    // Acquires called while a holder from the other instance was inside.
+    let waited_across = AtomicU32::new(0);
     let worker = |index: usize| {
-        let (services, inside, entered, name) = (&services, &inside, &entered, &name);
+        let (services, inside, entered, waited_across, name) =
+            (&services, &inside, &entered, &waited_across, &name);
         async move {
             for round in 0..15 {
-                let api = services[(index + round) % 2].anonymous();
+                let instance = (index + round) % 2;
+                let api = services[instance].anonymous();
+                let holder_when_sent = inside.load(Ordering::SeqCst);
                 let lease = api
                     .acquire(name, json!({"ttl_ms": 10000, "wait_ms": 20000}))
                     .await;
                 assert_eq!(lease.status, StatusCode::OK, "{lease:?}");
-                assert!(!inside.swap(true, Ordering::SeqCst), "two holders at once");
+                if holder_when_sent != 0 && holder_when_sent != instance + 1 {
+                    waited_across.fetch_add(1, Ordering::SeqCst);
+                }
+                let before = inside.swap(instance + 1, Ordering::SeqCst);
+                assert_eq!(before, 0, "two holders at once");
                 entered.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(2)).await;
-                inside.store(false, Ordering::SeqCst);
+                inside.store(0, Ordering::SeqCst);
                 let owner = lease.body["owner"].as_str().unwrap();
                 // Release through the other instance: the service keeps no state.
-                let other = services[(index + round + 1) % 2].anonymous();
+                let other = services[(instance + 1) % 2].anonymous();
                 let released = other
                     .post(
                         &format!("/v1/locks/{name}/release"),
@@ -852,18 +864,15 @@ async fn two_instances_keep_exclusion(store: &str) {
             }
         }
     };
-    futures_join_all((0..4).map(worker).collect()).await;
+    // All four workers at once, on this task: while one sleeps inside the section the
+    // others' acquires are sent and wait in the instances.
+    tokio::join!(worker(0), worker(1), worker(2), worker(3));
     assert_eq!(entered.load(Ordering::SeqCst), 60);
-}
-
-async fn futures_join_all<F: std::future::Future<Output = ()>>(futures: Vec<F>) {
-    let mut set = Vec::new();
-    for future in futures {
-        set.push(Box::pin(future));
-    }
-    for future in set {
-        future.await;
-    }
+    assert!(
+        waited_across.load(Ordering::SeqCst) > 0,
+        "no acquire was ever called while a holder from the other instance was inside: \
+         the instances never contended"
+    );
 }
 
 #[tokio::test]
