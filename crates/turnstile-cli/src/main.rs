@@ -20,6 +20,8 @@ mod exec;
 mod idempotency;
 mod outbox;
 mod serve;
+#[cfg(feature = "sqlite")]
+mod verify;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -78,6 +80,15 @@ enum Command {
     /// Create the store's tables (locks, fences, idempotency records) if they are
     /// missing (SQL stores); harmless to repeat.
     Migrate(StoreOnlyArgs),
+    /// Fault campaigns with a checker: run workers against a store while faults are
+    /// injected, and check what they saw.
+    #[cfg(feature = "sqlite")]
+    #[command(subcommand)]
+    Verify(verify::VerifyCommand),
+    /// Internal to `verify lock`: one worker process.
+    #[cfg(feature = "sqlite")]
+    #[command(name = "verify-worker", hide = true)]
+    VerifyWorker(verify::worker::WorkerArgs),
     /// Internal to `lock exec`: runs the command between turnstile and it.
     #[command(name = exec::SUPERVISOR, hide = true)]
     ExecSupervisor(exec::SupervisorArgs),
@@ -548,6 +559,10 @@ fn main() -> ExitCode {
             Command::Idempotency(command) => idempotency::run(command).await,
             Command::Outbox(command) => outbox::run(command).await,
             Command::Serve(args) => serve::run(args).await,
+            #[cfg(feature = "sqlite")]
+            Command::Verify(command) => verify::run(command).await,
+            #[cfg(feature = "sqlite")]
+            Command::VerifyWorker(args) => verify::worker::run(args).await,
             // Run above, before the runtime.
             Command::ExecSupervisor(_) => ExitCode::from(exit::SOFTWARE),
         }

@@ -1,0 +1,152 @@
+//! `turnstile verify lock`, run as a user runs it: worker processes, real faults, the
+//! checker's verdicts and the report.
+
+use std::process::{Command, Output, Stdio};
+
+fn verify(args: &[&str], report: &std::path::Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .args(["verify", "lock"])
+        .args(args)
+        .arg("--report")
+        .arg(report)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn summary(output: &Output) -> serde_json::Value {
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|error| {
+        panic!(
+            "not JSON ({error}): {}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+/// Checks that every verdict of every run passed and that the faults asked for were
+/// injected, and returns the runs.
+fn assert_passed(output: &Output, faults: &[&str]) -> Vec<serde_json::Value> {
+    let summary = summary(output);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert_eq!(summary["passed"], true, "{summary}");
+    let runs = summary["runs"].as_array().unwrap().clone();
+    for run in &runs {
+        let verdicts = run["verdicts"].as_array().unwrap();
+        let checks: Vec<&str> = verdicts
+            .iter()
+            .map(|v| v["check"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            checks,
+            [
+                "fenced register monotonic",
+                "no unexplained overlap",
+                "tokens increase",
+                "progress without faults"
+            ]
+        );
+        assert!(verdicts.iter().all(|v| v["passed"] == true), "{run}");
+        assert!(run["acquisitions"].as_u64().unwrap() > 10, "{run}");
+    }
+    for fault in faults {
+        let injected: u64 = runs
+            .iter()
+            .map(|run| run["faults"][fault].as_u64().unwrap_or(0))
+            .sum();
+        assert!(injected > 0, "{fault} was not injected: {summary}");
+    }
+    runs
+}
+
+/// Workers on an SQLite file, holders frozen with SIGSTOP past their TTL: every
+/// overlap the pause causes is explained by it, and the fence refuses the frozen
+/// holder's late write.
+#[test]
+fn sqlite_under_pauses_passes_and_the_fence_stops_the_paused_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = verify(
+        &[
+            "--store",
+            "sqlite",
+            "--workers",
+            "3",
+            "--duration",
+            "10s",
+            "--ttl",
+            "300ms",
+            "--faults",
+            "pause",
+            "--json",
+        ],
+        dir.path(),
+    );
+    let runs = assert_passed(&output, &["pause"]);
+    for overlap in runs[0]["overlaps"].as_array().unwrap() {
+        assert_eq!(overlap["explained_by"], "pause", "{overlap}");
+    }
+    let page = std::fs::read_to_string(dir.path().join("report.html")).unwrap();
+    assert!(page.contains("<svg") && page.contains("passed"), "{page}");
+    assert!(!page.contains("<script"), "the report runs no scripts");
+    assert!(dir.path().join("run-001/worker-0.jsonl").exists());
+}
+
+/// A Redis server the command starts itself, with every fault: pauses, partitions,
+/// connections closed, and restarts that bring Redis back empty (two runs of two
+/// faults each).
+#[test]
+fn redis_started_by_the_command_passes_under_every_fault() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = verify(
+        &[
+            "--store",
+            "redis",
+            "--workers",
+            "4",
+            "--duration",
+            "30s",
+            "--ttl",
+            "400ms",
+            "--faults",
+            "pause,partition,kill-conn,restart",
+            "--json",
+        ],
+        dir.path(),
+    );
+    assert_passed(&output, &["pause", "partition", "kill-conn", "restart"]);
+}
+
+#[test]
+fn bad_input_gets_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    for (args, code, says) in [
+        (
+            &["--store", "sqlite", "--workers", "0"][..],
+            64,
+            "--workers",
+        ),
+        (&["--store", "nonsense"][..], 64, "neither a URL"),
+        (&["--store", "sqlite", "--ttl", "1ms"][..], 64, "--ttl"),
+        (
+            &["--store", "sqlite", "--duration", "1s"][..],
+            64,
+            "--duration",
+        ),
+        (
+            &["--store", "sqlite", "--faults", "meteor"][..],
+            64,
+            "meteor",
+        ),
+        (
+            &["--store", "redis://127.0.0.1:1"][..],
+            69,
+            "cannot reach the store",
+        ),
+    ] {
+        let output = verify(args, dir.path());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(code), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
