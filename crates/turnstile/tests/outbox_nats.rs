@@ -756,6 +756,57 @@ async fn a_failed_enqueue_leaves_no_gap(outbox: impl TestOutbox) {
     );
 }
 
+/// A round reads messages only while their bytes fit its budget: with 100 KB messages
+/// and a 350 KB budget a round publishes at most three (before, every leased key's
+/// messages were read at once: 64 keys × 32 messages × 16 MiB could be held). A
+/// message larger than the whole budget still goes out, alone, and everything is
+/// delivered in key order over the following rounds.
+async fn a_round_holds_at_most_its_byte_budget(outbox: impl TestOutbox) {
+    let (publisher, stream_name, subject) = fresh_stream("budget").await;
+    let mut committed = HashSet::new();
+    let filler = "x".repeat(100_000);
+    for n in 0..12 {
+        let message = Message::json(
+            format!("{subject}.entry"),
+            format!("{subject}-account-{}", n % 4),
+            &serde_json::json!({ "n": n, "filler": filler }),
+        )
+        .unwrap();
+        outbox.enqueue_one(&message, true).await;
+        committed.insert(message.id().to_owned());
+    }
+    let store = outbox.store();
+    let relay = Relay::new(store.clone(), publisher.clone())
+        .with_options(RelayOptions::new().max_round_bytes(350_000));
+    let first = relay.run_once().await.unwrap();
+    assert_eq!(first.keys, 4, "{first:?}");
+    assert!(
+        (1..=3).contains(&first.published),
+        "a round of 350 KB published {} messages of 100 KB",
+        first.published
+    );
+    let mut rounds = 1;
+    while relay.run_once().await.unwrap().keys > 0 {
+        rounds += 1;
+        assert!(rounds < 50, "the outbox does not drain");
+    }
+    assert!(
+        rounds >= 4,
+        "12 messages of 100 KB went out in {rounds} rounds"
+    );
+
+    let huge = Message::json(
+        format!("{subject}.entry"),
+        format!("{subject}-account-0"),
+        &serde_json::json!({ "filler": "y".repeat(500_000) }),
+    )
+    .unwrap();
+    outbox.enqueue_one(&huge, true).await;
+    committed.insert(huge.id().to_owned());
+    assert_eq!(relay.run_once().await.unwrap().published, 1);
+    check_delivery(&read_all(&publisher, &stream_name).await, &committed);
+}
+
 /// A key whose next message is missing (a row lost to a bad restore or a hand-run
 /// DELETE) is never published past the hole: the messages before it go out, the key
 /// parks with the gap as its reason, and nothing after it is sent or settled.
@@ -865,6 +916,11 @@ macro_rules! outbox_checks {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_failed_enqueue_leaves_no_gap() {
                 super::a_failed_enqueue_leaves_no_gap($outbox).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_round_holds_at_most_its_byte_budget() {
+                super::a_round_holds_at_most_its_byte_budget($outbox).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

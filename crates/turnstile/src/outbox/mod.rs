@@ -416,6 +416,9 @@ pub struct LeasedKey {
     pub acked: u64,
     /// Its next undelivered messages, in sequence order, as the store holds them.
     pub messages: Vec<Stored>,
+    /// The round's byte budget was spent before all of this key's due messages were
+    /// read: `messages` holds fewer (perhaps none), which is not a gap.
+    pub over_budget: bool,
 }
 
 /// What became of a leased key's messages.
@@ -694,11 +697,26 @@ impl Default for Backoff {
 pub trait OutboxStore: Send + Sync + fmt::Debug + 'static {
     /// Leases up to `max_keys` keys that have undelivered messages and are due (not
     /// leased, not backing off, not parked), for `lease`, and returns up to `per_key`
-    /// next messages of each, in order.
+    /// next messages of each, in order, with no byte budget.
     fn claim(
         &self,
         max_keys: u32,
         per_key: u32,
+        lease: Duration,
+    ) -> BoxFuture<'_, Result<Vec<LeasedKey>>> {
+        self.claim_within(max_keys, per_key, u64::MAX, lease)
+    }
+
+    /// [`claim`](Self::claim), returning messages only while their bytes (payload and
+    /// headers, counted in key order) stay within `max_bytes`; the first message always
+    /// comes, however large. Every leased key is returned, those past the budget with
+    /// fewer or no messages (they are due again once settled), so a round's memory is
+    /// bounded by the budget and one message, not by keys × messages × size.
+    fn claim_within(
+        &self,
+        max_keys: u32,
+        per_key: u32,
+        max_bytes: u64,
         lease: Duration,
     ) -> BoxFuture<'_, Result<Vec<LeasedKey>>>;
 

@@ -519,10 +519,11 @@ fn is_deadlock(error: &Error) -> bool {
 }
 
 impl OutboxStore for MysqlOutbox {
-    fn claim(
+    fn claim_within(
         &self,
         max_keys: u32,
         per_key: u32,
+        max_bytes: u64,
         lease: Duration,
     ) -> BoxFuture<'_, Result<Vec<LeasedKey>>> {
         Box::pin(async move {
@@ -566,12 +567,25 @@ impl OutboxStore for MysqlOutbox {
             // The leased keys' next messages (their rows are ours until the lease ends).
             let ranges =
                 vec!["(ordering_key = ? AND seq > ? AND seq <= ?)"; keys.len()].join(" OR ");
+            // Only while the bytes, counted in key order, fit the budget (the first
+            // message always does): the round's memory is bounded whatever the sizes.
             let read_sql = format!(
-                "SELECT ordering_key, seq, id, topic, headers, payload, {CLOCK_US} - created_us AS age_us
-                 FROM {} WHERE {ranges} ORDER BY ordering_key, seq",
+                "SELECT ordering_key, seq, id, topic, fits,
+                        CASE WHEN fits THEN headers END AS headers,
+                        CASE WHEN fits THEN payload END AS payload, age_us FROM (
+                    SELECT ordering_key, seq, id, topic, headers, payload,
+                           {CLOCK_US} - created_us AS age_us,
+                           SUM(LENGTH(payload) + LENGTH(headers))
+                               OVER (ORDER BY ordering_key, seq ROWS UNBOUNDED PRECEDING) <= ?
+                           OR SUM(LENGTH(payload) + LENGTH(headers))
+                               OVER (ORDER BY ordering_key, seq ROWS UNBOUNDED PRECEDING)
+                              = LENGTH(payload) + LENGTH(headers) AS fits
+                    FROM {} WHERE {ranges}) sized
+                 ORDER BY ordering_key, seq",
                 self.sql.outbox
             );
-            let mut read = sqlx::query(sqlx::AssertSqlSafe(read_sql));
+            let mut read = sqlx::query(sqlx::AssertSqlSafe(read_sql))
+                .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX));
             for (key, acked, ..) in &keys {
                 read = read
                     .bind(key.as_bytes())
@@ -587,6 +601,7 @@ impl OutboxStore for MysqlOutbox {
                     attempts,
                     acked: unsigned(acked),
                     messages: Vec::new(),
+                    over_budget: false,
                 })
                 .collect();
             for row in rows {
@@ -594,6 +609,10 @@ impl OutboxStore for MysqlOutbox {
                 let Some(entry) = leased.iter_mut().find(|entry| entry.key == key) else {
                     continue;
                 };
+                if !row.try_get::<bool, _>("fits").map_err(fail(what))? {
+                    entry.over_budget = true;
+                    continue;
+                }
                 // Gaps are the relay's to find (it checks every store's messages
                 // against the key's delivered number), so all are handed over.
                 let seq = unsigned(row.try_get("seq").map_err(fail(what))?);

@@ -200,9 +200,11 @@ impl Sql {
                     SELECT pg_notify('{channel}', '') FROM {relays} WHERE idle_until > {now} LIMIT 1)
                  SELECT (SELECT seq FROM m) AS seq, (SELECT count(*) FROM woken) AS woken"
             )),
-            // $1 keys, $2 lease (s), $3 relay id, $4 messages per key, $5 idle mark (s).
-            // The messages are read from the statement's snapshot: a key's visible
-            // messages are a prefix of its sequence (its commits are in order).
+            // $1 keys, $2 lease (s), $3 relay id, $4 messages per key, $5 idle mark (s),
+            // $6 bytes. The messages are read from the statement's snapshot: a key's
+            // visible messages are a prefix of its sequence (its commits are in order).
+            // Past the byte budget (the first message always fits) rows carry the key
+            // alone, so the round's memory is bounded however large the messages.
             claim: statement(format!(
                 "WITH picked AS (
                     SELECT ordering_key FROM {keys}
@@ -218,13 +220,26 @@ impl Sql {
                                     ELSE {now} + {idle} END, {now}
                     ON CONFLICT (relay_id) DO UPDATE
                     SET idle_until = EXCLUDED.idle_until, seen_at = EXCLUDED.seen_at
-                    RETURNING 1)
-                 SELECT l.ordering_key, l.lease_token, l.attempts, l.acked_seq, m.seq, m.id, m.topic, m.headers,
-                        m.payload, EXTRACT(EPOCH FROM ({now} - m.created_at))::float8 AS age_s,
+                    RETURNING 1),
+                 candidates AS (
+                    SELECT l.ordering_key, l.lease_token, l.attempts, l.acked_seq, m.seq, m.id, m.topic,
+                           m.headers, m.payload, m.created_at,
+                           coalesce(octet_length(m.payload) + octet_length(m.headers), 0) AS size
+                    FROM leased l LEFT JOIN {outbox} m
+                      ON m.ordering_key = l.ordering_key AND m.seq > l.acked_seq AND m.seq <= l.acked_seq + $4),
+                 sized AS (
+                    SELECT r.*, sum(r.size) OVER (ORDER BY r.ordering_key, r.seq
+                                                  ROWS UNBOUNDED PRECEDING) AS running
+                    FROM candidates r)
+                 SELECT s.ordering_key, s.lease_token, s.attempts, s.acked_seq,
+                        CASE WHEN s.running <= $6 OR s.running = s.size THEN s.seq END AS seq,
+                        s.id, s.topic, s.headers,
+                        CASE WHEN s.running <= $6 OR s.running = s.size THEN s.payload END AS payload,
+                        s.seq IS NOT NULL AND NOT (s.running <= $6 OR s.running = s.size) AS withheld,
+                        EXTRACT(EPOCH FROM ({now} - s.created_at))::float8 AS age_s,
                         (SELECT count(*) FROM mark) AS marked
-                 FROM leased l LEFT JOIN {outbox} m
-                   ON m.ordering_key = l.ordering_key AND m.seq > l.acked_seq AND m.seq <= l.acked_seq + $4
-                 ORDER BY l.ordering_key, m.seq",
+                 FROM sized s
+                 ORDER BY s.ordering_key, s.seq",
                 lease = secs(2),
                 idle = secs(5),
             )),
@@ -517,10 +532,11 @@ impl PostgresOutbox {
 }
 
 impl OutboxStore for PostgresOutbox {
-    fn claim(
+    fn claim_within(
         &self,
         max_keys: u32,
         per_key: u32,
+        max_bytes: u64,
         lease: Duration,
     ) -> BoxFuture<'_, Result<Vec<LeasedKey>>> {
         Box::pin(async move {
@@ -536,6 +552,7 @@ impl OutboxStore for PostgresOutbox {
                 .bind(&self.relay_id)
                 .bind(i64::from(per_key))
                 .bind(if self.notifications { 60.0 } else { 0.0 })
+                .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX))
                 .fetch_all(&self.pool)
                 .await
                 .map_err(fail(what))?;
@@ -552,7 +569,13 @@ impl OutboxStore for PostgresOutbox {
                         .unwrap_or(0),
                         acked: unsigned(row.try_get("acked_seq").map_err(fail(what))?),
                         messages: Vec::new(),
+                        over_budget: false,
                     });
+                }
+                if row.try_get::<bool, _>("withheld").map_err(fail(what))?
+                    && let Some(last) = keys.last_mut()
+                {
+                    last.over_budget = true;
                 }
                 let Some(seq) = row.try_get::<Option<i64>, _>("seq").map_err(fail(what))? else {
                     continue;

@@ -46,11 +46,16 @@ pub trait Publisher: Send + Sync + 'static {
     }
 }
 
+/// The default byte budget of one round: without one, 64 keys × 32 messages × 16 MiB
+/// could be held at once.
+const DEFAULT_ROUND_BYTES: u64 = 64 * 1024 * 1024;
+
 /// How a relay works.
 #[derive(Debug, Clone)]
 pub struct RelayOptions {
     max_keys: u32,
     per_key: u32,
+    max_round_bytes: u64,
     lease: Duration,
     max_attempts: u32,
     backoff: Backoff,
@@ -62,6 +67,7 @@ impl Default for RelayOptions {
         RelayOptions {
             max_keys: 64,
             per_key: 32,
+            max_round_bytes: DEFAULT_ROUND_BYTES,
             lease: Duration::from_secs(30),
             max_attempts: 5,
             backoff: Backoff::default(),
@@ -71,7 +77,7 @@ impl Default for RelayOptions {
 }
 
 impl RelayOptions {
-    /// Defaults: 64 keys a round, up to 32 messages a key, a 30 s lease, park after 5
+    /// Defaults: 64 keys a round, up to 32 messages a key and 64 MiB in all, a 30 s lease, park after 5
     /// permanent failures, backoff 100 ms to 60 s, idle polls from 5 ms to 500 ms.
     pub fn new() -> Self {
         RelayOptions::default()
@@ -80,6 +86,14 @@ impl RelayOptions {
     /// How many keys one round leases (and publishes at once).
     pub fn max_keys(mut self, keys: u32) -> Self {
         self.max_keys = keys.max(1);
+        self
+    }
+
+    /// How many bytes of messages (payloads and headers) one round holds at most
+    /// (default 64 MiB); a round's first message is read whatever its size. Keys
+    /// past the budget publish fewer messages this round and are due again at once.
+    pub fn max_round_bytes(mut self, bytes: u64) -> Self {
+        self.max_round_bytes = bytes;
         self
     }
 
@@ -212,9 +226,10 @@ impl Relay {
         let sent = Instant::now();
         let leased = self
             .store
-            .claim(
+            .claim_within(
                 self.options.max_keys,
                 self.options.per_key,
+                self.options.max_round_bytes,
                 self.options.lease,
             )
             .await?;
@@ -422,12 +437,13 @@ async fn publish_key(
         .zip(key.acked + 1..)
         .take_while(|(stored, expected)| stored.seq == *expected)
         .count();
-    let gap = (in_order < key.messages.len() || key.messages.is_empty()).then(|| {
-        let expected = key.acked + 1 + in_order as u64;
-        let found = key.messages.get(in_order).map(|stored| stored.seq);
-        telemetry::gap(&settlement.key, expected, found);
-        gap_failure(expected, found)
-    });
+    let gap = (in_order < key.messages.len() || (key.messages.is_empty() && !key.over_budget))
+        .then(|| {
+            let expected = key.acked + 1 + in_order as u64;
+            let found = key.messages.get(in_order).map(|stored| stored.seq);
+            telemetry::gap(&settlement.key, expected, found);
+            gap_failure(expected, found)
+        });
     let mut published = 0;
     for stored in &key.messages[..in_order] {
         if Instant::now() >= deadline.last_start {

@@ -288,10 +288,11 @@ impl SqliteOutbox {
 }
 
 impl OutboxStore for SqliteOutbox {
-    fn claim(
+    fn claim_within(
         &self,
         max_keys: u32,
         per_key: u32,
+        max_bytes: u64,
         lease: Duration,
     ) -> BoxFuture<'_, Result<Vec<LeasedKey>>> {
         Box::pin(async move {
@@ -318,21 +319,45 @@ impl OutboxStore for SqliteOutbox {
             .await
             .map_err(fail(what))?;
             let mut keys = Vec::with_capacity(leased.len());
+            // Messages are read only while their bytes fit the round's budget (the
+            // first message of the round always does).
+            let mut budget = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+            let mut first = true;
             for row in leased {
                 let key: String = row.try_get("ordering_key").map_err(fail(what))?;
                 let acked: i64 = row.try_get("acked_seq").map_err(fail(what))?;
                 let rows = sqlx::query(
-                    "SELECT seq, id, topic, headers, payload, created_ms FROM turnstile_outbox
-                     WHERE ordering_key = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+                    "SELECT seq, id, topic, created_ms, running, fits,
+                            CASE WHEN fits THEN headers END AS headers,
+                            CASE WHEN fits THEN payload END AS payload FROM (
+                        SELECT seq, id, topic, headers, payload, created_ms, running,
+                               running <= ?4 OR (?5 AND running = size) AS fits FROM (
+                            SELECT seq, id, topic, headers, payload, created_ms,
+                                   length(CAST(payload AS BLOB)) + length(CAST(headers AS BLOB)) AS size,
+                                   sum(length(CAST(payload AS BLOB)) + length(CAST(headers AS BLOB)))
+                                       OVER (ORDER BY seq ROWS UNBOUNDED PRECEDING) AS running
+                            FROM turnstile_outbox
+                            WHERE ordering_key = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3))
+                     ORDER BY seq",
                 )
                 .bind(&key)
                 .bind(acked)
                 .bind(i64::from(per_key))
+                .bind(budget)
+                .bind(first)
                 .fetch_all(&mut *transaction)
                 .await
                 .map_err(fail(what))?;
                 let mut messages = Vec::with_capacity(rows.len());
+                let mut over_budget = false;
+                let mut used = 0;
                 for row in rows {
+                    if !row.try_get::<bool, _>("fits").map_err(fail(what))? {
+                        over_budget = true;
+                        continue;
+                    }
+                    used = row.try_get::<i64, _>("running").map_err(fail(what))?;
+                    first = false;
                     let created_ms: i64 = row.try_get("created_ms").map_err(fail(what))?;
                     let headers: String = row.try_get("headers").map_err(fail(what))?;
                     messages.push(Stored {
@@ -347,7 +372,9 @@ impl OutboxStore for SqliteOutbox {
                         ),
                     });
                 }
+                budget = budget.saturating_sub(used).max(0);
                 keys.push(LeasedKey {
+                    over_budget,
                     token: unsigned(row.try_get("lease_token").map_err(fail(what))?),
                     attempts: u32::try_from(row.try_get::<i64, _>("attempts").map_err(fail(what))?)
                         .unwrap_or(u32::MAX),
