@@ -14,7 +14,7 @@ use turnstile::outbox::rabbitmq::{RabbitMqConsumer, RabbitMqPublisher};
 use turnstile::outbox::relay::{Publisher, Relay, RelayOptions};
 use turnstile::outbox::sqlite::SqliteOutbox;
 use turnstile::outbox::{Backoff, Message, OutboxStore};
-use turnstile_test_support::{RabbitMqServer, shared_rabbitmq, unique_name};
+use turnstile_test_support::{RabbitMqServer, TcpProxy, shared_rabbitmq, unique_name};
 
 /// Declares a durable queue bound to exchange `turnstile` for `routing`.
 async fn queue(url: &str, name: &str, routing: &str) {
@@ -293,6 +293,44 @@ async fn a_broker_outage_is_waited_out_and_nothing_is_lost() {
         }
     }
     assert_eq!(seen, ids, "lost messages");
+}
+
+/// A broker cut off by a partition is tried once per backoff, not once per publish:
+/// before, each of a round's publishes reconnected in turn, each waiting out the
+/// connect timeout (5 s) behind the one before, so a round of 16 keys took 80 s and
+/// made 16 connection attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_behind_a_partition_is_not_reconnected_per_publish() {
+    let rabbit = shared_rabbitmq();
+    let proxy = TcpProxy::start(rabbit.port());
+    let publisher = RabbitMqPublisher::connect(&proxy.url_for(&rabbit.url()), "turnstile")
+        .await
+        .unwrap();
+    proxy.cut();
+    proxy.close_connections();
+    // Let the client see its connection end.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let attempts_before = proxy.accepted();
+    let message = Message::new("ledger", "k", b"z".to_vec()).unwrap();
+    let started = std::time::Instant::now();
+    let publishes = (0..16u64).map(|seq| publisher.publish(&message, seq + 1));
+    let answers = tokio::time::timeout(
+        Duration::from_secs(40),
+        futures_util::future::join_all(publishes),
+    )
+    .await
+    .expect("publishes to an unreachable broker waited for each other");
+    assert!(answers.iter().all(Result::is_err));
+    let attempts = proxy.accepted() - attempts_before;
+    assert!(
+        attempts <= 1,
+        "{attempts} connection attempts for 16 publishes"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(12),
+        "16 failing publishes took {:?}",
+        started.elapsed()
+    );
 }
 
 /// Declares a durable quorum queue bound to exchange `turnstile` for `routing`.

@@ -11,7 +11,7 @@
 //! consumer's [`Inbox`](crate::idempotency::inbox::Inbox) removes the copy (the
 //! `message_id` is what it records).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use lapin::options::{
@@ -72,14 +72,30 @@ pub struct RabbitMqPublisher {
     url: String,
     redacted: String,
     exchange: String,
-    /// The connection, dropped after a failure and opened again on the next publish
-    /// (lapin does not recover connections by itself).
-    connection: Mutex<Option<Connection>>,
+    /// The connection, dropped after a failure and opened again by a later publish
+    /// (lapin does not recover connections by itself), and when opening one last
+    /// failed.
+    connection: Mutex<Link>,
     /// Confirming channels with nothing in flight, ready for the next publish.
     idle: std::sync::Mutex<Vec<Channel>>,
     /// Bounds the channels in use (one message in flight each).
     in_flight: tokio::sync::Semaphore,
 }
+
+/// The publisher's connection, or why there is none.
+#[derive(Default)]
+struct Link {
+    connection: Option<Connection>,
+    /// The last failed attempt to connect: when, why, and how long to wait before the
+    /// next. Publishes meanwhile fail at once with that reason, instead of each
+    /// trying (and, behind a partition, waiting out the connect timeout) in turn.
+    failed: Option<(Instant, String, Duration)>,
+}
+
+/// Waits between attempts to reconnect to a broker that is down: doubling from the
+/// first to the second.
+const RECONNECT_BACKOFF: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(5));
 
 impl std::fmt::Debug for RabbitMqPublisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -98,7 +114,7 @@ impl RabbitMqPublisher {
             url: url.to_owned(),
             redacted: crate::store::redact(url),
             exchange: exchange.to_owned(),
-            connection: Mutex::new(None),
+            connection: Mutex::new(Link::default()),
             idle: std::sync::Mutex::new(Vec::new()),
             in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
         };
@@ -123,15 +139,41 @@ impl RabbitMqPublisher {
     /// A new confirming channel on the live connection; a new connection (which
     /// declares the exchange) if there is none.
     async fn open_channel(&self) -> Result<Channel> {
-        let mut connection = self.connection.lock().await;
-        let channel = match connection.as_ref() {
+        let mut link = self.connection.lock().await;
+        let channel = match link.connection.as_ref() {
             Some(live) if live.status().connected() => live
                 .create_channel()
                 .await
                 .map_err(|e| self.setup_failed(e))?,
             _ => {
-                *connection = None;
-                let (opened, channel) = open_channel(&self.url, &self.redacted).await?;
+                link.connection = None;
+                if let Some((at, reason, wait)) = &link.failed
+                    && at.elapsed() < *wait
+                {
+                    return Err(Error::new(
+                        ErrorKind::StoreUnavailable,
+                        format!(
+                            "{reason} (next attempt in {} ms)",
+                            wait.saturating_sub(at.elapsed()).as_millis()
+                        ),
+                    ));
+                }
+                let (opened, channel) = match open_channel(&self.url, &self.redacted).await {
+                    Ok(opened) => {
+                        link.failed = None;
+                        opened
+                    }
+                    Err(error) => {
+                        let wait = link
+                            .failed
+                            .as_ref()
+                            .map_or(RECONNECT_BACKOFF.0, |(_, _, last)| {
+                                (*last * 2).min(RECONNECT_BACKOFF.1)
+                            });
+                        link.failed = Some((Instant::now(), error.to_string(), wait));
+                        return Err(error);
+                    }
+                };
                 channel
                     .exchange_declare(
                         ShortString::from(self.exchange.as_str()),
@@ -144,7 +186,7 @@ impl RabbitMqPublisher {
                     )
                     .await
                     .map_err(|e| self.setup_failed(e))?;
-                *connection = Some(opened);
+                link.connection = Some(opened);
                 channel
             }
         };
