@@ -940,6 +940,62 @@ outbox_checks!(sqlite, Sqlite::new().await);
 outbox_checks!(postgres, Postgres::new().await);
 outbox_checks!(mysql, Mysql::new().await);
 
+/// A key that application transactions keep locked all the time (two writers taking
+/// turns, so its row is never free) is still served: the claim's `SKIP LOCKED` passes
+/// it over, and the relay then waits a moment for its row. Before, it was passed over
+/// every round for as long as the writers went on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_written_all_the_time_is_still_served_on_postgres() {
+    let outbox = Postgres::new().await;
+    let (publisher, stream_name, subject) = fresh_stream("hotkey").await;
+    let hot = format!("{subject}-hot");
+    let writing = CancellationToken::new();
+    let mut writers = Vec::new();
+    for _ in 0..2 {
+        let (pool, store, writing, hot, topic) = (
+            outbox.pool.clone(),
+            outbox.store(),
+            writing.clone(),
+            hot.clone(),
+            format!("{subject}.entry"),
+        );
+        writers.push(tokio::spawn(async move {
+            let mut committed = 0;
+            while !writing.is_cancelled() {
+                let mut transaction = pool.begin().await.unwrap();
+                let message = Message::new(topic.as_str(), hot.as_str(), b"hot".to_vec()).unwrap();
+                store.enqueue(&mut transaction, &message).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                store.commit(transaction).await.unwrap();
+                committed += 1;
+            }
+            committed
+        }));
+    }
+    let shutdown = CancellationToken::new();
+    let relay = Relay::new(outbox.store(), publisher.clone());
+    let running = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Counted while the writers still hold the key's row.
+    let delivered_while_busy = read_all(&publisher, &stream_name).await.len();
+    writing.cancel();
+    let mut committed = 0;
+    for writer in writers {
+        committed += writer.await.unwrap();
+    }
+    assert!(
+        delivered_while_busy >= 5,
+        "{delivered_while_busy} of the busy key's messages delivered in 5 s ({committed} committed in all)"
+    );
+    wait_until_empty(&outbox.store()).await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    assert_eq!(read_all(&publisher, &stream_name).await.len(), committed);
+}
+
 /// An enqueue on a connection whose transaction was begun as SQL (not through `sqlx`)
 /// stays in that transaction: the rollback takes the message back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

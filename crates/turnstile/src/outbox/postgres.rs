@@ -45,6 +45,8 @@ struct Sql {
     create: Vec<String>,
     enqueue: Statement,
     claim: Statement,
+    claim_waiting: Statement,
+    lock_key: Statement,
     settle: Statement,
     settle_keeping: Statement,
     sweep: Statement,
@@ -72,6 +74,56 @@ impl Sql {
         let channel = format!("{prefix}_outbox");
         let now = "clock_timestamp()";
         let secs = |n: u8| format!("make_interval(secs => ${n}::float8)");
+        // A claim: `picked` chooses and locks the keys (ordering_key, available_at),
+        // `starved` names a key it passed over. $1 keys, $2 lease (s), $3 relay id, $4
+        // messages per key, $5 idle mark (s), $6 bytes. The messages are read from the
+        // statement's snapshot: a key's visible messages are a prefix of its sequence
+        // (its commits are in order). Past the byte budget (the first message always
+        // fits) rows carry the key alone, so the round's memory is bounded however
+        // large the messages.
+        let claim = |picked: &str, starved: &str| {
+            format!(
+                "WITH picked AS ({picked}),
+                 starved AS ({starved}),
+                 leased AS (
+                    UPDATE {keys} k SET available_at = {now} + {lease}, lease_token = k.lease_token + 1
+                    FROM picked p WHERE k.ordering_key = p.ordering_key
+                    RETURNING k.ordering_key, k.acked_seq, k.lease_token, k.attempts),
+                 mark AS (
+                    INSERT INTO {relays} AS r (relay_id, idle_until, seen_at)
+                    SELECT $3, CASE WHEN EXISTS (SELECT 1 FROM leased) THEN '-infinity'::timestamptz
+                                    ELSE {now} + {idle} END, {now}
+                    ON CONFLICT (relay_id) DO UPDATE
+                    SET idle_until = EXCLUDED.idle_until, seen_at = EXCLUDED.seen_at
+                    RETURNING 1),
+                 candidates AS (
+                    SELECT l.ordering_key, l.lease_token, l.attempts, l.acked_seq, m.seq, m.id, m.topic,
+                           m.headers, m.payload, m.created_at,
+                           coalesce(octet_length(m.payload) + octet_length(m.headers), 0) AS size
+                    FROM leased l LEFT JOIN {outbox} m
+                      ON m.ordering_key = l.ordering_key AND m.seq > l.acked_seq AND m.seq <= l.acked_seq + $4),
+                 sized AS (
+                    SELECT r.*, sum(r.size) OVER (ORDER BY r.ordering_key, r.seq
+                                                  ROWS UNBOUNDED PRECEDING) AS running
+                    FROM candidates r)
+                 SELECT s.ordering_key, s.lease_token, s.attempts, s.acked_seq,
+                        CASE WHEN s.running <= $6 OR s.running = s.size THEN s.seq END AS seq,
+                        s.id, s.topic, s.headers,
+                        CASE WHEN s.running <= $6 OR s.running = s.size THEN s.payload END AS payload,
+                        s.seq IS NOT NULL AND NOT (s.running <= $6 OR s.running = s.size) AS withheld,
+                        EXTRACT(EPOCH FROM ({now} - s.created_at))::float8 AS age_s,
+                        (SELECT count(*) FROM mark) AS marked,
+                        (SELECT * FROM starved) AS starved
+                 FROM sized s
+                 UNION ALL
+                 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, NULL,
+                        (SELECT count(*) FROM mark), (SELECT * FROM starved)
+                 WHERE NOT EXISTS (SELECT 1 FROM leased)
+                 ORDER BY 1, 5",
+                lease = secs(2),
+                idle = secs(5),
+            )
+        };
         // Arrays: $1 keys, $2 tokens, $3 delivered through, $4 failed, $5 permanent,
         // $6 reasons; $7 max attempts, $8 backoff base ms, $9 backoff max ms. Every SET
         // reads the row as it was; `tries` is the failures of the head message before
@@ -200,48 +252,38 @@ impl Sql {
                     SELECT pg_notify('{channel}', '') FROM {relays} WHERE idle_until > {now} LIMIT 1)
                  SELECT (SELECT seq FROM m) AS seq, (SELECT count(*) FROM woken) AS woken"
             )),
-            // $1 keys, $2 lease (s), $3 relay id, $4 messages per key, $5 idle mark (s),
-            // $6 bytes. The messages are read from the statement's snapshot: a key's
-            // visible messages are a prefix of its sequence (its commits are in order).
-            // Past the byte budget (the first message always fits) rows carry the key
-            // alone, so the round's memory is bounded however large the messages.
-            claim: statement(format!(
-                "WITH picked AS (
-                    SELECT ordering_key FROM {keys}
-                    WHERE acked_seq < last_seq AND NOT parked AND available_at <= {now}
-                    ORDER BY available_at LIMIT $1 FOR UPDATE SKIP LOCKED),
-                 leased AS (
-                    UPDATE {keys} k SET available_at = {now} + {lease}, lease_token = k.lease_token + 1
-                    FROM picked p WHERE k.ordering_key = p.ordering_key
-                    RETURNING k.ordering_key, k.acked_seq, k.lease_token, k.attempts),
-                 mark AS (
-                    INSERT INTO {relays} AS r (relay_id, idle_until, seen_at)
-                    SELECT $3, CASE WHEN EXISTS (SELECT 1 FROM leased) THEN '-infinity'::timestamptz
-                                    ELSE {now} + {idle} END, {now}
-                    ON CONFLICT (relay_id) DO UPDATE
-                    SET idle_until = EXCLUDED.idle_until, seen_at = EXCLUDED.seen_at
-                    RETURNING 1),
-                 candidates AS (
-                    SELECT l.ordering_key, l.lease_token, l.attempts, l.acked_seq, m.seq, m.id, m.topic,
-                           m.headers, m.payload, m.created_at,
-                           coalesce(octet_length(m.payload) + octet_length(m.headers), 0) AS size
-                    FROM leased l LEFT JOIN {outbox} m
-                      ON m.ordering_key = l.ordering_key AND m.seq > l.acked_seq AND m.seq <= l.acked_seq + $4),
-                 sized AS (
-                    SELECT r.*, sum(r.size) OVER (ORDER BY r.ordering_key, r.seq
-                                                  ROWS UNBOUNDED PRECEDING) AS running
-                    FROM candidates r)
-                 SELECT s.ordering_key, s.lease_token, s.attempts, s.acked_seq,
-                        CASE WHEN s.running <= $6 OR s.running = s.size THEN s.seq END AS seq,
-                        s.id, s.topic, s.headers,
-                        CASE WHEN s.running <= $6 OR s.running = s.size THEN s.payload END AS payload,
-                        s.seq IS NOT NULL AND NOT (s.running <= $6 OR s.running = s.size) AS withheld,
-                        EXTRACT(EPOCH FROM ({now} - s.created_at))::float8 AS age_s,
-                        (SELECT count(*) FROM mark) AS marked
-                 FROM sized s
-                 ORDER BY s.ordering_key, s.seq",
-                lease = secs(2),
-                idle = secs(5),
+            claim: statement(claim(
+                &format!(
+                    "SELECT ordering_key, available_at FROM {keys}
+                     WHERE acked_seq < last_seq AND NOT parked AND available_at <= {now}
+                     ORDER BY available_at LIMIT $1 FOR UPDATE SKIP LOCKED"
+                ),
+                // The oldest due key that `SKIP LOCKED` passed over although its turn
+                // had come (due for a second, and older than a key that was picked):
+                // an application transaction held its row. A key written all the time
+                // would be passed over every round; the relay then waits for it.
+                &format!(
+                    "SELECT k.ordering_key FROM {keys} k
+                     WHERE k.acked_seq < k.last_seq AND NOT k.parked
+                       AND k.available_at <= {now} - interval '1 second'
+                       AND k.ordering_key NOT IN (SELECT ordering_key FROM picked)
+                       AND k.available_at < coalesce((SELECT max(available_at) FROM picked), 'infinity')
+                     ORDER BY k.available_at LIMIT 1"
+                ),
+            )),
+            lock_key: statement(format!(
+                "SELECT 1 FROM {keys} WHERE ordering_key = $1 FOR UPDATE"
+            )),
+            // The same for one key passed over before, whose row `lock_key` took: $7
+            // the key.
+            claim_waiting: statement(claim(
+                &format!(
+                    "SELECT ordering_key, available_at FROM {keys}
+                     WHERE ordering_key = $7 AND acked_seq < last_seq AND NOT parked
+                       AND available_at <= {now}
+                     FOR UPDATE"
+                ),
+                "SELECT NULL::text WHERE $1::int8 IS NULL",
             )),
             // Arrays: $1 keys, $2 tokens, $3 delivered through, $4 failed, $5 permanent,
             // $6 reasons; $7 max attempts, $8 backoff base ms, $9 backoff max ms. Every SET
@@ -531,6 +573,111 @@ impl PostgresOutbox {
     }
 }
 
+/// The keys a claim leased, with their messages, and the key it passed over, if any.
+fn leased_keys(rows: Vec<sqlx::postgres::PgRow>) -> Result<(Vec<LeasedKey>, Option<String>)> {
+    let what = "cannot claim outbox messages";
+    let mut keys: Vec<LeasedKey> = Vec::new();
+    let mut starved = None;
+    for row in rows {
+        if starved.is_none() {
+            starved = row
+                .try_get::<Option<String>, _>("starved")
+                .map_err(fail(what))?;
+        }
+        let Some(key) = row
+            .try_get::<Option<String>, _>("ordering_key")
+            .map_err(fail(what))?
+        else {
+            continue;
+        };
+        if keys.last().is_none_or(|last| last.key != key) {
+            keys.push(LeasedKey {
+                key: key.clone(),
+                token: unsigned(row.try_get("lease_token").map_err(fail(what))?),
+                attempts: u32::try_from(row.try_get::<i32, _>("attempts").map_err(fail(what))?)
+                    .unwrap_or(0),
+                acked: unsigned(row.try_get("acked_seq").map_err(fail(what))?),
+                messages: Vec::new(),
+                over_budget: false,
+            });
+        }
+        if row.try_get::<bool, _>("withheld").map_err(fail(what))?
+            && let Some(last) = keys.last_mut()
+        {
+            last.over_budget = true;
+        }
+        let Some(seq) = row.try_get::<Option<i64>, _>("seq").map_err(fail(what))? else {
+            continue;
+        };
+        let headers: String = row.try_get("headers").map_err(fail(what))?;
+        let stored = Stored {
+            seq: unsigned(seq),
+            age: seconds(row.try_get("age_s").map_err(fail(what))?).unwrap_or_default(),
+            message: Message::from_stored(
+                row.try_get("id").map_err(fail(what))?,
+                row.try_get("topic").map_err(fail(what))?,
+                key,
+                &headers,
+                row.try_get("payload").map_err(fail(what))?,
+            ),
+        };
+        if let Some(last) = keys.last_mut() {
+            // Never read past a gap: a later message of the key whose earlier one is
+            // not visible yet waits for the next round.
+            let next = last.messages.last().map_or(0, |m| m.seq + 1);
+            if next == 0 || stored.seq == next {
+                last.messages.push(stored);
+            }
+        }
+    }
+    Ok((keys, starved))
+}
+
+/// How long a claim waits for the row of a key `SKIP LOCKED` passed over.
+const STARVED_KEY_WAIT: &str = "250ms";
+
+impl PostgresOutbox {
+    /// Leases `key`, waiting up to [`STARVED_KEY_WAIT`] for an application
+    /// transaction that holds its row.
+    async fn claim_waiting(
+        &self,
+        key: &str,
+        per_key: u32,
+        max_bytes: u64,
+        lease: Duration,
+    ) -> Result<Vec<LeasedKey>> {
+        let what = "cannot claim a passed-over outbox key";
+        let mut transaction = self.pool.begin().await.map_err(fail(what))?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SET LOCAL lock_timeout = '{STARVED_KEY_WAIT}'"
+        )))
+        .execute(&mut *transaction)
+        .await
+        .map_err(fail(what))?;
+        // The wait comes first, in a statement of its own: the claim that follows
+        // then reads every message committed before it got the row (a statement's
+        // snapshot is taken when it starts, and the writers commit while it waits).
+        sqlx::query(self.sql.lock_key.sql())
+            .bind(key)
+            .execute(&mut *transaction)
+            .await
+            .map_err(fail(what))?;
+        let rows = sqlx::query(self.sql.claim_waiting.sql())
+            .bind(1_i64)
+            .bind(lease.as_secs_f64())
+            .bind(&self.relay_id)
+            .bind(i64::from(per_key))
+            .bind(if self.notifications { 60.0 } else { 0.0 })
+            .bind(i64::try_from(max_bytes).unwrap_or(i64::MAX))
+            .bind(key)
+            .fetch_all(&mut *transaction)
+            .await
+            .map_err(fail(what))?;
+        transaction.commit().await.map_err(fail(what))?;
+        Ok(leased_keys(rows)?.0)
+    }
+}
+
 impl OutboxStore for PostgresOutbox {
     fn claim_within(
         &self,
@@ -556,48 +703,21 @@ impl OutboxStore for PostgresOutbox {
                 .fetch_all(&self.pool)
                 .await
                 .map_err(fail(what))?;
-            let mut keys: Vec<LeasedKey> = Vec::new();
-            for row in rows {
-                let key: String = row.try_get("ordering_key").map_err(fail(what))?;
-                if keys.last().is_none_or(|last| last.key != key) {
-                    keys.push(LeasedKey {
-                        key: key.clone(),
-                        token: unsigned(row.try_get("lease_token").map_err(fail(what))?),
-                        attempts: u32::try_from(
-                            row.try_get::<i32, _>("attempts").map_err(fail(what))?,
-                        )
-                        .unwrap_or(0),
-                        acked: unsigned(row.try_get("acked_seq").map_err(fail(what))?),
-                        messages: Vec::new(),
-                        over_budget: false,
-                    });
-                }
-                if row.try_get::<bool, _>("withheld").map_err(fail(what))?
-                    && let Some(last) = keys.last_mut()
+            let (mut keys, starved) = leased_keys(rows)?;
+            // A key passed over by `SKIP LOCKED` although its turn had come: wait a
+            // moment for its row, so that a key an application writes all the time is
+            // still served. A wait that runs out leaves it to the next round.
+            if let Some(starved) = starved.filter(|key| keys.iter().all(|k| &k.key != key)) {
+                match self
+                    .claim_waiting(&starved, per_key, max_bytes, lease)
+                    .await
                 {
-                    last.over_budget = true;
-                }
-                let Some(seq) = row.try_get::<Option<i64>, _>("seq").map_err(fail(what))? else {
-                    continue;
-                };
-                let headers: String = row.try_get("headers").map_err(fail(what))?;
-                let stored = Stored {
-                    seq: unsigned(seq),
-                    age: seconds(row.try_get("age_s").map_err(fail(what))?).unwrap_or_default(),
-                    message: Message::from_stored(
-                        row.try_get("id").map_err(fail(what))?,
-                        row.try_get("topic").map_err(fail(what))?,
-                        key,
-                        &headers,
-                        row.try_get("payload").map_err(fail(what))?,
-                    ),
-                };
-                if let Some(last) = keys.last_mut() {
-                    // Never read past a gap: a later message of the key whose earlier
-                    // one is not visible yet waits for the next round.
-                    let next = last.messages.last().map_or(0, |m| m.seq + 1);
-                    if next == 0 || stored.seq == next {
-                        last.messages.push(stored);
+                    Ok(more) => {
+                        super::telemetry::starved_key_served(&starved);
+                        keys.extend(more);
+                    }
+                    Err(error) => {
+                        tracing::debug!(%error, key = %starved, "a passed-over key stayed locked")
                     }
                 }
             }

@@ -182,3 +182,12 @@ pub(crate) fn dead_letter_failed(
          and is retried after the delay; make the dead-letter destination take it"
     );
 }
+
+/// A key that row locks kept out of claims was leased by waiting for its row.
+pub(crate) fn starved_key_served(key: &str) {
+    metrics::counter!("turnstile_outbox_starved_keys_served_total").increment(1);
+    tracing::info!(
+        key,
+        "outbox key passed over by SKIP LOCKED was waited for and leased"
+    );
+}
