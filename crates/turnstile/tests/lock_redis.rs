@@ -42,6 +42,10 @@ async fn shared() -> RedisPrefix {
 
 conformance_tests!(super::shared);
 
+/// How late past a timer a test may see it fire: the scheduling of a loaded two-core
+/// machine.
+const SCHEDULING_SLACK: Duration = Duration::from_millis(150);
+
 fn short_lease() -> LockOptions {
     LockOptions::new()
         .ttl(Duration::from_secs(1))
@@ -105,12 +109,14 @@ async fn commands_to_a_frozen_server_end_at_the_response_timeout() {
         .unwrap_err();
     let took = started.elapsed();
     assert!(error.is_timeout(), "{error}");
-    assert!(took >= timeout && took < timeout * 4, "{took:?}");
+    // At the timeout, not a second try's worth later.
+    let at_the_timeout = |took: Duration| took >= timeout && took < timeout + SCHEDULING_SLACK;
+    assert!(at_the_timeout(took), "{took:?}");
     let started = tokio::time::Instant::now();
     let error = locker.status("frozen").await.unwrap_err();
     let took = started.elapsed();
     assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
-    assert!(took >= timeout && took < timeout * 4, "{took:?}");
+    assert!(at_the_timeout(took), "{took:?}");
     server.resume();
     let pong: String = redis::cmd("PING")
         .query_async(&mut connection)
@@ -595,19 +601,16 @@ async fn the_wait_bound_beats_a_paused_server() {
         .unwrap();
     server.pause();
     let started = std::time::Instant::now();
+    let wait = Duration::from_millis(1_500);
     let error = locker
-        .acquire(
-            "paused-wait",
-            &LockOptions::new().wait(Duration::from_millis(1_500)),
-        )
+        .acquire("paused-wait", &LockOptions::new().wait(wait))
         .await
         .unwrap_err();
     let took = started.elapsed();
     server.resume();
-    assert!(
-        took >= Duration::from_millis(1_400) && took < Duration::from_millis(2_500),
-        "returned after {took:?}"
-    );
+    // The one request, unanswered, is cut off at the bound, not before.
+    assert!(took >= wait, "returned after {took:?}");
+    conformance::assert_returned_by_the_wait_bound(took, wait);
     assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
     let text = error.to_string();
     assert!(
