@@ -26,6 +26,9 @@ trait TestOutbox: Send + Sync + 'static {
     async fn keeping(&self, retention: Duration) -> Self::Store;
     /// Enqueues `message` in its own transaction, committed or rolled back.
     async fn enqueue_one(&self, message: &Message, commit: bool);
+    /// Enqueues `message` in its own transaction and commits it after `hold`, its
+    /// key's row locked all the while.
+    async fn enqueue_holding(&self, message: &Message, hold: Duration);
     /// Enqueues `message` on a connection outside any transaction.
     async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64>;
     /// Makes the database refuse to store messages of `topic` (a trigger), so that an
@@ -86,6 +89,22 @@ impl TestOutbox for Sqlite {
             transaction.rollback().await.unwrap();
         }
     }
+
+    async fn enqueue_holding(&self, message: &Message, hold: Duration) {
+        let mut transaction = self
+            .outbox
+            .pool()
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .unwrap();
+        self.outbox
+            .enqueue(&mut transaction, message)
+            .await
+            .unwrap();
+        tokio::time::sleep(hold).await;
+        self.outbox.commit(transaction).await.unwrap();
+    }
+
     async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64> {
         let mut connection = self.outbox.pool().acquire().await.unwrap();
         self.outbox.enqueue(&mut connection, message).await
@@ -157,6 +176,17 @@ impl TestOutbox for Postgres {
             transaction.rollback().await.unwrap();
         }
     }
+
+    async fn enqueue_holding(&self, message: &Message, hold: Duration) {
+        let mut transaction = self.pool.begin().await.unwrap();
+        self.outbox
+            .enqueue(&mut transaction, message)
+            .await
+            .unwrap();
+        tokio::time::sleep(hold).await;
+        self.outbox.commit(transaction).await.unwrap();
+    }
+
     async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64> {
         let mut connection = self.pool.acquire().await.unwrap();
         self.outbox.enqueue(&mut connection, message).await
@@ -254,6 +284,17 @@ impl TestOutbox for Mysql {
             transaction.rollback().await.unwrap();
         }
     }
+
+    async fn enqueue_holding(&self, message: &Message, hold: Duration) {
+        let mut transaction = self.pool.begin().await.unwrap();
+        self.outbox
+            .enqueue(&mut transaction, message)
+            .await
+            .unwrap();
+        tokio::time::sleep(hold).await;
+        self.outbox.commit(transaction).await.unwrap();
+    }
+
     async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64> {
         let mut connection = self.pool.acquire().await.unwrap();
         self.outbox.enqueue(&mut connection, message).await
@@ -943,49 +984,37 @@ outbox_checks!(mysql, Mysql::new().await);
 /// A key that application transactions keep locked all the time (two writers taking
 /// turns, so its row is never free) is still served: the claim's `SKIP LOCKED` passes
 /// it over, and the relay then waits a moment for its row. Before, it was passed over
-/// every round for as long as the writers went on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_written_all_the_time_is_still_served_on_postgres() {
-    let outbox = Postgres::new().await;
+/// every round for as long as the writers went on (0 of 50 messages in 5 s).
+async fn a_key_written_all_the_time_is_still_served(outbox: impl TestOutbox) {
     let (publisher, stream_name, subject) = fresh_stream("hotkey").await;
     let hot = format!("{subject}-hot");
+    let topic = format!("{subject}.entry");
     let writing = CancellationToken::new();
-    let mut writers = Vec::new();
-    for _ in 0..2 {
-        let (pool, store, writing, hot, topic) = (
-            outbox.pool.clone(),
-            outbox.store(),
-            writing.clone(),
-            hot.clone(),
-            format!("{subject}.entry"),
-        );
-        writers.push(tokio::spawn(async move {
-            let mut committed = 0;
-            while !writing.is_cancelled() {
-                let mut transaction = pool.begin().await.unwrap();
-                let message = Message::new(topic.as_str(), hot.as_str(), b"hot".to_vec()).unwrap();
-                store.enqueue(&mut transaction, &message).await.unwrap();
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                store.commit(transaction).await.unwrap();
-                committed += 1;
-            }
-            committed
-        }));
-    }
+    let writer = || async {
+        let mut committed = 0;
+        while !writing.is_cancelled() {
+            let message = Message::new(topic.as_str(), hot.as_str(), b"hot".to_vec()).unwrap();
+            outbox
+                .enqueue_holding(&message, Duration::from_millis(100))
+                .await;
+            committed += 1;
+        }
+        committed
+    };
     let shutdown = CancellationToken::new();
     let relay = Relay::new(outbox.store(), publisher.clone());
     let running = {
         let shutdown = shutdown.clone();
         tokio::spawn(async move { relay.run(shutdown).await })
     };
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    // Counted while the writers still hold the key's row.
-    let delivered_while_busy = read_all(&publisher, &stream_name).await.len();
-    writing.cancel();
-    let mut committed = 0;
-    for writer in writers {
-        committed += writer.await.unwrap();
-    }
+    let (first, second, delivered_while_busy) = tokio::join!(writer(), writer(), async {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        // Counted while the writers still hold the key's row.
+        let delivered = read_all(&publisher, &stream_name).await.len();
+        writing.cancel();
+        delivered
+    });
+    let committed = first + second;
     assert!(
         delivered_while_busy >= 5,
         "{delivered_while_busy} of the busy key's messages delivered in 5 s ({committed} committed in all)"
@@ -994,6 +1023,16 @@ async fn a_key_written_all_the_time_is_still_served_on_postgres() {
     shutdown.cancel();
     running.await.unwrap().unwrap();
     assert_eq!(read_all(&publisher, &stream_name).await.len(), committed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_written_all_the_time_is_still_served_on_postgres() {
+    a_key_written_all_the_time_is_still_served(Postgres::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_written_all_the_time_is_still_served_on_mysql() {
+    a_key_written_all_the_time_is_still_served(Mysql::new().await).await;
 }
 
 /// An enqueue on a connection whose transaction was begun as SQL (not through `sqlx`)

@@ -20,7 +20,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::mysql::{MySqlConnection, MySqlPool};
+use sqlx::mysql::{MySql, MySqlConnection, MySqlPool};
 use sqlx::{Connection, Row};
 use tokio::sync::Notify;
 
@@ -47,6 +47,8 @@ struct Sql {
     bump: Statement,
     insert: Statement,
     pick: Statement,
+    pick_one: Statement,
+    starved: Statement,
     settle: Statement,
     parked_of: Statement,
     delete: Statement,
@@ -166,9 +168,25 @@ impl Sql {
                  VALUES (?, ?, ?, ?, ?, ?, {now})"
             )),
             pick: statement(format!(
-                "SELECT ordering_key, acked_seq, lease_token, attempts FROM {keys}
+                "SELECT ordering_key, acked_seq, lease_token, attempts, available_us FROM {keys}
                  WHERE parked = 0 AND available_us <= {now} AND acked_seq < last_seq
                  ORDER BY available_us LIMIT ? FOR UPDATE SKIP LOCKED"
+            )),
+            // One key, waiting for its row (within the session's lock wait).
+            pick_one: statement(format!(
+                "SELECT ordering_key, acked_seq, lease_token, attempts, available_us FROM {keys}
+                 WHERE ordering_key = ? AND parked = 0 AND available_us <= {now}
+                   AND acked_seq < last_seq
+                 FOR UPDATE"
+            )),
+            // The oldest key due for a second that a claim passed over although a
+            // newer one (due at ?, the newest picked) was taken: a consistent read,
+            // which locked rows do not stop.
+            starved: statement(format!(
+                "SELECT ordering_key FROM {keys}
+                 WHERE parked = 0 AND available_us <= {now} - 1000000 AND acked_seq < last_seq
+                   AND available_us < ?
+                 ORDER BY available_us LIMIT 1"
             )),
             // MySQL assigns left to right on the updated row: `attempts` and `acked_seq`,
             // which the others read, come last. `tries` is the failures of the head
@@ -518,6 +536,80 @@ fn is_deadlock(error: &Error) -> bool {
         == Some(1213)
 }
 
+/// A leased key as the claim reads it: (key, acked, lease token, attempts).
+type LeasedRow = (String, i64, u64, u32);
+
+impl MysqlOutbox {
+    /// Leases the keys `picked` holds (their rows locked by this transaction).
+    async fn lease_picked(
+        &self,
+        transaction: &mut sqlx::Transaction<'_, MySql>,
+        picked: &[sqlx::mysql::MySqlRow],
+        lease: Duration,
+    ) -> Result<Vec<LeasedRow>> {
+        let what = "cannot claim outbox messages";
+        let mut keys = Vec::with_capacity(picked.len());
+        for row in picked {
+            keys.push((
+                text(row.try_get("ordering_key").map_err(fail(what))?),
+                row.try_get::<i64, _>("acked_seq").map_err(fail(what))?,
+                unsigned(row.try_get("lease_token").map_err(fail(what))?) + 1,
+                u32::try_from(row.try_get::<i32, _>("attempts").map_err(fail(what))?).unwrap_or(0),
+            ));
+        }
+        if keys.is_empty() {
+            return Ok(keys);
+        }
+        let marks = vec!["?"; keys.len()].join(", ");
+        let lease_sql = format!(
+            "UPDATE {} SET available_us = {CLOCK_US} + ?, lease_token = lease_token + 1
+             WHERE ordering_key IN ({marks})",
+            self.sql.keys
+        );
+        let mut lease_query = sqlx::query(sqlx::AssertSqlSafe(lease_sql))
+            .bind(i64::try_from(lease.as_micros()).unwrap_or(i64::MAX));
+        for (key, ..) in &keys {
+            lease_query = lease_query.bind(key.as_bytes());
+        }
+        lease_query
+            .execute(&mut **transaction)
+            .await
+            .map_err(fail(what))?;
+        Ok(keys)
+    }
+
+    /// Leases `key`, waiting up to a second (InnoDB's shortest lock wait) for an
+    /// application transaction that holds its row; `None` if it is no longer due.
+    async fn lease_waiting(&self, key: &str, lease: Duration) -> Result<Option<LeasedRow>> {
+        let what = "cannot claim a passed-over outbox key";
+        let mut connection = self.pool.acquire().await.map_err(fail(what))?;
+        sqlx::query("SET SESSION innodb_lock_wait_timeout = 1")
+            .execute(&mut *connection)
+            .await
+            .map_err(fail(what))?;
+        let leased = async {
+            let mut transaction = Connection::begin(&mut *connection)
+                .await
+                .map_err(fail(what))?;
+            let picked = sqlx::query(self.sql.pick_one.sql())
+                .bind(key.as_bytes())
+                .fetch_all(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+            let keys = self.lease_picked(&mut transaction, &picked, lease).await?;
+            transaction.commit().await.map_err(fail(what))?;
+            Ok(keys.into_iter().next())
+        }
+        .await;
+        // The connection goes back to the pool with the server's own lock wait.
+        sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+            .execute(&mut *connection)
+            .await
+            .map_err(fail(what))?;
+        leased
+    }
+}
+
 impl OutboxStore for MysqlOutbox {
     fn claim_within(
         &self,
@@ -534,36 +626,41 @@ impl OutboxStore for MysqlOutbox {
                 .fetch_all(&mut *transaction)
                 .await
                 .map_err(fail(what))?;
-            if picked.is_empty() {
-                transaction.commit().await.map_err(fail(what))?;
+            let mut keys = self.lease_picked(&mut transaction, &picked, lease).await?;
+            transaction.commit().await.map_err(fail(what))?;
+            // A key passed over by `SKIP LOCKED` although its turn had come (due for a
+            // second, and older than a key that was picked): an application
+            // transaction held its row. Wait a moment for it, so that a key written all
+            // the time is still served; a wait that runs out leaves it to the next round.
+            if keys.len() < max_keys as usize {
+                let newest_picked = picked
+                    .iter()
+                    .filter_map(|row| row.try_get::<i64, _>("available_us").ok())
+                    .max()
+                    .unwrap_or(i64::MAX);
+                let starved: Option<Vec<u8>> = sqlx::query_scalar(self.sql.starved.sql())
+                    .bind(newest_picked)
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(fail(what))?;
+                if let Some(starved) = starved.map(text)
+                    && keys.iter().all(|(key, ..)| *key != starved)
+                {
+                    match self.lease_waiting(&starved, lease).await {
+                        Ok(Some(key)) => {
+                            super::telemetry::starved_key_served(&starved);
+                            keys.push(key);
+                        }
+                        Ok(None) => {}
+                        Err(error) => {
+                            tracing::debug!(%error, key = %starved, "a passed-over key stayed locked");
+                        }
+                    }
+                }
+            }
+            if keys.is_empty() {
                 return Ok(Vec::new());
             }
-            let mut keys = Vec::with_capacity(picked.len());
-            for row in &picked {
-                keys.push((
-                    text(row.try_get("ordering_key").map_err(fail(what))?),
-                    row.try_get::<i64, _>("acked_seq").map_err(fail(what))?,
-                    unsigned(row.try_get("lease_token").map_err(fail(what))?) + 1,
-                    u32::try_from(row.try_get::<i32, _>("attempts").map_err(fail(what))?)
-                        .unwrap_or(0),
-                ));
-            }
-            let marks = vec!["?"; keys.len()].join(", ");
-            let lease_sql = format!(
-                "UPDATE {} SET available_us = {CLOCK_US} + ?, lease_token = lease_token + 1
-                 WHERE ordering_key IN ({marks})",
-                self.sql.keys
-            );
-            let mut lease_query = sqlx::query(sqlx::AssertSqlSafe(lease_sql))
-                .bind(i64::try_from(lease.as_micros()).unwrap_or(i64::MAX));
-            for (key, ..) in &keys {
-                lease_query = lease_query.bind(key.as_bytes());
-            }
-            lease_query
-                .execute(&mut *transaction)
-                .await
-                .map_err(fail(what))?;
-            transaction.commit().await.map_err(fail(what))?;
             // The leased keys' next messages (their rows are ours until the lease ends).
             let ranges =
                 vec!["(ordering_key = ? AND seq > ? AND seq <= ?)"; keys.len()].join(" OR ");
