@@ -27,7 +27,8 @@ fn postgres_binary(name: &str) -> PathBuf {
     crate::find_binary(name, "postgresql", &extra)
 }
 
-/// A real PostgreSQL server on a free loopback port, trust authentication, `fsync` off.
+/// A real PostgreSQL server on a free loopback port, trust authentication, `fsync` off
+/// ([`spawn_durable`](Self::spawn_durable): on, for tests of what reaches the disk).
 ///
 /// When the tests run as root the server runs as the `postgres` user, since PostgreSQL
 /// refuses to run as root.
@@ -36,11 +37,24 @@ pub struct PostgresServer {
     port: Mutex<u16>,
     run_as: Option<(u32, u32)>,
     process: Process,
+    durable: bool,
 }
 
 impl PostgresServer {
     /// Initialises a cluster and starts it; waits until it accepts connections.
     pub fn spawn() -> PostgresServer {
+        PostgresServer::spawn_with(false)
+    }
+
+    /// A server that writes to disk as a production one does (`fsync` and full page
+    /// writes on), whose WAL writer waits 10 s between flushes: a commit that did not
+    /// ask to wait for the disk is lost by a crash within that time, every time, so a
+    /// test can tell a durable commit from a lucky one.
+    pub fn spawn_durable() -> PostgresServer {
+        PostgresServer::spawn_with(true)
+    }
+
+    fn spawn_with(durable: bool) -> PostgresServer {
         let dir = crate::server_dir("postgres");
         let run_as = if running_as_root() {
             Some(
@@ -64,6 +78,7 @@ impl PostgresServer {
             port: Mutex::new(0),
             run_as,
             process: Process::default(),
+            durable,
         };
         let log = File::create(server.log_path()).expect("cannot create the log");
         let mut initdb = Command::new(postgres_binary("initdb"));
@@ -106,10 +121,17 @@ impl PostgresServer {
                 .args(["-p", &port.to_string()])
                 .arg("-k")
                 .arg(self.dir.path())
-                .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
+                .args(["-c", "listen_addresses=127.0.0.1"])
                 // synchronous_commit off as a server default on purpose: the engine must
                 // ask for durable commits itself, and the crash test proves it does.
-                .args(["-c", "synchronous_commit=off", "-c", "full_page_writes=off"])
+                .args(["-c", "synchronous_commit=off"]);
+            if self.durable {
+                command.args(["-c", "fsync=on", "-c", "full_page_writes=on"]);
+                command.args(["-c", "wal_writer_delay=10000"]);
+            } else {
+                command.args(["-c", "fsync=off", "-c", "full_page_writes=off"]);
+            }
+            command
                 .args(["-c", "max_connections=200", "-c", "shared_buffers=32MB"])
                 .stdin(Stdio::null())
                 .stdout(log.try_clone().unwrap())

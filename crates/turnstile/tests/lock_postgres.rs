@@ -891,7 +891,10 @@ async fn session_mode_refuses_a_key_held_for_another_name() {
         .unwrap();
     let held = other.acquire("owned", &LockOptions::new()).await.unwrap();
     let error = session
-        .acquire("owned", &LockOptions::new().wait(Duration::from_millis(2500)))
+        .acquire(
+            "owned",
+            &LockOptions::new().wait(Duration::from_millis(2500)),
+        )
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::AcquireTimeout, "{error}");
@@ -916,7 +919,10 @@ async fn session_mode_refuses_a_key_held_for_another_name() {
         let started = std::time::Instant::now();
         let error = session.acquire(name, &waiting).await.unwrap_err();
         assert_eq!(error.kind(), ErrorKind::InvalidName, "{name}: {error}");
-        assert!(error.to_string().contains("hashes to the same key"), "{error}");
+        assert!(
+            error.to_string().contains("hashes to the same key"),
+            "{error}"
+        );
         assert!(
             started.elapsed() < Duration::from_secs(4),
             "{name}: refused only after {:?}",
@@ -1017,7 +1023,8 @@ async fn refusals_are_configuration_errors_that_say_why() {
 /// and issue it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_sync_commit_a_token_ahead_of_the_clock_survives_a_crash() {
-    let server = PostgresServer::spawn();
+    // fsync on, and commits that do not wait for the disk lost by a crash every time.
+    let server = PostgresServer::spawn_durable();
     let url = format!("{}?turnstile_sync_commit=on", server.url());
     let store = PostgresLockStore::connect(&url).await.unwrap();
     let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
@@ -1067,7 +1074,9 @@ async fn with_sync_commit_a_token_ahead_of_the_clock_survives_a_crash() {
 /// because tokens are floored by the database clock (which did not step back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_sync_commit_tokens_still_grow_across_a_crash() {
-    let server = PostgresServer::spawn();
+    // fsync on, and commits that do not wait for the disk lost by a crash every time:
+    // the crash must lose the last tokens, or the clock floor is never put to work.
+    let server = PostgresServer::spawn_durable();
     let url = server.url();
     let store = PostgresLockStore::connect(&url).await.unwrap();
     let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
@@ -1097,12 +1106,13 @@ async fn without_sync_commit_tokens_still_grow_across_a_crash() {
         .fetch_one(store.pool())
         .await
         .unwrap();
-    eprintln!(
-        "the crash lost {} of the last {} tokens' commits",
-        before
-            .iter()
-            .filter(|token| token.get() > kept as u64)
-            .count(),
+    let lost = before
+        .iter()
+        .filter(|token| token.get() > kept as u64)
+        .count();
+    assert!(
+        lost > 0,
+        "the crash lost none of the last {} tokens' commits: the clock floor was not needed",
         before.len()
     );
     let after = Locker::new(store);
