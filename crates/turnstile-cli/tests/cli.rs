@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use turnstile_test_support::RedisServer;
 
@@ -130,6 +130,70 @@ fn exit_within(
     let _ = child.kill();
     let _ = child.wait();
     None
+}
+
+/// A `bash -c` script that writes its pid to `pid_path` (see [`read_pid`]) and runs
+/// until it is killed. SIGTERM does not stop it: it notes when the signal came (the wall
+/// clock, `$EPOCHREALTIME`, a builtin, in `termed_path`) and carries on. (Its stderr is
+/// closed once it runs, or bash reports each `sleep` the signal ends.)
+fn stubborn_script(pid_path: &Path, termed_path: &Path) -> String {
+    format!(
+        "trap 'echo $EPOCHREALTIME > {0}.tmp; mv {0}.tmp {0}' TERM; {1}; \
+         exec 2>/dev/null; while true; do sleep 0.01; done",
+        termed_path.display(),
+        write_pid("$$", pid_path)
+    )
+}
+
+/// When the script of [`stubborn_script`] got SIGTERM, or `None` if it has not.
+fn termed_at(path: &Path) -> Option<SystemTime> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let seconds: f64 = text
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{} holds {text:?}", path.display()));
+    Some(UNIX_EPOCH + Duration::from_secs_f64(seconds))
+}
+
+/// Watches `pid` every millisecond for up to `bound`, and returns when (wall clock) it
+/// was first seen ended; if it does not end, kills it and returns `None`.
+fn seen_ending_within(pid: libc::pid_t, bound: Duration) -> Option<SystemTime> {
+    let started = Instant::now();
+    while started.elapsed() < bound {
+        if has_ended(pid) {
+            return Some(SystemTime::now());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    None
+}
+
+/// How long after SIGTERM reached its group [`stubborn_script`] may note it: its
+/// trap runs once the `sleep` it waits for has died of the same signal.
+const TRAP_LATENCY: Duration = Duration::from_millis(20);
+
+/// How long after its grace period a command may be seen dead: the supervisor's timer
+/// and its SIGKILL, and this test's polling, on a loaded two-core machine.
+const KILL_LATENESS: Duration = Duration::from_millis(150);
+
+/// Asserts that a command that noted SIGTERM at `termed` and was seen dead at `died`
+/// was killed `grace` after the SIGTERM: not before, and not long after.
+fn assert_killed_after_the_grace(termed: SystemTime, died: SystemTime, grace: Duration) {
+    let lived = died
+        .duration_since(termed)
+        .unwrap_or_else(|_| panic!("the command was seen dead before it noted SIGTERM"));
+    assert!(
+        lived + TRAP_LATENCY >= grace,
+        "killed {lived:?} after SIGTERM, before the grace of {grace:?} was over"
+    );
+    assert!(
+        lived <= grace + KILL_LATENESS,
+        "killed only {lived:?} after SIGTERM, with a grace of {grace:?}"
+    );
 }
 
 #[test]
@@ -270,34 +334,41 @@ fn breaking_the_lock_terminates_the_command_with_exit_76() {
     assert!(stdout(&sandbox.run(&["lock", "break", "deploy"])).contains("was not held"));
 }
 
+/// A broken lock sends SIGTERM to the command; one that ignores it is killed
+/// --kill-after later, and not long after.
 #[test]
 fn a_command_that_ignores_sigterm_is_killed_after_the_grace_period() {
     let sandbox = Sandbox::new();
-    let started = sandbox.path("started");
-    let script = format!(
-        "trap '' TERM; touch {}; while true; do sleep 0.05; done",
-        started.display()
-    );
-    let holder = sandbox
+    let started = sandbox.path("command.pid");
+    let termed = sandbox.path("termed");
+    // A TTL long enough that the lease, which also bounds the grace, outlasts it: the
+    // break is noticed at the next renewal (a second at most), 2 s before the lease
+    // as known here runs out.
+    let grace = Duration::from_millis(300);
+    let mut holder = sandbox
         .turnstile(&[
             "lock",
             "exec",
             "--ttl",
-            "600ms",
+            "3s",
             "--kill-after",
             "300ms",
             "stubborn",
             "--",
-            "sh",
+            "bash",
             "-c",
-            &script,
+            &stubborn_script(&started, &termed),
         ])
         .spawn()
         .unwrap();
-    wait_for_file(&started);
+    let command = read_pid(&started);
     assert_eq!(code(&sandbox.run(&["lock", "break", "stubborn"])), 0);
-    let output = holder.wait_with_output().unwrap();
-    assert_eq!(code(&output), 76);
+    let died = seen_ending_within(command, Duration::from_secs(10));
+    let status = exit_within(&mut holder, Duration::from_secs(10));
+    let died = died.expect("the command outlived the grace period by seconds");
+    let termed = termed_at(&termed).expect("the command never got SIGTERM");
+    assert_killed_after_the_grace(termed, died, grace);
+    assert_eq!(status.and_then(|status| status.code()), Some(76));
 }
 
 #[test]
@@ -527,12 +598,11 @@ fn a_store_that_stops_answering_gets_the_command_killed_before_the_lease_runs_ou
     let server = RedisServer::spawn();
     let sandbox = Sandbox::new();
     let started = sandbox.path("command.pid");
+    let termed = sandbox.path("termed");
     // The command ignores SIGTERM: only the SIGKILL ends it.
-    let script = format!(
-        "trap '' TERM; {}; while true; do sleep 0.05; done",
-        write_pid("$$", &started)
-    );
+    let script = stubborn_script(&started, &termed);
     let ttl = Duration::from_secs(3);
+    let grace = Duration::from_millis(1_500);
     let mut holder = sandbox
         .turnstile(&[
             "lock",
@@ -545,7 +615,7 @@ fn a_store_that_stops_answering_gets_the_command_killed_before_the_lease_runs_ou
             "1500ms",
             "partitioned",
             "--",
-            "sh",
+            "bash",
             "-c",
             &script,
         ])
@@ -557,13 +627,13 @@ fn a_store_that_stops_answering_gets_the_command_killed_before_the_lease_runs_ou
     // later, would end the command about TTL + 1.5s from here.
     wait_for_a_fresh_renewal(&sandbox, &server.url(), "partitioned", ttl);
     server.pause();
-    let ended = ends_within(command, ttl + Duration::from_millis(500));
+    let died = seen_ending_within(command, ttl + Duration::from_millis(500));
     server.resume();
     let status = exit_within(&mut holder, Duration::from_secs(10));
-    assert!(
-        ended,
-        "the command was still running 500ms after its lease ran out"
-    );
+    let died = died.expect("the command was still running 500ms after its lease ran out");
+    // SIGTERM went out --kill-after before the local deadline, SIGKILL at it.
+    let termed = termed_at(&termed).expect("the command never got SIGTERM");
+    assert_killed_after_the_grace(termed, died, grace);
     assert_eq!(status.and_then(|status| status.code()), Some(76));
 }
 
