@@ -22,7 +22,8 @@ pub(crate) enum OutboxCommand {
     /// duplicate window shorter than the relay's redelivery window) parks only its
     /// keys, with the reason in `outbox status`.
     Relay(RelayArgs),
-    /// Show how many messages are pending, the oldest one's age, and parked keys.
+    /// Show how many messages are pending, the oldest one's age, the keys most behind,
+    /// and parked keys.
     Status(StatusArgs),
     /// Put a parked key back in line: its head message is tried again. Exit status 1 if
     /// the key is not parked.
@@ -168,6 +169,10 @@ async fn status(args: StatusArgs) -> ExitCode {
                 "oldest_pending_s": status.oldest_pending.map(|age| age.as_secs_f64()),
                 "kept": status.kept,
                 "parked": parked,
+                "lagging": status.lagging.iter().map(|key| serde_json::json!({
+                    "key": key.key, "pending": key.pending,
+                    "oldest_pending_s": key.oldest.as_secs_f64(),
+                })).collect::<Vec<_>>(),
             })
         );
         return ExitCode::SUCCESS;
@@ -183,6 +188,14 @@ async fn status(args: StatusArgs) -> ExitCode {
         status.parked.len(),
         status.kept
     );
+    for key in &status.lagging {
+        println!(
+            "  behind {:?}: {} pending, oldest {}",
+            key.key,
+            key.pending,
+            humantime::format_duration(Duration::from_millis(key.oldest.as_millis() as u64))
+        );
+    }
     for key in &status.parked {
         println!(
             "  parked {:?}: {} behind it, {} attempts, last error: {}",

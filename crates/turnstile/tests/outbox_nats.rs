@@ -14,7 +14,7 @@ use turnstile::outbox::postgres::PostgresOutbox;
 use turnstile::outbox::relay::{Relay, RelayOptions};
 use turnstile::outbox::sqlite::SqliteOutbox;
 use turnstile::outbox::{Backoff, Message, OutboxStore};
-use turnstile_test_support::NatsServer;
+use turnstile_test_support::{NatsServer, unique_name};
 
 /// An outbox under test: its store, more stores on the same data (other processes'),
 /// and the application's side.
@@ -848,6 +848,50 @@ async fn a_round_holds_at_most_its_byte_budget(outbox: impl TestOutbox) {
     check_delivery(&read_all(&publisher, &stream_name).await, &committed);
 }
 
+/// `status` lists the keys whose oldest undelivered message has waited longest, most
+/// behind first, with their pending counts: a key passed over shows there while the
+/// totals look healthy.
+async fn the_keys_most_behind_are_listed(outbox: impl TestOutbox) {
+    let subject = unique_name("lag");
+    for (key, count) in [("first", 3), ("second", 1), ("third", 2)] {
+        for n in 0..count {
+            let message = Message::new(
+                format!("{subject}.entry"),
+                format!("{subject}-{key}"),
+                format!("{n}").into_bytes(),
+            )
+            .unwrap();
+            outbox.enqueue_one(&message, true).await;
+        }
+        // Clocks count whole milliseconds on some stores.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = outbox.store().status(2).await.unwrap();
+    let listed: Vec<(String, u64)> = status
+        .lagging
+        .iter()
+        .map(|key| (key.key.clone(), key.pending))
+        .collect();
+    assert_eq!(
+        listed,
+        [
+            (format!("{subject}-first"), 3),
+            (format!("{subject}-second"), 1)
+        ]
+    );
+    assert!(
+        status.lagging[0].oldest > status.lagging[1].oldest,
+        "{status:?}"
+    );
+    // The same message's age, read a moment after the totals.
+    let oldest = status.oldest_pending.unwrap();
+    assert!(
+        status.lagging[0].oldest >= oldest
+            && status.lagging[0].oldest < oldest + Duration::from_secs(1),
+        "{status:?}"
+    );
+}
+
 /// A key whose next message is missing (a row lost to a bad restore or a hand-run
 /// DELETE) is never published past the hole: the messages before it go out, the key
 /// parks with the gap as its reason, and nothing after it is sent or settled.
@@ -962,6 +1006,11 @@ macro_rules! outbox_checks {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_round_holds_at_most_its_byte_budget() {
                 super::a_round_holds_at_most_its_byte_budget($outbox).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_keys_most_behind_are_listed() {
+                super::the_keys_most_behind_are_listed($outbox).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

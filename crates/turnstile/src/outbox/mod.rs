@@ -469,6 +469,18 @@ pub struct ParkedKey {
     pub pending: u64,
 }
 
+/// A key with undelivered messages, as `turnstile outbox status` lists the most
+/// behind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaggingKey {
+    /// The ordering key.
+    pub key: String,
+    /// Its undelivered messages.
+    pub pending: u64,
+    /// How long its oldest undelivered message has waited.
+    pub oldest: Duration,
+}
+
 /// What an outbox holds, for `turnstile outbox status`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Status {
@@ -482,6 +494,10 @@ pub struct Status {
     pub kept: u64,
     /// Parked keys (up to the limit asked for), oldest failure first.
     pub parked: Vec<ParkedKey>,
+    /// The keys (not parked) whose oldest undelivered message has waited longest, up
+    /// to the limit asked for, most behind first: a key that keeps being passed over
+    /// shows here while the totals look healthy.
+    pub lagging: Vec<LaggingKey>,
 }
 
 /// The header that names the outbox a message came from (its identity, a UUID kept

@@ -25,7 +25,8 @@ use sqlx::{Connection, Row};
 use tokio::sync::Notify;
 
 use super::{
-    Backoff, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status, Stored,
+    Backoff, LaggingKey, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status,
+    Stored,
 };
 use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
 use crate::error::{Error, ErrorKind, Result};
@@ -55,6 +56,7 @@ struct Sql {
     redrive: Statement,
     status: Statement,
     parked: Statement,
+    lagging: Statement,
     keys: String,
     outbox: String,
 }
@@ -222,6 +224,14 @@ impl Sql {
             parked: statement(format!(
                 "SELECT ordering_key, attempts, last_error, last_seq - acked_seq AS pending
                  FROM {keys} WHERE parked = 1 ORDER BY parked_us LIMIT ?"
+            )),
+            lagging: statement(format!(
+                "SELECT k.ordering_key, CAST(k.last_seq - k.acked_seq AS SIGNED) AS pending,
+                        CAST({now} - m.created_us AS SIGNED) AS oldest_us
+                 FROM {keys} k
+                 JOIN {outbox} m ON m.ordering_key = k.ordering_key AND m.seq = k.acked_seq + 1
+                 WHERE k.acked_seq < k.last_seq AND k.parked = 0
+                 ORDER BY m.created_us LIMIT ?"
             )),
             keys,
             outbox,
@@ -841,12 +851,29 @@ impl OutboxStore for MysqlOutbox {
                 .fetch_one(&self.pool)
                 .await
                 .map_err(fail(what))?;
+            let lagging = sqlx::query(self.sql.lagging.sql())
+                .bind(i64::from(parked_limit))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(fail(what))?
+                .iter()
+                .map(|row| {
+                    Ok(LaggingKey {
+                        key: text(row.try_get("ordering_key").map_err(fail(what))?),
+                        pending: unsigned(row.try_get("pending").map_err(fail(what))?),
+                        oldest: Duration::from_micros(unsigned(
+                            row.try_get("oldest_us").map_err(fail(what))?,
+                        )),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
             Ok(Status {
                 kept: unsigned(kept),
                 pending: unsigned(row.try_get("pending").map_err(fail(what))?),
                 pending_keys: unsigned(row.try_get("pending_keys").map_err(fail(what))?),
                 oldest_pending: oldest.map(|us| Duration::from_micros(unsigned(us))),
                 parked,
+                lagging,
             })
         })
     }

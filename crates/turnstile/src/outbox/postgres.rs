@@ -33,7 +33,8 @@ use sqlx::Row;
 use sqlx::postgres::{PgConnection, PgPool, PgPoolOptions};
 
 use super::{
-    Backoff, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status, Stored,
+    Backoff, LaggingKey, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status,
+    Stored,
 };
 use crate::engine::postgres::{Listener, connect_options, open_bounded_pool};
 use crate::error::{Error, Result};
@@ -58,6 +59,7 @@ struct Sql {
     skip: Statement,
     status: Statement,
     parked: Statement,
+    lagging: Statement,
     forget_relays: Statement,
     channel: String,
 }
@@ -358,6 +360,14 @@ impl Sql {
             parked: statement(format!(
                 "SELECT ordering_key, attempts, last_error, last_seq - acked_seq AS pending
                  FROM {keys} WHERE parked ORDER BY parked_at LIMIT $1"
+            )),
+            lagging: statement(format!(
+                "SELECT k.ordering_key, k.last_seq - k.acked_seq AS pending,
+                        EXTRACT(EPOCH FROM ({now} - m.created_at))::float8 AS oldest_s
+                 FROM {keys} k
+                 JOIN {outbox} m ON m.ordering_key = k.ordering_key AND m.seq = k.acked_seq + 1
+                 WHERE k.acked_seq < k.last_seq AND NOT k.parked
+                 ORDER BY m.created_at LIMIT $1"
             )),
             forget_relays: statement(format!(
                 "DELETE FROM {relays} WHERE seen_at < {now} - interval '1 day'"
@@ -867,12 +877,28 @@ impl OutboxStore for PostgresOutbox {
                 .fetch_one(&self.pool)
                 .await
                 .map_err(fail(what))?;
+            let lagging = sqlx::query(self.sql.lagging.sql())
+                .bind(i64::from(parked_limit))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(fail(what))?
+                .iter()
+                .map(|row| {
+                    Ok(LaggingKey {
+                        key: row.try_get("ordering_key").map_err(fail(what))?,
+                        pending: unsigned(row.try_get("pending").map_err(fail(what))?),
+                        oldest: seconds(row.try_get("oldest_s").map_err(fail(what))?)
+                            .unwrap_or_default(),
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
             Ok(Status {
                 kept: unsigned(kept),
                 pending: unsigned(row.try_get("pending").map_err(fail(what))?),
                 pending_keys: unsigned(row.try_get("keys").map_err(fail(what))?),
                 oldest_pending: seconds(row.try_get("oldest_s").map_err(fail(what))?),
                 parked,
+                lagging,
             })
         })
     }

@@ -25,7 +25,8 @@ use sqlx::sqlite::{SqliteConnection, SqlitePool, SqliteSynchronous};
 use tokio::sync::Notify;
 
 use super::{
-    Backoff, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status, Stored,
+    Backoff, LaggingKey, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status,
+    Stored,
 };
 use crate::engine::sqlite::{millis_i64, open_pool, parse_url, wall_clock};
 use crate::error::{Error, Result};
@@ -586,6 +587,27 @@ impl OutboxStore for SqliteOutbox {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+            let lagging = sqlx::query(
+                "SELECT k.ordering_key, k.last_seq - k.acked_seq AS pending, m.created_ms
+                 FROM turnstile_outbox_keys k
+                 JOIN turnstile_outbox m ON m.ordering_key = k.ordering_key AND m.seq = k.acked_seq + 1
+                 WHERE k.acked_seq < k.last_seq AND k.parked = 0
+                 ORDER BY m.created_ms LIMIT ?1",
+            )
+            .bind(i64::from(parked_limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(fail(what))?
+            .iter()
+            .map(|row| {
+                let created_ms: i64 = row.try_get("created_ms").map_err(fail(what))?;
+                Ok(LaggingKey {
+                    key: row.try_get("ordering_key").map_err(fail(what))?,
+                    pending: unsigned(row.try_get("pending").map_err(fail(what))?),
+                    oldest: Duration::from_millis(unsigned(now_ms - created_ms)),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
             let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM turnstile_outbox_delivered")
                 .fetch_one(&self.pool)
                 .await
@@ -596,6 +618,7 @@ impl OutboxStore for SqliteOutbox {
                 pending_keys: unsigned(row.try_get("keys").map_err(fail(what))?),
                 oldest_pending: oldest.map(|ms| Duration::from_millis(unsigned(now_ms - ms))),
                 parked,
+                lagging,
             })
         })
     }
