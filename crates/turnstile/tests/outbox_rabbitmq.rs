@@ -295,6 +295,47 @@ async fn a_broker_outage_is_waited_out_and_nothing_is_lost() {
     assert_eq!(seen, ids, "lost messages");
 }
 
+/// While every publish fails (the broker is down), the whole relay pauses, longer each
+/// time up to the longest backoff, instead of leasing the next keys at once only to fail
+/// them too: with 40 keys, 4 a round and a backoff of 100 ms to 1 s, four seconds of
+/// outage lease about 30 keys; without the pause, each key came round at its own
+/// backoff, some 250 leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_is_down_pauses_the_whole_relay() {
+    let rabbit = RabbitMqServer::spawn();
+    let dir = tempfile::tempdir().unwrap();
+    let outbox = SqliteOutbox::open(dir.path().join("app.db")).await.unwrap();
+    let publisher = RabbitMqPublisher::connect(&rabbit.url(), "turnstile")
+        .await
+        .unwrap();
+    rabbit.stop();
+    for n in 0..40 {
+        let message = Message::new("ledger", format!("k{n}"), b"z".to_vec()).unwrap();
+        enqueue(&outbox, &message).await;
+    }
+    let relay = Relay::new(outbox.clone(), publisher).with_options(
+        RelayOptions::new().max_keys(4).backoff(Backoff {
+            base: Duration::from_millis(100),
+            max: Duration::from_secs(1),
+        }),
+    );
+    let shutdown = CancellationToken::new();
+    let running = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    let leases: i64 = sqlx::query_scalar("SELECT sum(lease_token) FROM turnstile_outbox_keys")
+        .fetch_one(outbox.pool())
+        .await
+        .unwrap();
+    assert!(leases >= 4, "the relay did not try at all");
+    assert!(leases <= 60, "{leases} leases in four seconds of outage");
+    assert_eq!(outbox.status(10).await.unwrap().pending, 40);
+}
+
 /// A broker cut off by a partition is tried once per backoff, not once per publish:
 /// before, each of a round's publishes reconnected in turn, each waiting out the
 /// connect timeout (5 s) behind the one before, so a round of 16 keys took 80 s and
