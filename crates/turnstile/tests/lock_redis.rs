@@ -846,3 +846,53 @@ async fn a_release_says_whether_it_woke_waiters_elsewhere() {
         (ReleaseOutcome::AlreadyExpired, None)
     );
 }
+
+/// The last token of a name is kept for the fence retention, 7 days by default, after
+/// the name's last acquisition: the fence key's expiry, read from the server, is 7 days
+/// just after an acquisition, has run down while nobody acquires, and is 7 days again
+/// after the next acquisition. (A renewal does not move it: retention counts from the
+/// last acquisition.)
+#[tokio::test]
+async fn the_last_token_is_kept_seven_days_after_each_acquisition() {
+    const SEVEN_DAYS: Duration = Duration::from_secs(7 * 24 * 3600);
+    // A read that follows an acquisition on loopback comes well within this.
+    const READ_SLACK: Duration = Duration::from_millis(500);
+    // How long the key sits between the two acquisitions: longer than the slack, so
+    // that an expiry not set again by the second acquisition is seen to have run down.
+    const IDLE: Duration = Duration::from_millis(1_500);
+    let shared = shared().await;
+    let store = connect(&shared.url, &shared.prefix).await;
+    let fence_key = store.fence_key(&LockName::new("kept").unwrap());
+    let locker = Locker::new(store);
+    let client = redis::Client::open(shared.url.as_str()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let mut remaining = async || -> Duration {
+        let millis: i64 = redis::cmd("PTTL")
+            .arg(&fence_key)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert!(millis > 0, "{fence_key} has no expiry (PTTL {millis})");
+        Duration::from_millis(millis as u64)
+    };
+    let just_after_an_acquisition = |left: Duration| {
+        assert!(
+            left <= SEVEN_DAYS && left >= SEVEN_DAYS - READ_SLACK,
+            "the token is kept {left:?} after an acquisition, not 7 days"
+        );
+    };
+
+    let first = locker.acquire("kept", &LockOptions::new()).await.unwrap();
+    just_after_an_acquisition(remaining().await);
+    first.release().await.unwrap();
+    tokio::time::sleep(IDLE).await;
+    let run_down = remaining().await;
+    assert!(
+        run_down <= SEVEN_DAYS - IDLE,
+        "the expiry did not run down while nobody acquired: {run_down:?}"
+    );
+
+    let second = locker.acquire("kept", &LockOptions::new()).await.unwrap();
+    just_after_an_acquisition(remaining().await);
+    second.release().await.unwrap();
+}
