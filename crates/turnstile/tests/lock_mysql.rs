@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use conformance::TestStore;
 use sqlx::AssertSqlSafe;
+use tokio::time::Instant;
 use turnstile::fence::FencingToken;
+use turnstile::lock::LockGuard;
 use turnstile::lock::mysql::MysqlLockStore;
 use turnstile::lock::{LockOptions, Locker, LossReason, ReleaseOutcome};
 use turnstile_test_support::{MariaDbServer, shared_mariadb, unique_name};
@@ -778,4 +780,81 @@ async fn a_session_that_failed_after_get_lock_is_never_pooled() {
         .unwrap()
         .expect("the named lock leaked into the first client's pool");
     guard.release().await.unwrap();
+}
+
+/// How long the server may take, past `wait_timeout`, to end an idle session and free
+/// its lock, plus a loaded two-core machine's scheduling and the 10 ms polling.
+const SERVER_EXPIRY_SLACK: Duration = Duration::from_millis(500);
+
+/// Polls `try_acquire` on `name` every 10 ms until it gets the lock (panics after
+/// `give_up`); returns the guard, when it was taken, and when the last refused poll was
+/// sent (the lock was still held then).
+async fn poll_until_taken(
+    locker: &Locker,
+    name: &str,
+    give_up: Duration,
+) -> (LockGuard, Instant, Instant) {
+    let started = Instant::now();
+    let mut last_refused = None;
+    loop {
+        let asked = Instant::now();
+        if let Some(taken) = locker.try_acquire(name, &options()).await.unwrap() {
+            let last_refused = last_refused.expect("the lock was free at the first poll");
+            return (taken, Instant::now(), last_refused);
+        }
+        last_refused = Some(asked);
+        assert!(
+            started.elapsed() < give_up,
+            "the lock did not come free within {give_up:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The lease of a holder that stops talking to the server is the session's
+/// `wait_timeout`, the TTL rounded **up** to whole seconds: with a 1.2 s TTL and no
+/// renewals (watchdog off) the lock stays held for another client for 2 s from the
+/// acquire (not 1.2 s, nor the 1 s that rounding to the nearest second would give), and
+/// is free within `SERVER_EXPIRY_SLACK` after that; the next token is larger.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_stops_renewing_keeps_the_lock_for_its_ttl_rounded_up_to_whole_seconds() {
+    let url = shared_mariadb().fresh_database("waittimeout");
+    let holder = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let other = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let name = unique_name("idle-holder");
+    let ttl = Duration::from_millis(1_200);
+    let wait_timeout = Duration::from_secs(2);
+    // The server counts `wait_timeout` from the end of the acquire's statements, which
+    // were sent after this instant and answered before the acquire returned.
+    let asked = Instant::now();
+    let guard = holder
+        .acquire(&name, &LockOptions::new().ttl(ttl).watchdog(false))
+        .await
+        .unwrap();
+    let acquired = Instant::now();
+    let (taken, taken_at, last_refused) =
+        poll_until_taken(&other, &name, wait_timeout + Duration::from_secs(5)).await;
+    assert!(
+        last_refused >= asked + wait_timeout - Duration::from_millis(100),
+        "the lock came free {:?} after the acquire was sent: before the TTL rounded up \
+         ({wait_timeout:?})",
+        taken_at - asked
+    );
+    assert!(
+        taken_at >= asked + wait_timeout,
+        "the lock was taken {:?} after the acquire was sent, before the TTL rounded up \
+         ({wait_timeout:?})",
+        taken_at - asked
+    );
+    assert!(
+        taken_at <= acquired + wait_timeout + SERVER_EXPIRY_SLACK,
+        "the lock came free only {:?} after the acquire",
+        taken_at - acquired
+    );
+    assert!(taken.fencing_token() > guard.fencing_token());
+    assert!(
+        guard.is_lost(),
+        "the holder's lost signal did not fire by its deadline"
+    );
+    taken.release().await.unwrap();
 }
