@@ -15,7 +15,7 @@ use turnstile::fence::FencingToken;
 use turnstile::lock::LockGuard;
 use turnstile::lock::mysql::MysqlLockStore;
 use turnstile::lock::{LockOptions, Locker, LossReason, ReleaseOutcome};
-use turnstile_test_support::{MariaDbServer, shared_mariadb, unique_name};
+use turnstile_test_support::{MariaDbServer, TcpProxy, shared_mariadb, unique_name};
 
 struct MysqlDatabase {
     url: String,
@@ -857,4 +857,66 @@ async fn a_holder_that_stops_renewing_keeps_the_lock_for_its_ttl_rounded_up_to_w
         "the holder's lost signal did not fire by its deadline"
     );
     taken.release().await.unwrap();
+}
+
+/// A holder cut off by a partition (a proxy that stops passing bytes) stops at its
+/// local deadline: its lost signal fires there with `RenewalFailed`. The server frees
+/// the lock only when `wait_timeout` (the TTL rounded up: 2 s for 1.2 s) has passed
+/// since the holder's last renewal, so a client talking to the server directly gets
+/// the lock after the holder's signal, with a larger token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_holder_stops_at_its_deadline_and_the_server_frees_the_lock_at_wait_timeout()
+{
+    let server = shared_mariadb();
+    let url = server.fresh_database("partition");
+    let proxy = TcpProxy::start(server.port());
+    let holder = Locker::new(MysqlLockStore::connect(&proxy.url_for(&url)).await.unwrap());
+    let direct = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let name = unique_name("partition");
+    let ttl = Duration::from_millis(1_200);
+    let wait_timeout = Duration::from_secs(2);
+    let guard = holder
+        .acquire(&name, &LockOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    assert!(
+        proxy.accepted() > 0,
+        "the holder does not go through the proxy"
+    );
+    // The last renewal was sent before it was seen here, and the server's idle time
+    // counts from its answer, so the server frees the lock no later than this plus
+    // `wait_timeout`; and no earlier than the renewal was sent, which is the deadline
+    // less the TTL (the drift allowance makes it a little later still).
+    faults::right_after_a_renewal(&guard, ttl).await;
+    let renewal_seen = Instant::now();
+    let deadline = guard.valid_until();
+    proxy.cut();
+    let direct_client = tokio::spawn({
+        let name = name.clone();
+        async move { poll_until_taken(&direct, &name, wait_timeout + Duration::from_secs(5)).await }
+    });
+    let (reason, seen) = faults::first_seen_lost(&guard, ttl).await;
+    assert_eq!(reason, LossReason::RenewalFailed);
+    faults::assert_at_deadline(seen, deadline);
+    let (taken, taken_at, last_refused) = direct_client.await.unwrap();
+    assert!(
+        taken_at > seen,
+        "the direct client got the lock before the holder's lost signal fired"
+    );
+    let renewal_sent = deadline - ttl;
+    assert!(
+        last_refused >= renewal_sent + wait_timeout - Duration::from_millis(100),
+        "the server freed the lock {:?} after the last renewal was sent, before \
+         wait_timeout ({wait_timeout:?})",
+        taken_at - renewal_sent
+    );
+    assert!(
+        taken_at <= renewal_seen + wait_timeout + SERVER_EXPIRY_SLACK,
+        "the server freed the lock only {:?} after the last renewal",
+        taken_at - renewal_seen
+    );
+    assert!(taken.fencing_token() > guard.fencing_token());
+    proxy.heal();
+    taken.release().await.unwrap();
+    let _ = tokio::time::timeout(Duration::from_secs(5), guard.release()).await;
 }
