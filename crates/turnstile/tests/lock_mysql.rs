@@ -920,3 +920,101 @@ async fn a_partitioned_holder_stops_at_its_deadline_and_the_server_frees_the_loc
     taken.release().await.unwrap();
     let _ = tokio::time::timeout(Duration::from_secs(5), guard.release()).await;
 }
+
+/// The sessions' connect timeout, `MysqlLockConfig`'s default.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How late past a timer a test may see it fire: the scheduling of a loaded two-core
+/// machine.
+const SCHEDULING_SLACK: Duration = Duration::from_millis(300);
+
+/// Each held lock keeps a session of its own, at most 64 per store by default. With 64
+/// held, a 65th acquire through the same store waits for a session: it gets one (and
+/// the lock) as soon as one of the 64 is released. With none released it fails as
+/// `StoreUnavailable` when the first of two bounds passes: the store's connect timeout
+/// (3 s), or the call's wait bound (at least a second). Neither message names the
+/// limit. Another store on the same database is not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_holds_64_locks_at_once_and_a_65th_waits_for_one_of_their_sessions() {
+    const MAX_HELD: usize = 64;
+    let url = shared_mariadb().fresh_database("maxheld");
+    let locker = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let prefix = unique_name("held");
+    let mut guards = Vec::new();
+    for i in 0..MAX_HELD {
+        let name = format!("{prefix}-{i}");
+        let guard = locker.try_acquire(&name, &options()).await.unwrap();
+        guards.push(guard.unwrap_or_else(|| panic!("lock {i} of {MAX_HELD} was refused")));
+    }
+    let extra = format!("{prefix}-extra");
+    let refused_after = async |wait: Duration| {
+        let started = Instant::now();
+        let error = locker
+            .acquire(&extra, &options().wait(wait))
+            .await
+            .unwrap_err();
+        (started.elapsed(), error)
+    };
+    // A timer that a loaded machine may overrun a little, never undercut.
+    let about = |took: Duration, bound: Duration| took >= bound && took < bound + SCHEDULING_SLACK;
+    // No session comes free: the store's own bound, its connect timeout, ends the wait.
+    let (took, error) = refused_after(Duration::from_secs(10)).await;
+    assert_eq!(
+        error.kind(),
+        turnstile::ErrorKind::StoreUnavailable,
+        "{error}"
+    );
+    assert!(
+        error
+            .to_string()
+            .contains("cannot open a MySQL session for the lock"),
+        "{error}"
+    );
+    assert!(about(took, CONNECT_TIMEOUT), "refused after {took:?}");
+    // A shorter wait bound ends it first (a call that may not wait gives its one
+    // attempt a second), with the lock core's "did not answer within the wait bound".
+    for (wait, bound) in [
+        (Duration::ZERO, Duration::from_secs(1)),
+        (Duration::from_millis(1_500), Duration::from_millis(1_500)),
+    ] {
+        let (took, error) = refused_after(wait).await;
+        assert_eq!(
+            error.kind(),
+            turnstile::ErrorKind::StoreUnavailable,
+            "{error}"
+        );
+        assert!(error.to_string().contains("did not answer"), "{error}");
+        assert!(about(took, bound), "wait {wait:?}: refused after {took:?}");
+    }
+    // A session comes free while the 65th waits: it gets the lock at once.
+    let waiter = tokio::spawn({
+        let (locker, extra) = (locker.clone(), extra.clone());
+        async move {
+            let guard = locker
+                .acquire(&extra, &options().wait(Duration::from_secs(10)))
+                .await;
+            (Instant::now(), guard)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let released_at = Instant::now();
+    guards.pop().unwrap().release().await.unwrap();
+    let (got_at, guard) = waiter.await.unwrap();
+    let guard = guard.unwrap();
+    assert!(
+        got_at - released_at < SCHEDULING_SLACK,
+        "the 65th got the lock {:?} after a release",
+        got_at - released_at
+    );
+    let other = Locker::new(MysqlLockStore::connect(&url).await.unwrap());
+    let elsewhere = other
+        .try_acquire(&format!("{prefix}-elsewhere"), &options())
+        .await
+        .unwrap()
+        .expect("another store's lock");
+    elsewhere.release().await.unwrap();
+    guard.release().await.unwrap();
+    for guard in guards {
+        guard.release().await.unwrap();
+    }
+}

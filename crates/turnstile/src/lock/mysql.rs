@@ -151,7 +151,10 @@ impl MysqlLockConfig {
         self
     }
 
-    /// How many locks this store may hold at once: each needs its own session.
+    /// How many locks this store may hold at once: each needs its own session. With
+    /// that many held, a further acquire waits for one of them to be released; it fails
+    /// with [`ErrorKind::StoreUnavailable`] when its wait bound or the connect timeout
+    /// passes first.
     pub fn max_held_locks(mut self, locks: u32) -> Self {
         self.max_held = locks.max(1);
         self
