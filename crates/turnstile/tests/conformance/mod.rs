@@ -740,10 +740,16 @@ pub async fn cancelled_acquires_leak_no_lock(store: impl TestStore) {
     // Cut acquires off at 40 points spread over two round trips.
     for step in 0..40u32 {
         let cut = round_trip * step / 20;
-        if let Ok(Ok(Some(guard))) =
-            tokio::time::timeout(cut, locker.try_acquire(&lock, &options(5_000))).await
-        {
-            guard.release().await.unwrap();
+        match tokio::time::timeout(cut, locker.try_acquire(&lock, &options(5_000))).await {
+            Ok(Ok(Some(guard))) => {
+                guard.release().await.unwrap();
+            }
+            // Cut off (what this step is for), or refused: an earlier step's request,
+            // cut off on this side, can still reach the store after the check below.
+            Err(_) | Ok(Ok(None)) => {}
+            // The store is up: an error here is what a cut-off request left behind
+            // (a connection in a broken state, say).
+            Ok(Err(error)) => panic!("step {step}: the acquire failed: {error}"),
         }
         // Undoing a cut-off acquire happens in the background: wait until the lock is
         // free again (bounded), as the next step expects.
@@ -1476,14 +1482,32 @@ pub async fn a_hand_over_issues_a_new_larger_token(store: impl TestStore) {
     assert_eq!(next.release().await.unwrap(), ReleaseOutcome::Released);
 }
 
+/// The longest poll interval of any engine whose waiters poll (PostgreSQL and MySQL:
+/// 100 ms; SQLite: 50 ms).
+const LONGEST_POLL_INTERVAL: Duration = Duration::from_millis(100);
+
 /// With tasks of one process handing the lock to each other without a pause, a waiter
-/// in another process gets in: a notified one after at most nine of their sections
-/// (the one under way when it started waiting and eight hand-overs), every time; a
-/// polling one, whose polls must land in the short pause after a run of hand-overs,
-/// within seconds of 2 ms sections (five, on a loaded two-core machine) (a pause as long as its poll interval would cost
-/// a process alone with its lock most of its throughput).
+/// in another process gets in after at most nine of their sections (the one under way
+/// when it started waiting and eight hand-overs), every time. After eight hand-overs
+/// the busy process releases the lock to the store and stands back.
+///
+/// The pause is what a waiter elsewhere needs to notice, but at most an eighth of the
+/// run it ends: a notified waiter needs a round trip or two, so 2 ms sections do. A
+/// polling waiter needs one of its polls to land in the pause, which it does at every
+/// pause only when the pause outlasts its poll interval: the locker's pause for polling
+/// stores is one and a half of their longest poll interval, if an eighth of the run
+/// allows. So polling engines run sections long enough for that (an eighth of nine of
+/// them over 1.5 × [`LONGEST_POLL_INTERVAL`]), and their waiter's poll has half an
+/// interval (25 ms on SQLite, 50 ms elsewhere) to reach the store before the pause
+/// ends. With short sections a polling waiter gets in only when a poll happens to land
+/// in a pause of a few milliseconds: that is chance, not a bound.
 pub async fn a_remote_waiter_gets_in_within_nine_local_sections(store: impl TestStore) {
     let notified = store.notifies_other_processes();
+    let section = if notified {
+        Duration::from_millis(2)
+    } else {
+        LONGEST_POLL_INTERVAL * 3 / 2
+    };
     let lock = name("cap");
     let busy = store.locker().await;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1498,12 +1522,14 @@ pub async fn a_remote_waiter_gets_in_within_nine_local_sections(store: impl Test
                     .await
                     .unwrap();
                 starts.lock().unwrap().push(Instant::now());
-                tokio::time::sleep(Duration::from_millis(2)).await;
+                tokio::time::sleep(section).await;
                 guard.release().await.unwrap();
             }
         }));
     }
-    eventually("the busy process at work", Duration::from_secs(5), || {
+    // Long enough for the sections asked for, and 5 s for a loaded machine.
+    let at_work_within = |sections: u32| section * sections + Duration::from_secs(5);
+    eventually("the busy process at work", at_work_within(20), || {
         starts.lock().unwrap().len() >= 20
     })
     .await;
@@ -1516,22 +1542,6 @@ pub async fn a_remote_waiter_gets_in_within_nine_local_sections(store: impl Test
             .unwrap_or_else(|error| panic!("round {round}: the remote waiter starved: {error}"));
         let got_in = Instant::now();
         let first_ask = counting.attempts()[asked_before].0;
-        if !notified {
-            assert!(
-                got_in - first_ask < Duration::from_secs(5),
-                "round {round}: the polling remote waiter waited {:?}",
-                got_in - first_ask
-            );
-            guard.release().await.unwrap();
-            let seen = starts.lock().unwrap().len();
-            eventually(
-                "the busy process at work again",
-                Duration::from_secs(5),
-                || starts.lock().unwrap().len() >= seen + 10,
-            )
-            .await;
-            continue;
-        }
         let local_sections = starts
             .lock()
             .unwrap()
@@ -1545,11 +1555,9 @@ pub async fn a_remote_waiter_gets_in_within_nine_local_sections(store: impl Test
         guard.release().await.unwrap();
         // Let the busy process chain hand-overs again before the next round.
         let seen = starts.lock().unwrap().len();
-        eventually(
-            "the busy process at work again",
-            Duration::from_secs(5),
-            || starts.lock().unwrap().len() >= seen + 10,
-        )
+        eventually("the busy process at work again", at_work_within(10), || {
+            starts.lock().unwrap().len() >= seen + 10
+        })
         .await;
     }
     stop.store(true, Ordering::SeqCst);
