@@ -74,11 +74,15 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
 
     /// Forgets what the store keeps for lock names that nobody has held for at least
     /// `unused_for` (SQL rows, tokens), and returns how many names it forgot. Locks
-    /// held now, or whose lease ended more recently, are left alone; fencing tokens of
-    /// a forgotten name keep increasing, since every engine floors new tokens by its
-    /// clock. [`Locker::prune`](super::Locker::prune) checks `unused_for` first.
+    /// held now, or whose lease ended more recently, are left alone. The engines that
+    /// keep such records (SQLite, PostgreSQL, MySQL) floor new tokens by a clock, so
+    /// a forgotten name's tokens keep increasing as long as that clock does not step
+    /// back. [`Locker::prune`](super::Locker::prune) checks `unused_for` first.
     ///
-    /// The default forgets nothing: a store whose keys expire on their own (Redis).
+    /// The default forgets nothing: a store whose keys expire on their own (Redis,
+    /// whose tokens are floored by the server's clock too), or whose tokens are the
+    /// cluster's own write counter and need no record per name (etcd's create
+    /// revision, ZooKeeper's creation zxid; they do not come from a clock).
     fn prune(&self, unused_for: Duration) -> BoxFuture<'_, Result<u64>> {
         let _ = unused_for;
         Box::pin(async { Ok(0) })

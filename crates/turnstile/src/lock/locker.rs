@@ -681,9 +681,11 @@ impl Locker {
     /// Forgets the store's records of lock names that nobody has held for at least
     /// `unused_for` (at least one second), returning how many it forgot: the rows of SQL
     /// stores grow with every name ever used. Held locks are never touched, and the
-    /// fencing tokens of a name used again later still increase (they are floored by the
-    /// store's clock). On Redis there is nothing to do: lock keys go with their release
-    /// or lease, fence keys after the fence retention. On MySQL / MariaDB, the names ever
+    /// fencing tokens of a name used again later still increase (the SQL engines floor
+    /// them by the store's clock). On Redis there is nothing to do: lock keys go with
+    /// their release or lease, fence keys after the fence retention. On etcd and
+    /// ZooKeeper neither: nothing stays behind a name, and tokens are the cluster's
+    /// revision or zxid, not a clock. On MySQL / MariaDB, the names ever
     /// used with transaction-scoped locks are kept (see the MySQL engine's guarantees).
     ///
     /// Errors: [`ErrorKind::InvalidOptions`] for less than a second.
