@@ -21,8 +21,10 @@
 //!   issued in the same statement that takes the lock.
 //! - **Commits** of the store's own statements do **not** wait for the disk by default
 //!   (`synchronous_commit = off` on its connections; the application's pool is left
-//!   alone). A crash of the database server can then lose the last ~0.6 s of them
-//!   (three times `wal_writer_delay`). What that costs:
+//!   alone). A crash of the database server can then lose the last of them: the
+//!   window PostgreSQL documents for asynchronous commit is up to three times
+//!   `wal_writer_delay` (200 ms by default); that bound is the server's, not measured
+//!   here. What that costs:
 //!   - *Tokens* keep growing all the same, **provided the database server's clock never
 //!     steps back**: a lost token was at most the clock when it was issued (a token
 //!     only runs ahead of the clock with more than one acquisition of a name per
