@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use turnstile::outbox::mysql::MysqlOutbox;
 use turnstile::outbox::nats::JetStreamPublisher;
 use turnstile::outbox::postgres::PostgresOutbox;
-use turnstile::outbox::relay::{Relay, RelayOptions};
+use turnstile::outbox::relay::{Publisher, Relay, RelayOptions};
 use turnstile::outbox::sqlite::SqliteOutbox;
 use turnstile::outbox::{Backoff, Message, OutboxStore};
 use turnstile_test_support::{NatsServer, unique_name};
@@ -1082,6 +1082,94 @@ async fn a_key_written_all_the_time_is_still_served_on_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_written_all_the_time_is_still_served_on_mysql() {
     a_key_written_all_the_time_is_still_served(Mysql::new().await).await;
+}
+
+/// The real NATS publisher, slow for one ordering key: as a Kafka partition without a
+/// leader holds the keys that map to it, or a broker queue that is backed up.
+struct SlowForOneKey {
+    nats: JetStreamPublisher,
+    slow_key: String,
+    delay: Duration,
+}
+
+impl Publisher for SlowForOneKey {
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+        seq: u64,
+    ) -> turnstile::lock::BoxFuture<'a, Result<(), turnstile::outbox::Failure>> {
+        Box::pin(async move {
+            if message.key() == self.slow_key {
+                tokio::time::sleep(self.delay).await;
+            }
+            self.nats.publish(message, seq).await
+        })
+    }
+
+    fn check<'a>(
+        &'a self,
+        topic: &'a str,
+        redelivery: Duration,
+    ) -> turnstile::lock::BoxFuture<'a, turnstile::Result<()>> {
+        self.nats.check(topic, redelivery)
+    }
+
+    fn describe(&self) -> String {
+        self.nats.describe()
+    }
+}
+
+/// A slow key holds only itself: while its publish takes five seconds, other keys'
+/// new messages are leased, published and settled. Before, a relay's round waited for
+/// its slowest key, and every other key's next messages waited with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_key_does_not_hold_the_others() {
+    let outbox = Sqlite::new().await;
+    let (nats, stream_name, subject) = fresh_stream("slowkey").await;
+    let slow_key = format!("{subject}-slow");
+    let publisher = SlowForOneKey {
+        nats: nats.clone(),
+        slow_key: slow_key.clone(),
+        delay: Duration::from_secs(5),
+    };
+    let topic = format!("{subject}.entry");
+    let mut committed = HashSet::new();
+    let slow = Message::new(topic.as_str(), slow_key.as_str(), b"slow".to_vec()).unwrap();
+    outbox.enqueue_one(&slow, true).await;
+    committed.insert(slow.id().to_owned());
+    let relay = Relay::new(outbox.store(), publisher)
+        .with_options(RelayOptions::new().lease(Duration::from_secs(20)));
+    let shutdown = CancellationToken::new();
+    let running = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    // The slow key's publish is under way; the others' messages come after it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = std::time::Instant::now();
+    for n in 0..6 {
+        let message = Message::new(
+            topic.as_str(),
+            format!("{subject}-fast-{}", n % 3),
+            format!("{n}").into_bytes(),
+        )
+        .unwrap();
+        outbox.enqueue_one(&message, true).await;
+        committed.insert(message.id().to_owned());
+    }
+    while read_all(&nats, &stream_name).await.len() < 6 {
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "the other keys waited for the slow one: {} of 6 delivered after {:?}",
+            read_all(&nats, &stream_name).await.len(),
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_until_empty(&outbox.store()).await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    check_delivery(&read_all(&nats, &stream_name).await, &committed);
 }
 
 /// An enqueue on a connection whose transaction was begun as SQL (not through `sqlx`)

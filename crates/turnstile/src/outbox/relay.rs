@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -194,12 +195,15 @@ impl Relay {
         self
     }
 
-    /// One round: lease due keys, publish their messages (keys at once, each key's in
-    /// order, a key stopping at its first failure or when its lease is nearly over),
-    /// settle. A topic the broker cannot serve as promised stops the keys that reach
-    /// it (they park with the reason after `max_attempts`), not the relay; a lease too
-    /// short for the publisher is an error ([`ErrorKind::Configuration`]).
-    pub async fn run_once(&self) -> Result<Round> {
+    /// Leases up to `keys` due keys and starts publishing each (keys at once, each
+    /// key's messages in order, a key stopping at its first failure or when its lease
+    /// is nearly over) in `tasks`, tagged with `batch`. Returns how many it leased.
+    async fn start_keys(
+        &self,
+        keys: u32,
+        batch: u64,
+        tasks: &mut JoinSet<KeyDone>,
+    ) -> Result<usize> {
         // Every publish must land inside the lease: past it, another relay may have
         // the key and publish its later messages. So a publish starts only while a
         // fifth of the lease is left, and not so late that a client that keeps sending
@@ -227,18 +231,15 @@ impl Relay {
         let leased = self
             .store
             .claim_within(
-                self.options.max_keys,
+                keys,
                 self.options.per_key,
                 self.options.max_round_bytes,
                 self.options.lease,
             )
             .await?;
-        let mut round = Round {
-            keys: leased.len(),
-            ..Round::default()
-        };
+        let count = leased.len();
         if leased.is_empty() {
-            return Ok(round);
+            return Ok(0);
         }
         // A topic the broker cannot serve (no stream takes it, a duplicate window too
         // short to keep the promise) stops only the keys that reach it, with the
@@ -266,26 +267,42 @@ impl Relay {
             last_start: sent + start_within,
             cut_off: sent + lease - margin,
         };
-        let mut tasks = tokio::task::JoinSet::new();
+        let lease_end = sent + lease;
         for key in leased {
             let publisher = Arc::clone(&self.publisher);
-            tasks.spawn(publish_key(publisher, key, deadline, Arc::clone(&refused)));
+            let refused = Arc::clone(&refused);
+            tasks.spawn(async move {
+                let (settlement, published) = publish_key(publisher, key, deadline, refused).await;
+                KeyDone {
+                    settlement,
+                    published,
+                    lease_end,
+                    batch,
+                }
+            });
         }
-        let mut settlements = Vec::with_capacity(round.keys);
-        while let Some(done) = tasks.join_next().await {
-            let (settlement, published) = done.map_err(|error| {
-                Error::new(
-                    ErrorKind::Store,
-                    format!("a publishing task failed: {error}"),
-                )
-            })?;
-            round.published += published;
-            round.failed += usize::from(settlement.failure.is_some());
-            settlements.push(settlement);
-        }
+        Ok(count)
+    }
+
+    /// Records what became of finished keys (one settlement, keys in one order, as
+    /// stores lock them), adding to `round`.
+    async fn settle_finished(&self, mut finished: Vec<KeyDone>, round: &mut Round) -> Result<()> {
         // Keys in one order in every settlement (stores lock them so).
-        settlements.sort_by(|a, b| a.key.cmp(&b.key));
-        let answers = self.settle(&settlements, sent + self.options.lease).await?;
+        finished.sort_by(|a, b| a.settlement.key.cmp(&b.settlement.key));
+        let lease_end = finished
+            .iter()
+            .map(|done| done.lease_end)
+            .min()
+            .unwrap_or_else(Instant::now);
+        let settlements: Vec<Settlement> = finished
+            .iter()
+            .map(|done| done.settlement.clone())
+            .collect();
+        for done in &finished {
+            round.published += done.published;
+            round.failed += usize::from(done.settlement.failure.is_some());
+        }
+        let answers = self.settle(&settlements, lease_end).await?;
         for (settlement, answer) in settlements.iter().zip(answers) {
             match answer {
                 Settled::Done => {}
@@ -298,6 +315,31 @@ impl Relay {
                     telemetry::fenced(&settlement.key);
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// One round: lease due keys, publish their messages (keys at once, each key's in
+    /// order, a key stopping at its first failure or when its lease is nearly over),
+    /// settle them all. A topic the broker cannot serve as promised stops the keys that
+    /// reach it (they park with the reason after `max_attempts`), not the relay; a
+    /// lease too short for the publisher is an error ([`ErrorKind::Configuration`]).
+    /// [`run`](Self::run) does not wait for a round's slowest key; this does.
+    pub async fn run_once(&self) -> Result<Round> {
+        let mut tasks = JoinSet::new();
+        let keys = self
+            .start_keys(self.options.max_keys, 0, &mut tasks)
+            .await?;
+        let mut round = Round {
+            keys,
+            ..Round::default()
+        };
+        let mut finished = Vec::with_capacity(keys);
+        while let Some(done) = tasks.join_next().await {
+            finished.push(done.map_err(task_failed)?);
+        }
+        if !finished.is_empty() {
+            self.settle_finished(finished, &mut round).await?;
         }
         Ok(round)
     }
@@ -345,19 +387,32 @@ impl Relay {
         Ok(())
     }
 
-    /// Runs rounds until `shutdown` is cancelled; a round in flight is finished and
-    /// settled first, so nothing is left half-marked. Idle, it waits for a commit in
-    /// this process or polls with a backoff; a store or broker that fails makes it wait
-    /// and try again. Returns early only for a configuration the broker cannot serve.
+    /// Runs until `shutdown` is cancelled; the keys in flight are finished and settled
+    /// first, so nothing is left half-marked. Keys are leased while fewer than
+    /// `max_keys` are being published, and each is settled as soon as it is done, with
+    /// whatever else finished meanwhile: a slow key (a Kafka partition without a
+    /// leader) holds only itself, not the next messages of every other key. Idle, it
+    /// waits for a commit in this process or polls with a backoff; a store or broker
+    /// that fails makes it wait and try again. Returns early only for a configuration
+    /// the broker cannot serve.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
         let (poll_min, poll_max) = self.options.idle_poll;
+        let max_keys = self.options.max_keys as usize;
         let mut idle = poll_min;
         let mut reported: Option<Instant> = None;
-        // While every publish of a round fails (the broker is down), the whole relay
-        // pauses, longer each time up to the longest backoff, instead of leasing the
-        // next keys at once only to fail them too.
+        let mut tasks: JoinSet<KeyDone> = JoinSet::new();
+        // Per batch of keys leased together: how many are still in flight, and whether
+        // any of them published. While every key of a batch fails (the broker is
+        // down), the whole relay pauses, longer each time up to the longest backoff,
+        // instead of leasing the next keys at once only to fail them too.
+        let mut batches: HashMap<u64, (usize, bool)> = HashMap::new();
+        let mut next_batch = 0_u64;
         let mut outage: Option<Duration> = None;
-        while !shutdown.is_cancelled() {
+        let mut paused_until: Option<Instant> = None;
+        loop {
+            if shutdown.is_cancelled() && tasks.is_empty() {
+                break;
+            }
             // The lag gauges, now and then (one read of the store).
             if reported.is_none_or(|at| at.elapsed() >= STATUS_EVERY) {
                 reported = Some(Instant::now());
@@ -369,41 +424,123 @@ impl Relay {
                     tracing::warn!(%error, "cannot sweep delivered outbox messages");
                 }
             }
-            match self.run_once().await {
-                Ok(round)
-                    if round.keys > 0 && round.published == 0 && round.failed == round.keys =>
-                {
+            let paused = paused_until.is_some_and(|until| Instant::now() < until);
+            if !shutdown.is_cancelled() && !paused && tasks.len() < max_keys {
+                let room = u32::try_from(max_keys - tasks.len()).unwrap_or(u32::MAX);
+                match self.start_keys(room, next_batch, &mut tasks).await {
+                    Ok(0) => {}
+                    Ok(count) => {
+                        batches.insert(next_batch, (count, false));
+                        next_batch += 1;
+                        idle = poll_min;
+                    }
+                    Err(error) if error.kind() == ErrorKind::Configuration => {
+                        // Finish what is in flight before giving up.
+                        self.drain(&mut tasks).await;
+                        return Err(error);
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "outbox relay could not lease keys; retrying");
+                        idle = poll_max;
+                    }
+                }
+            }
+            if tasks.is_empty() {
+                let wake = paused_until.filter(|_| paused);
+                tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    () = self.store.committed(idle) => {}
+                    () = async { if let Some(at) = wake { tokio::time::sleep_until(at).await } else { std::future::pending().await } } => {}
+                }
+                idle = (idle * 2).min(poll_max);
+                continue;
+            }
+            // With room for more keys, a commit (or the idle poll) is worth waking for;
+            // otherwise only a key finishing is.
+            let room = tasks.len() < max_keys && !paused && !shutdown.is_cancelled();
+            let first = tokio::select! {
+                done = tasks.join_next() => done,
+                () = self.store.committed(idle), if room => {
+                    idle = (idle * 2).min(poll_max);
+                    continue;
+                }
+                () = shutdown.cancelled(), if !shutdown.is_cancelled() => continue,
+            };
+            let mut finished = Vec::new();
+            for done in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| tasks.try_join_next()))
+            {
+                match done {
+                    Ok(done) => finished.push(done),
+                    Err(error) => tracing::error!(%error, "an outbox publishing task failed"),
+                }
+            }
+            if finished.is_empty() {
+                continue;
+            }
+            let mut settled = Round::default();
+            let mut batch_outcomes = Vec::new();
+            for done in &finished {
+                if let Some((left, published)) = batches.get_mut(&done.batch) {
+                    *left -= 1;
+                    *published |= done.published > 0 || done.settlement.failure.is_none();
+                    if *left == 0 {
+                        batch_outcomes.push(*published);
+                        batches.remove(&done.batch);
+                    }
+                }
+            }
+            if let Err(error) = self.settle_finished(finished, &mut settled).await {
+                tracing::warn!(%error, "outbox relay could not record a settlement; its keys are published again after their lease");
+            }
+            for any_published in batch_outcomes {
+                if any_published {
+                    outage = None;
+                    paused_until = None;
+                } else {
                     let pause = outage.map_or(self.options.backoff.base, |last| {
                         (last * 2).min(self.options.backoff.max)
                     });
                     outage = Some(pause);
-                    telemetry::relay_paused(pause, round.failed);
-                    tokio::select! {
-                        () = shutdown.cancelled() => break,
-                        () = tokio::time::sleep(pause) => {}
-                    }
-                    continue;
-                }
-                Ok(round) if round.keys > 0 => {
-                    outage = None;
-                    idle = poll_min;
-                    continue;
-                }
-                Ok(_) => {}
-                Err(error) if error.kind() == ErrorKind::Configuration => return Err(error),
-                Err(error) => {
-                    tracing::warn!(%error, "outbox relay round failed; retrying");
-                    idle = poll_max;
+                    paused_until = Some(Instant::now() + pause);
+                    telemetry::relay_paused(pause, settled.failed);
                 }
             }
-            tokio::select! {
-                () = shutdown.cancelled() => break,
-                () = self.store.committed(idle) => {}
-            }
-            idle = (idle * 2).min(poll_max);
         }
         Ok(())
     }
+
+    /// Waits for the keys in flight and settles them.
+    async fn drain(&self, tasks: &mut JoinSet<KeyDone>) {
+        let mut finished = Vec::new();
+        while let Some(done) = tasks.join_next().await {
+            if let Ok(done) = done {
+                finished.push(done);
+            }
+        }
+        if !finished.is_empty()
+            && let Err(error) = self.settle_finished(finished, &mut Round::default()).await
+        {
+            tracing::warn!(%error, "outbox relay could not record a settlement");
+        }
+    }
+}
+
+/// A key whose publishing ended: how it went, and the lease it had.
+struct KeyDone {
+    settlement: Settlement,
+    published: usize,
+    lease_end: Instant,
+    /// The keys leased together with it.
+    batch: u64,
+}
+
+fn task_failed(error: tokio::task::JoinError) -> Error {
+    Error::new(
+        ErrorKind::Store,
+        format!("a publishing task failed: {error}"),
+    )
 }
 
 /// Publishes one key's messages in order, stopping at the first failure or the
