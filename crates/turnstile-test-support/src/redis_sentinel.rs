@@ -171,12 +171,26 @@ impl RedisSentinelGroup {
 
     /// Kills the master and waits (up to `limit`) until the sentinels name the replica.
     pub fn fail_over(&self, limit: Duration) {
+        let old = self.kill_master();
+        self.wait_for_a_new_master(old, limit);
+    }
+
+    /// Kills the master and returns its port. The sentinels go on naming it until they
+    /// agree that it is down (after 500 ms without an answer), and then promote the
+    /// replica: see [`wait_for_a_new_master`](Self::wait_for_a_new_master).
+    pub fn kill_master(&self) -> u16 {
         let old = self.master_port();
         self.servers
             .iter()
             .find(|server| server.port() == old)
             .expect("the master is one of the group's servers")
             .kill();
+        old
+    }
+
+    /// Waits (up to `limit`) until the sentinels name a master other than the one on
+    /// port `old`, and it takes writes.
+    pub fn wait_for_a_new_master(&self, old: u16, limit: Duration) {
         let started = Instant::now();
         while self.master_port() == old {
             assert!(

@@ -13,7 +13,9 @@ use turnstile::fence::FenceOutcome;
 use turnstile::fence::redis::RedisFencedStore;
 use turnstile::lock::redis::{RedisLockConfig, RedisLockStore};
 use turnstile::lock::{LockName, LockOptions, Locker, LossReason, ReleaseOutcome};
-use turnstile_test_support::{RedisServer, TcpProxy, shared_redis, unique_name};
+use turnstile_test_support::{
+    RedisSentinelGroup, RedisServer, TcpProxy, shared_redis, unique_name,
+};
 
 /// Clients of one Redis server under a key prefix of their own.
 struct RedisPrefix {
@@ -895,4 +897,72 @@ async fn the_last_token_is_kept_seven_days_after_each_acquisition() {
     let second = locker.acquire("kept", &LockOptions::new()).await.unwrap();
     just_after_an_acquisition(remaining().await);
     second.release().await.unwrap();
+}
+
+/// Behind Sentinel, a command that finds its master gone makes the store ask the
+/// sentinels for the master again, and is sent **once** more, to the master they name
+/// then:
+/// - right after the master dies, the sentinels still name it (they agree it is down
+///   only after 500 ms without an answer): the command fails at once, it is not retried
+///   until some master answers;
+/// - once they name the promoted replica, the first command sent finds the old
+///   connection dead and gets its answer from the new master, where it ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_sentinel_a_command_that_finds_its_master_gone_is_sent_once_more() {
+    // Well inside the 500 ms after which the sentinels call the master down.
+    const BEFORE_THE_SENTINELS_AGREE: Duration = Duration::from_millis(300);
+    let group = std::sync::Arc::new(
+        tokio::task::spawn_blocking(RedisSentinelGroup::spawn)
+            .await
+            .unwrap(),
+    );
+    let store = RedisLockStore::connect(&group.url()).await.unwrap();
+    let mut connection = store.connection().clone();
+    let key = unique_name("resent");
+    let mut increment = async || {
+        redis::cmd("INCR")
+            .arg(&key)
+            .query_async::<i64>(&mut connection)
+            .await
+    };
+    assert_eq!(increment().await.unwrap(), 1);
+
+    let old = tokio::task::spawn_blocking({
+        let group = std::sync::Arc::clone(&group);
+        move || group.kill_master()
+    })
+    .await
+    .unwrap();
+    let killed = tokio::time::Instant::now();
+    let error = increment()
+        .await
+        .expect_err("a command succeeded with the master dead and no other named");
+    assert!(
+        killed.elapsed() < BEFORE_THE_SENTINELS_AGREE,
+        "the command failed only {:?} after the master died: it was retried, not sent \
+         once more ({error})",
+        killed.elapsed()
+    );
+
+    tokio::task::spawn_blocking({
+        let group = std::sync::Arc::clone(&group);
+        move || group.wait_for_a_new_master(old, Duration::from_secs(30))
+    })
+    .await
+    .unwrap();
+    let answer = increment()
+        .await
+        .expect("the first command after the failover failed: it was not sent again");
+    let new_master =
+        redis::Client::open(format!("redis://127.0.0.1:{}", group.master_port())).unwrap();
+    let mut direct = new_master.get_multiplexed_async_connection().await.unwrap();
+    let stored: i64 = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    assert_eq!(
+        stored, answer,
+        "the command did not run once on the new master"
+    );
 }
