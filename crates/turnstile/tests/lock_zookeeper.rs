@@ -261,6 +261,40 @@ async fn a_partitioned_holder_stops_before_the_next_holder_starts() {
     .await;
 }
 
+/// A holder cut off until ZooKeeper expired its session, and the lock went to another
+/// client: once the path is back, its release says the lock is held by another owner,
+/// instead of failing with "session expired" (its own session is gone; the answer comes
+/// through a new one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_the_session_expired_says_who_holds_the_lock() {
+    let server = shared_zookeeper();
+    let url = format!("{}/{}", server.url(), unique_name("expired"));
+    let proxy = turnstile_test_support::TcpProxy::start(server.port());
+    let holder = Locker::new(
+        ZooKeeperLockStore::connect(&proxy.url_for(&url))
+            .await
+            .unwrap(),
+    );
+    let direct = Locker::new(ZooKeeperLockStore::connect(&url).await.unwrap());
+    let ttl = Duration::from_secs(2);
+    let guard = holder
+        .acquire("job", &LockOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    let first_token = guard.fencing_token();
+    proxy.cut();
+    guard.lost().await;
+    // The session ends on the server a little after the holder's own deadline.
+    let next = direct
+        .acquire("job", &LockOptions::new().ttl(ttl).wait(3 * ttl))
+        .await
+        .unwrap();
+    proxy.heal();
+    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::HeldByOther);
+    assert!(next.fencing_token() > first_token);
+    assert_eq!(next.release().await.unwrap(), ReleaseOutcome::Released);
+}
+
 /// The notes' paused-holder scenario: the holder pauses past its lease, the next holder
 /// gets a larger token, and the paused one's late write is refused by a fence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -656,6 +656,14 @@ impl LockBackend for ZooKeeperLockStore {
                     match listed {
                         Ok(children) => in_line(&children),
                         Err(zk::Error::NoNode) => Vec::new(),
+                        // The session that held the node ended, and the node with it: who
+                        // holds the lock now is read through a new session.
+                        Err(zk::Error::SessionExpired) => {
+                            let fresh = self
+                                .session(Duration::from_secs(FIRST_SESSION_SECS))
+                                .await?;
+                            self.nodes(&fresh, &dir).await?
+                        }
                         Err(error) => return Err(failed("cannot release the lock")(error)),
                     }
                 }
