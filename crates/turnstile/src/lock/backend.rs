@@ -351,3 +351,62 @@ impl ReleaseWatch {
         announced
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::Instant;
+
+    fn millis(values: &[u64]) -> Vec<Duration> {
+        values.iter().map(|&ms| Duration::from_millis(ms)).collect()
+    }
+
+    /// The waiters' backoff the engines without cross-process notifications state
+    /// (SQLite from 2 ms doubling to 50 ms; MySQL, PostgreSQL session mode and
+    /// `turnstile_notify=off` from 5 ms to 100 ms): a waiter re-checks after the
+    /// minimum, then twice as long each time up to the maximum, never later than the
+    /// caller's limit, and starts again from the minimum once a release was announced.
+    /// While a task of the same process holds the lock (`poll` false) it does not poll
+    /// at all: it waits for the announcement or the limit.
+    #[tokio::test(start_paused = true)]
+    async fn polling_backs_off_from_its_minimum_doubling_to_its_maximum() {
+        let limit = Duration::from_secs(10);
+        for (min, max, intervals) in [
+            (2, 50, millis(&[2, 4, 8, 16, 32, 50, 50])),
+            (5, 100, millis(&[5, 10, 20, 40, 80, 100, 100])),
+        ] {
+            let (announce, receiver) = watch::channel(0u64);
+            let mut watch = ReleaseWatch::new(receiver, ())
+                .with_poll(Duration::from_millis(min), Duration::from_millis(max));
+            let mut waited = Vec::new();
+            for _ in 0..intervals.len() {
+                let started = Instant::now();
+                assert!(!watch.wait(limit, true).await);
+                waited.push(started.elapsed());
+            }
+            assert_eq!(waited, intervals, "from {min} ms to {max} ms");
+
+            // A release announced: the waiter wakes at once, and backs off from the
+            // minimum again.
+            announce.send(1).unwrap();
+            let started = Instant::now();
+            assert!(watch.wait(limit, true).await);
+            assert_eq!(started.elapsed(), Duration::ZERO);
+            let started = Instant::now();
+            assert!(!watch.wait(limit, true).await);
+            assert_eq!(started.elapsed(), Duration::from_millis(min));
+
+            // The caller's limit, when shorter, comes first.
+            // (Whole milliseconds: tokio's timers have no finer resolution.)
+            let short = Duration::from_millis(min - 1);
+            let started = Instant::now();
+            assert!(!watch.wait(short, true).await);
+            assert_eq!(started.elapsed(), short);
+
+            // No polling: only the limit ends the wait.
+            let started = Instant::now();
+            assert!(!watch.wait(limit, false).await);
+            assert_eq!(started.elapsed(), limit);
+        }
+    }
+}
