@@ -1,7 +1,8 @@
 //! The PostgreSQL engine, lease mode: a lock table with expiry by the database's clock.
 //!
 //! Every operation is one SQL statement (common table expressions do the checking and
-//! the change together), so it works through a connection pooler in transaction mode.
+//! the change together), which is what a connection pooler in transaction mode needs;
+//! working through one is not tested (see the README: PgBouncer 1.18 does not work).
 //!
 //! # Tables
 //! `{schema}.{prefix}_locks (name, owner, expires_at, waiting_until)`,
