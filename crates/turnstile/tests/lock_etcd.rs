@@ -56,6 +56,52 @@ async fn tokens_grow_across_a_restart() {
     guard.release().await.unwrap();
 }
 
+/// A waiter whose wait ends while etcd is down cannot take its key out of the line.
+/// Before, the key stayed on the waiter client's session lease, which that client kept
+/// alive, and once it was first in line it held the lock for good: `turnstile verify
+/// lock --store etcd --faults restart` saw no acquisition for the rest of its runs. The
+/// client now deletes it once etcd answers again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_gives_up_while_etcd_is_down_leaves_no_key_in_line() {
+    let server = EtcdServer::spawn();
+    let holder = Locker::new(EtcdLockStore::connect(&server.url()).await.unwrap());
+    // Kept alive to the end, and with it the session lease of its key.
+    let waiter = Locker::new(EtcdLockStore::connect(&server.url()).await.unwrap());
+    let ttl = Duration::from_secs(2);
+    let guard = holder
+        .acquire("job", &LockOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    let waiting = {
+        let waiter = waiter.clone();
+        tokio::spawn(async move {
+            waiter
+                .acquire(
+                    "job",
+                    &LockOptions::new().ttl(ttl).wait(Duration::from_secs(2)),
+                )
+                .await
+                .map(drop)
+        })
+    };
+    // The waiter is in line; then etcd goes away until its wait has ended.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    server.kill();
+    assert!(waiting.await.unwrap().is_err());
+    server.restart();
+    let _ = guard.release().await;
+    let next = Locker::new(EtcdLockStore::connect(&server.url()).await.unwrap());
+    let taken = next
+        .acquire(
+            "job",
+            &LockOptions::new().ttl(ttl).wait(Duration::from_secs(10)),
+        )
+        .await
+        .expect("the lock stayed held by the key of a waiter that had given up");
+    taken.release().await.unwrap();
+    drop(waiter);
+}
+
 /// A client that dies holding a lock (its runtime stops: no release, no keep-alive, no
 /// revoke) frees it when its session lease runs out on etcd — the TTL rounded up to
 /// whole seconds, plus one second, after its last keep-alive — and not before the TTL.

@@ -263,6 +263,14 @@ fn failed(what: &str) -> impl Fn(etcd_client::Error) -> Error + '_ {
             {
                 ErrorKind::StoreUnavailable
             }
+            // tonic reports a connection that broke under a request (a member that
+            // restarted) as "unknown" with this message.
+            etcd_client::Error::GRpcStatus(status)
+                if format!("{:?}", status.code()) == "Unknown"
+                    && status.message().contains("transport error") =>
+            {
+                ErrorKind::StoreUnavailable
+            }
             _ => ErrorKind::Store,
         };
         Error::new(kind, format!("{what}: {error}"))
@@ -381,13 +389,23 @@ impl EtcdLockStore {
 
     async fn delete(&self, key: &str) {
         let key = key.to_owned();
-        // Best effort: the key's lease takes it away in the end.
-        let _ = self
+        let deleted = self
             .failover(|mut client| {
                 let key = key.clone();
                 async move { client.delete(key, None).await }
             })
             .await;
+        if deleted.is_err() {
+            self.delete_later(key);
+        }
+    }
+
+    /// Has the session keeper delete `key` at its next tick, and again until it goes:
+    /// a key this client gave up on but could not delete (the store was down) lives on
+    /// the session lease, which this client keeps alive, so nobody else would ever
+    /// remove it, and a waiter's key left in line would hold the lock for good.
+    fn delete_later(&self, key: String) {
+        self.deadlines().insert(key, Instant::now());
     }
 
     /// The session lease for locks of `ttl`, kept alive at least until `needed_until`
@@ -656,14 +674,20 @@ impl LockBackend for EtcdLockStore {
             // In one round trip: our key, the name's first key (before the delete), and
             // the delete of ours.
             let first_key = self.in_line(name, 1);
-            let answer = self
+            let answer = match self
                 .txn(Txn::new().and_then([
                     TxnOp::get(key.as_str(), None),
                     first_key,
                     TxnOp::delete(key.as_str(), None),
                 ]))
                 .await
-                .map_err(failed("cannot release the lock"))?;
+            {
+                Ok(answer) => answer,
+                Err(error) => {
+                    self.delete_later(key);
+                    return Err(failed("cannot release the lock")(error));
+                }
+            };
             let (mine, first) = mine_and_first(&answer);
             let Some(kv) = mine else {
                 return Ok(if first.is_some() {
