@@ -1084,25 +1084,22 @@ async fn a_key_written_all_the_time_is_still_served_on_mysql() {
     a_key_written_all_the_time_is_still_served(Mysql::new().await).await;
 }
 
-/// The real NATS publisher, slow for one ordering key: as a Kafka partition without a
-/// leader holds the keys that map to it, or a broker queue that is backed up.
-struct SlowForOneKey {
-    nats: JetStreamPublisher,
-    slow_key: String,
-    delay: Duration,
+/// The real NATS publisher, with a test's hook awaited before each publish: to make
+/// one key slow, or to act between a relay's claim and its settlement.
+struct BeforeEach {
+    inner: JetStreamPublisher,
+    hook: Box<dyn for<'m> Fn(&'m Message) -> turnstile::lock::BoxFuture<'m, ()> + Send + Sync>,
 }
 
-impl Publisher for SlowForOneKey {
+impl Publisher for BeforeEach {
     fn publish<'a>(
         &'a self,
         message: &'a Message,
         seq: u64,
     ) -> turnstile::lock::BoxFuture<'a, Result<(), turnstile::outbox::Failure>> {
         Box::pin(async move {
-            if message.key() == self.slow_key {
-                tokio::time::sleep(self.delay).await;
-            }
-            self.nats.publish(message, seq).await
+            (self.hook)(message).await;
+            self.inner.publish(message, seq).await
         })
     }
 
@@ -1111,11 +1108,11 @@ impl Publisher for SlowForOneKey {
         topic: &'a str,
         redelivery: Duration,
     ) -> turnstile::lock::BoxFuture<'a, turnstile::Result<()>> {
-        self.nats.check(topic, redelivery)
+        self.inner.check(topic, redelivery)
     }
 
     fn describe(&self) -> String {
-        self.nats.describe()
+        self.inner.describe()
     }
 }
 
@@ -1127,14 +1124,22 @@ async fn a_slow_key_does_not_hold_the_others() {
     let outbox = Sqlite::new().await;
     let (nats, stream_name, subject) = fresh_stream("slowkey").await;
     let slow_key = format!("{subject}-slow");
-    let publisher = SlowForOneKey {
-        nats: nats.clone(),
-        slow_key: slow_key.clone(),
-        delay: Duration::from_secs(5),
+    let slow_key_name = slow_key.clone();
+    // As one Kafka partition without a leader would hold the keys that map to it.
+    let publisher = BeforeEach {
+        inner: nats.clone(),
+        hook: Box::new(move |message| {
+            let slow = message.key() == slow_key;
+            Box::pin(async move {
+                if slow {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+            })
+        }),
     };
     let topic = format!("{subject}.entry");
     let mut committed = HashSet::new();
-    let slow = Message::new(topic.as_str(), slow_key.as_str(), b"slow".to_vec()).unwrap();
+    let slow = Message::new(topic.as_str(), slow_key_name.as_str(), b"slow".to_vec()).unwrap();
     outbox.enqueue_one(&slow, true).await;
     committed.insert(slow.id().to_owned());
     let relay = Relay::new(outbox.store(), publisher)
@@ -1490,44 +1495,6 @@ async fn a_consumer_can_insist_on_key_order() {
     assert_eq!(handled, vec![1, 2, 3]);
 }
 
-/// Hands each publish to JetStream, and before the first one runs a hook (the test's
-/// application transaction) and waits for it: a way to act between a relay's claim
-/// and its settlement.
-struct AfterClaim {
-    inner: JetStreamPublisher,
-    hook:
-        tokio::sync::Mutex<Option<tokio::sync::oneshot::Sender<tokio::sync::oneshot::Sender<()>>>>,
-}
-
-impl turnstile::outbox::relay::Publisher for AfterClaim {
-    fn publish<'a>(
-        &'a self,
-        message: &'a Message,
-        seq: u64,
-    ) -> turnstile::lock::BoxFuture<'a, Result<(), turnstile::outbox::Failure>> {
-        Box::pin(async move {
-            if let Some(hook) = self.hook.lock().await.take() {
-                let (done, acted) = tokio::sync::oneshot::channel();
-                hook.send(done).unwrap();
-                acted.await.unwrap();
-            }
-            self.inner.publish(message, seq).await
-        })
-    }
-
-    fn check<'a>(
-        &'a self,
-        topic: &'a str,
-        redelivery: Duration,
-    ) -> turnstile::lock::BoxFuture<'a, turnstile::Result<()>> {
-        self.inner.check(topic, redelivery)
-    }
-
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-}
-
 /// A relay's settlement that meets an application transaction writing the same keys in
 /// the other order fails (its store's lock timeout, or PostgreSQL's deadlock detector
 /// picks one of the two). The relay settles again within its lease instead of dropping
@@ -1547,9 +1514,23 @@ async fn a_blocked_settlement_is_retried_not_republished() {
     let (hook, hooked) = tokio::sync::oneshot::channel();
     let relay = Relay::new(
         outbox.another().await,
-        AfterClaim {
+        // Before the first publish, the test's application transaction runs, and the
+        // publish waits for it: between the relay's claim and its settlement.
+        BeforeEach {
             inner: publisher.clone(),
-            hook: tokio::sync::Mutex::new(Some(hook)),
+            hook: {
+                let hook = std::sync::Arc::new(tokio::sync::Mutex::new(Some(hook)));
+                Box::new(move |_| {
+                    let hook = std::sync::Arc::clone(&hook);
+                    Box::pin(async move {
+                        if let Some(hook) = hook.lock().await.take() {
+                            let (done, acted) = tokio::sync::oneshot::channel();
+                            hook.send(done).unwrap();
+                            acted.await.unwrap();
+                        }
+                    })
+                })
+            },
         },
     );
     let round = tokio::spawn(async move { relay.run_once().await });
