@@ -1088,8 +1088,12 @@ async fn a_key_written_all_the_time_is_still_served_on_mysql() {
 /// one key slow, or to act between a relay's claim and its settlement.
 struct BeforeEach {
     inner: JetStreamPublisher,
-    hook: Box<dyn for<'m> Fn(&'m Message) -> turnstile::lock::BoxFuture<'m, ()> + Send + Sync>,
+    hook: PublishHook,
 }
+
+/// What [`BeforeEach`] awaits before publishing a message.
+type PublishHook =
+    Box<dyn for<'m> Fn(&'m Message) -> turnstile::lock::BoxFuture<'m, ()> + Send + Sync>;
 
 impl Publisher for BeforeEach {
     fn publish<'a>(
