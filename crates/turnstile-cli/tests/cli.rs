@@ -512,7 +512,8 @@ fn killing_turnstile_with_sigkill_kills_what_the_command_started_too() {
         outlived.is_empty(),
         "processes {outlived:?} of {pids:?} (jobs, shell, parent) outlived a kill -9 of turnstile"
     );
-    // No one renews the lock any more: its 5s lease runs out.
+    // No one renews the lock any more: its 5s lease runs out, counted from the last
+    // renewal (at most TTL/3 before the kill), with a second of margin for the checks.
     let killed = Instant::now();
     loop {
         let output = sandbox.run(&["lock", "status", "--json", "orphans"]);
@@ -522,11 +523,16 @@ fn killing_turnstile_with_sigkill_kills_what_the_command_started_too() {
             break;
         }
         assert!(
-            killed.elapsed() < Duration::from_secs(8),
+            killed.elapsed() < Duration::from_secs(6),
             "the lock is still renewed after turnstile was killed: {status}"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+    assert!(
+        killed.elapsed() >= Duration::from_millis(3300),
+        "the lock was free {:?} after the kill, before its lease could end",
+        killed.elapsed()
+    );
 }
 
 #[test]
