@@ -188,6 +188,16 @@ impl RedisSentinelGroup {
         old
     }
 
+    /// Starts the group's server on `port` again (empty, as it was killed); the
+    /// sentinels make it a replica of the current master.
+    pub fn start_again(&self, port: u16) {
+        self.servers
+            .iter()
+            .find(|server| server.port() == port)
+            .expect("the port is one of the group's servers")
+            .restart();
+    }
+
     /// Waits (up to `limit`) until the sentinels name a master other than the one on
     /// port `old`, and it takes writes.
     pub fn wait_for_a_new_master(&self, old: u16, limit: Duration) {

@@ -78,7 +78,9 @@ pub(crate) struct VerifyLockArgs {
     /// The store: a URL (sqlite://, redis://, postgres://, mysql://, etcd://, zk://), or
     /// one of `sqlite`, `redis`, `postgres`, `postgres-session`, `mariadb`, `etcd`,
     /// `zookeeper` to start a private server of that kind for the campaign (it can then
-    /// restart it, Redis empty).
+    /// restart it, Redis empty), or `redis-sentinel` (a restart is a failover),
+    /// `redlock` (five nodes, one restarted empty) or `etcd-cluster` (three members,
+    /// one restarted).
     #[arg(long, value_name = "URL|KIND")]
     store: String,
     /// Worker processes contending for the lock.
@@ -123,6 +125,13 @@ enum Store {
     MariaDb(turnstile_test_support::MariaDbServer, String),
     Etcd(turnstile_test_support::EtcdServer),
     ZooKeeper(turnstile_test_support::ZooKeeperServer),
+    /// A master, a replica and three sentinels; a restart is a failover (the master
+    /// killed, the replica promoted, the old master back as a replica, empty).
+    RedisSentinel(turnstile_test_support::RedisSentinelGroup),
+    /// Five independent Redis nodes; a restart brings one of them back empty.
+    RedLock(Vec<turnstile_test_support::RedisServer>),
+    /// Three etcd members; a restart kills one and starts it again with its data.
+    EtcdCluster(turnstile_test_support::EtcdCluster),
 }
 
 impl Store {
@@ -140,9 +149,12 @@ impl Store {
             }
             "etcd" => Store::Etcd(servers::EtcdServer::spawn()),
             "zookeeper" => Store::ZooKeeper(servers::ZooKeeperServer::spawn()),
+            "redis-sentinel" => Store::RedisSentinel(servers::RedisSentinelGroup::spawn()),
+            "redlock" => Store::RedLock((0..5).map(|_| servers::RedisServer::spawn()).collect()),
+            "etcd-cluster" => Store::EtcdCluster(servers::EtcdCluster::spawn(3)),
             url if url.contains("://") => Store::Url(url.to_owned()),
             other => anyhow::bail!(
-                "--store {other:?} is neither a URL nor one of sqlite, redis, postgres, postgres-session, mariadb, etcd, zookeeper"
+                "--store {other:?} is neither a URL nor one of sqlite, redis, postgres, postgres-session, mariadb, etcd, zookeeper, redis-sentinel, redlock, etcd-cluster"
             ),
         })
     }
@@ -157,6 +169,15 @@ impl Store {
             Store::MariaDb(_, url) => url.clone(),
             Store::Etcd(server) => server.url(),
             Store::ZooKeeper(server) => server.url(),
+            Store::RedisSentinel(group) => group.url(),
+            Store::RedLock(nodes) => {
+                let hosts: Vec<String> = nodes
+                    .iter()
+                    .map(|node| format!("127.0.0.1:{}", node.port()))
+                    .collect();
+                format!("redlock://{}", hosts.join(","))
+            }
+            Store::EtcdCluster(cluster) => cluster.url(),
         }
     }
 
@@ -165,7 +186,9 @@ impl Store {
         let url = self.url();
         let scheme = url.split("://").next().unwrap_or("");
         match scheme {
-            "redis" | "rediss" | "redis+sentinel" | "redis+cluster" => "redis",
+            "redis" | "rediss" | "redis+cluster" => "redis",
+            "redis+sentinel" => "redis-sentinel",
+            "redlock" => "redlock",
             "postgres" | "postgresql" if url.contains("turnstile_mode=session") => {
                 "postgres-session"
             }
@@ -185,7 +208,10 @@ impl Store {
     fn explaining_faults(&self) -> Vec<String> {
         let mut faults = vec!["pause".to_owned(), "clock".to_owned()];
         match self.engine() {
-            "redis" | "unknown" => faults.push("restart".into()),
+            // Redis without persistence comes back empty; a Sentinel failover can lose
+            // the last writes (asynchronous replication); a RedLock node restarted empty
+            // can give a second holder its majority.
+            "redis" | "redis-sentinel" | "redlock" | "unknown" => faults.push("restart".into()),
             "postgres-session" | "mysql" => {
                 faults.push("restart".into());
                 faults.push("kill-conn".into());
@@ -241,6 +267,20 @@ impl Store {
             }
             Store::ZooKeeper(server) => {
                 server.start_again();
+                Ok(())
+            }
+            Store::RedisSentinel(group) => {
+                let old = group.kill_master();
+                group.wait_for_a_new_master(old, Duration::from_secs(30));
+                group.start_again(old);
+                Ok(())
+            }
+            Store::RedLock(nodes) => {
+                nodes[rand::random::<u64>() as usize % nodes.len()].restart();
+                Ok(())
+            }
+            Store::EtcdCluster(cluster) => {
+                cluster.member(rand::random::<u64>() as usize % 3).restart();
                 Ok(())
             }
         }
