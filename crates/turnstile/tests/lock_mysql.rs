@@ -964,10 +964,11 @@ async fn a_store_holds_64_locks_at_once_and_a_65th_waits_for_one_of_their_sessio
         turnstile::ErrorKind::StoreUnavailable,
         "{error}"
     );
+    // It says why: the store's sessions all hold locks, not a server that is down.
     assert!(
-        error
-            .to_string()
-            .contains("cannot open a MySQL session for the lock"),
+        error.to_string().contains(
+            "cannot open a MySQL session for the lock: all 64 sessions of this store hold locks"
+        ),
         "{error}"
     );
     assert!(about(took, CONNECT_TIMEOUT), "refused after {took:?}");

@@ -829,10 +829,9 @@ impl LockBackend for MysqlLockStore {
             let (mut connection, reply, sent) = match sent {
                 Ok(sent) => sent,
                 Err(error @ (sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)) => {
-                    return Err(unavailable(
-                        error,
-                        "cannot open a MySQL session for the lock",
-                    ));
+                    let what =
+                        session::no_session_left("MySQL", self.held.len(), self.sessions.size());
+                    return Err(unavailable(error, &what));
                 }
                 // A transaction-scoped holder keeps the name's row locked: the lock is
                 // held. The session may have taken the named lock before finding out,

@@ -424,10 +424,12 @@ impl LockBackend for PostgresSessionLockStore {
             let (connection, row, sent) = match sent_statement {
                 Ok(sent) => sent,
                 Err(error @ (sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)) => {
-                    return Err(map_error(
-                        error,
-                        "cannot open a PostgreSQL session for the lock",
-                    ));
+                    let what = session::no_session_left(
+                        "PostgreSQL",
+                        self.held.len(),
+                        self.sessions.size(),
+                    );
+                    return Err(map_error(error, &what));
                 }
                 Err(error) => return Err(map_error(error, "cannot acquire the lock")),
             };

@@ -150,6 +150,25 @@ impl<C, K> HeldSessions<C, K> {
     pub(crate) fn forget(&self, owner: &OwnerId) {
         self.table().remove(owner.as_str());
     }
+
+    /// How many locks this store holds now, each on a session of its own.
+    pub(crate) fn len(&self) -> usize {
+        self.table().len()
+    }
+}
+
+/// What to say when no session could be had for a new lock: that every session holds a
+/// lock, when they all do (the limit, not the server, is what stops it).
+pub(crate) fn no_session_left(engine: &str, held: usize, limit: u32) -> String {
+    if held >= limit as usize {
+        format!(
+            "cannot open a {engine} session for the lock: all {limit} sessions of this store \
+             hold locks (one per held lock; `turnstile_max_held` sets how many); it gets one \
+             when a lock is released"
+        )
+    } else {
+        format!("cannot open a {engine} session for the lock")
+    }
 }
 
 /// What a session-based engine supplies; [`extend`] and [`release`] are written once
