@@ -55,6 +55,10 @@ pub(crate) struct RelayArgs {
     /// Keys leased (and published at once) per round.
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     keys: u32,
+    /// The longest pause of a failing key (and of the whole relay while every publish
+    /// fails); with the lease, it sets how long a broker must keep duplicates out.
+    #[arg(long, default_value = "60s", value_parser = parse_ttl, value_name = "DURATION")]
+    backoff_max: Duration,
 }
 
 #[derive(Args, Debug)]
@@ -109,7 +113,11 @@ async fn relay(args: RelayArgs) -> ExitCode {
             RelayOptions::new()
                 .lease(args.lease)
                 .max_attempts(args.max_attempts)
-                .max_keys(args.keys),
+                .max_keys(args.keys)
+                .backoff(turnstile::outbox::Backoff {
+                    base: Duration::from_millis(100).min(args.backoff_max),
+                    max: args.backoff_max,
+                }),
         );
         let shutdown = CancellationToken::new();
         let stop = shutdown.clone();

@@ -150,3 +150,51 @@ fn bad_input_gets_a_clear_error() {
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
 }
+
+/// The outbox under relay kills and broker outages longer than the stream's duplicate
+/// window: every committed message handled once, nothing rolled back handled, each key
+/// in order.
+#[test]
+fn the_outbox_passes_under_relay_kills_and_broker_outages() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .args([
+            "verify",
+            "outbox",
+            "--duration",
+            "12s",
+            "--messages",
+            "800",
+            "--json",
+        ])
+        .arg("--report")
+        .arg(dir.path())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let summary = summary(&output);
+    assert_eq!(output.status.code(), Some(0), "{summary}");
+    let run = &summary["runs"][0];
+    let checks: Vec<&str> = run["verdicts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["check"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        checks,
+        [
+            "every committed message handled",
+            "handled at most once",
+            "nothing rolled back handled",
+            "each key in order"
+        ]
+    );
+    assert!(run["committed"].as_u64().unwrap() > 600, "{run}");
+    assert_eq!(run["handled"], run["committed"], "{run}");
+    assert!(run["faults"]["kill-relay"].as_u64().unwrap() >= 1, "{run}");
+    assert!(
+        run["faults"]["broker-outage"].as_u64().unwrap() >= 1,
+        "{run}"
+    );
+}

@@ -14,6 +14,8 @@
 
 mod check;
 mod history;
+#[cfg(feature = "nats")]
+mod outbox;
 mod report;
 pub(crate) mod worker;
 
@@ -40,6 +42,14 @@ pub(crate) enum VerifyCommand {
     /// check of every run passed, 1 when one did not, 64 bad input, 69 store
     /// unavailable.
     Lock(VerifyLockArgs),
+    /// Enqueue messages into an SQLite outbox (one transaction in seven rolled back)
+    /// while relay processes publish them to a NATS JetStream stream this command
+    /// starts and a consumer handles them through its inbox; kill relays and stop the
+    /// broker for longer than its duplicate window; then check that every committed
+    /// message was handled exactly once, nothing rolled back was handled, and each
+    /// key's messages were handled in order. Exit status as for `verify lock`.
+    #[cfg(feature = "nats")]
+    Outbox(outbox::VerifyOutboxArgs),
 }
 
 /// A fault the nemesis can inject.
@@ -321,7 +331,11 @@ struct Summary {
 
 /// Runs `turnstile verify lock`.
 pub(crate) async fn run(command: VerifyCommand) -> ExitCode {
-    let VerifyCommand::Lock(args) = command;
+    let args = match command {
+        VerifyCommand::Lock(args) => args,
+        #[cfg(feature = "nats")]
+        VerifyCommand::Outbox(args) => return outbox::run(args).await,
+    };
     match verify_lock(args).await {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),

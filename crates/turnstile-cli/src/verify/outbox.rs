@@ -1,0 +1,594 @@
+//! `turnstile verify outbox`: an application enqueues messages (some in transactions it
+//! rolls back) into an SQLite outbox while relay processes publish them to a NATS
+//! JetStream stream and a consumer handles them through its inbox; a nemesis kills
+//! relays with SIGKILL and stops the broker for longer than the stream's duplicate
+//! window, so copies get past the broker. The checker reads what the application
+//! committed and what the consumer's handler did, and decides: every committed message
+//! handled exactly once, nothing handled that was rolled back, each key's messages
+//! handled in order.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+use serde::Serialize;
+use sqlx::Row;
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+use turnstile::idempotency::inbox::{Delivery, Inbox};
+use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
+use turnstile::outbox::Message;
+use turnstile::outbox::nats::{JetStreamConsumer, JetStreamPublisher};
+use turnstile::outbox::sqlite::SqliteOutbox;
+use turnstile_test_support::NatsServer;
+
+use super::check::Verdict;
+use super::history::{Event, EventKind, HistoryWriter};
+
+/// The relays' lease: with the backoff below, the window in which the broker must keep
+/// duplicates out (the stream's duplicate window is set to exactly that).
+const RELAY_LEASE: Duration = Duration::from_secs(2);
+const RELAY_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// The stream's duplicate window: just above what the relays need (they refuse a
+/// stream whose window is not longer than their lease and longest backoff).
+const DUPLICATE_WINDOW: Duration = Duration::from_secs(4);
+
+/// `turnstile verify outbox`.
+#[derive(Args, Debug)]
+pub(crate) struct VerifyOutboxArgs {
+    /// Relay processes publishing at once.
+    #[arg(long, default_value_t = 2)]
+    relays: usize,
+    /// Messages the application enqueues (one in seven rolled back).
+    #[arg(long, default_value_t = 2000)]
+    messages: usize,
+    /// Ordering keys the messages are spread over.
+    #[arg(long, default_value_t = 6)]
+    keys: usize,
+    /// How long the application enqueues and the nemesis injects faults; the run then
+    /// waits (up to a minute) for the outbox to drain.
+    #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Runs, each with its own outbox, stream and inbox.
+    #[arg(long, default_value_t = 1)]
+    runs: u32,
+    /// Where the files of each run and `summary.json` go.
+    #[arg(long, value_name = "DIR", default_value = "turnstile-verify-outbox")]
+    report: PathBuf,
+    /// Print the summary as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One run's findings.
+#[derive(Debug, Serialize)]
+struct OutboxRun {
+    run: u32,
+    passed: bool,
+    committed: usize,
+    rolled_back: usize,
+    handled: usize,
+    /// Deliveries the inbox recognised as copies and skipped.
+    duplicates_skipped: u64,
+    faults: BTreeMap<String, usize>,
+    verdicts: Vec<Verdict>,
+}
+
+pub(crate) async fn run(args: VerifyOutboxArgs) -> ExitCode {
+    match verify(args).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(error) => {
+            eprintln!("turnstile verify outbox: {error:#}");
+            let usage = error.to_string().starts_with("--");
+            ExitCode::from(if usage {
+                crate::exit::USAGE
+            } else {
+                crate::exit::UNAVAILABLE
+            })
+        }
+    }
+}
+
+async fn verify(args: VerifyOutboxArgs) -> anyhow::Result<bool> {
+    anyhow::ensure!(
+        (1..=16).contains(&args.relays),
+        "--relays must be between 1 and 16"
+    );
+    anyhow::ensure!(
+        (1..=100_000).contains(&args.messages),
+        "--messages must be between 1 and 100000"
+    );
+    anyhow::ensure!(
+        (1..=10_000).contains(&args.keys),
+        "--keys must be between 1 and 10000"
+    );
+    anyhow::ensure!(
+        args.duration >= Duration::from_secs(10),
+        "--duration must be at least 10s: a relay kill and a broker outage longer than the duplicate window"
+    );
+    std::fs::create_dir_all(&args.report)?;
+    let nats = tokio::task::spawn_blocking(NatsServer::spawn).await?;
+    let mut runs = Vec::new();
+    for run in 1..=args.runs {
+        let dir = args.report.join(format!("outbox-run-{run:03}"));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)?;
+        }
+        std::fs::create_dir_all(&dir)?;
+        let outcome = one_run(&args, &nats, run, &dir).await?;
+        eprintln!(
+            "run {run}/{}: {} — {} committed, {} handled, {} copies skipped by the inbox, faults {:?}",
+            args.runs,
+            if outcome.passed { "passed" } else { "FAILED" },
+            outcome.committed,
+            outcome.handled,
+            outcome.duplicates_skipped,
+            outcome.faults
+        );
+        for verdict in outcome.verdicts.iter().filter(|v| !v.passed) {
+            eprintln!("  {}: {}", verdict.check, verdict.detail);
+        }
+        runs.push(outcome);
+    }
+    let passed = runs.iter().all(|run| run.passed);
+    let summary = serde_json::json!({
+        "pillar": "outbox",
+        "store": "sqlite",
+        "broker": "nats",
+        "relays": args.relays,
+        "passed": passed,
+        "runs": runs,
+    });
+    std::fs::write(
+        args.report.join("summary.json"),
+        serde_json::to_vec_pretty(&summary)?,
+    )?;
+    if args.json {
+        println!("{summary}");
+    }
+    eprintln!(
+        "turnstile verify outbox: {} ({} runs); report: {}",
+        if passed { "passed" } else { "FAILED" },
+        runs.len(),
+        args.report.join("summary.json").display()
+    );
+    Ok(passed)
+}
+
+/// A relay process: `turnstile outbox relay`, started again after a kill.
+fn start_relay(store_url: &str, broker: &str, log: &Path) -> anyhow::Result<Child> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    Ok(Command::new(std::env::current_exe()?)
+        .args(["outbox", "relay", "--store", store_url, "--broker", broker])
+        .arg("--lease")
+        .arg(format!("{}ms", RELAY_LEASE.as_millis()))
+        .arg("--backoff-max")
+        .arg(format!("{}ms", RELAY_BACKOFF_MAX.as_millis()))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()?)
+}
+
+async fn one_run(
+    args: &VerifyOutboxArgs,
+    nats: &NatsServer,
+    run: u32,
+    dir: &Path,
+) -> anyhow::Result<OutboxRun> {
+    let store_path = dir.join("outbox.sqlite3");
+    let outbox = SqliteOutbox::open(&store_path).await?;
+    let store_url = format!("sqlite://{}", store_path.display());
+    let broker = nats.url();
+    let subject = format!("verify{run}-{}", std::process::id());
+    let stream = format!("VERIFY_{run}_{}", std::process::id());
+    let publisher = JetStreamPublisher::connect(&broker, Duration::from_secs(5)).await?;
+    publisher
+        .jetstream()
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{subject}.>")],
+            duplicate_window: DUPLICATE_WINDOW,
+            ..Default::default()
+        })
+        .await
+        .map_err(|error| anyhow::anyhow!("cannot create the stream: {error}"))?;
+    let mut relays = Vec::new();
+    for index in 0..args.relays {
+        relays.push(start_relay(
+            &store_url,
+            &broker,
+            &dir.join(format!("relay-{index}.log")),
+        )?);
+    }
+    let mut nemesis_log = HistoryWriter::create(&dir.join("nemesis.jsonl"))?;
+
+    // The consumer: a durable pull consumer whose handler records its effect in the
+    // inbox's transaction.
+    let inbox_store = SqliteIdempotencyStore::open(dir.join("consumer.sqlite3")).await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS effects (
+            n INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL, key TEXT NOT NULL,
+            seq INTEGER NOT NULL)",
+    )
+    .execute(inbox_store.pool())
+    .await?;
+    let stop_consuming = CancellationToken::new();
+    let consuming = consume(
+        inbox_store.clone(),
+        &broker,
+        &stream,
+        stop_consuming.clone(),
+    );
+    let producing = async {
+        // The application: enqueues at a steady pace over the first two thirds of the
+        // run, one transaction in seven rolled back.
+        let mut committed = HashSet::new();
+        let mut rolled_back = HashSet::new();
+        let enqueue_for = args.duration * 2 / 3;
+        let pace = enqueue_for / u32::try_from(args.messages).unwrap_or(u32::MAX).max(1);
+        let started = tokio::time::Instant::now();
+        let mut next_fault = started + Duration::from_secs(2);
+        let mut fault_turn = 0;
+        let mut faults = BTreeMap::new();
+        for n in 0..args.messages {
+            let message = Message::json(
+                format!("{subject}.m"),
+                format!("k{}", n % args.keys),
+                &serde_json::json!({ "n": n }),
+            )?;
+            let mut transaction = outbox.pool().begin_with("BEGIN IMMEDIATE").await?;
+            outbox.enqueue(&mut transaction, &message).await?;
+            if n % 7 == 6 {
+                transaction.rollback().await?;
+                rolled_back.insert(message.id().to_owned());
+            } else {
+                outbox.commit(transaction).await?;
+                committed.insert(message.id().to_owned());
+            }
+            // A relay that ended (it found the broker down when it started) is
+            // started again, as a supervisor would.
+            for (index, relay) in relays.iter_mut().enumerate() {
+                if relay.try_wait().ok().flatten().is_some() {
+                    *relay =
+                        start_relay(&store_url, &broker, &dir.join(format!("relay-{index}.log")))?;
+                }
+            }
+            // Faults, in turn, between enqueues.
+            if tokio::time::Instant::now() >= next_fault {
+                // Relay kills and broker outages in turn.
+                if fault_turn % 2 == 0 {
+                    let index = fault_turn % relays.len();
+                    nemesis_log.record(
+                        &Event::now(EventKind::FaultStart, Some(index)).fault("kill-relay"),
+                    );
+                    let _ = relays[index].kill().await;
+                    relays[index] =
+                        start_relay(&store_url, &broker, &dir.join(format!("relay-{index}.log")))?;
+                    nemesis_log
+                        .record(&Event::now(EventKind::FaultEnd, Some(index)).fault("kill-relay"));
+                    *faults.entry("kill-relay".to_owned()).or_insert(0) += 1;
+                } else {
+                    // Longer than the duplicate window, with the relays killed as it goes
+                    // down: what they had published and not recorded goes out again after
+                    // the window, past the broker's duplicate detection.
+                    nemesis_log
+                        .record(&Event::now(EventKind::FaultStart, None).fault("broker-outage"));
+                    for relay in relays.iter_mut() {
+                        let _ = relay.kill().await;
+                    }
+                    // Blocking for the moment the server takes to stop: the consumer waits.
+                    nats.stop();
+                    tokio::time::sleep(DUPLICATE_WINDOW + Duration::from_secs(2)).await;
+                    nats.start_again();
+                    for (index, relay) in relays.iter_mut().enumerate() {
+                        *relay = start_relay(
+                            &store_url,
+                            &broker,
+                            &dir.join(format!("relay-{index}.log")),
+                        )?;
+                    }
+                    nemesis_log
+                        .record(&Event::now(EventKind::FaultEnd, None).fault("broker-outage"));
+                    *faults.entry("broker-outage".to_owned()).or_insert(0) += 1;
+                }
+                fault_turn += 1;
+                next_fault = tokio::time::Instant::now() + Duration::from_secs(1);
+            }
+            tokio::time::sleep_until(started + pace * u32::try_from(n + 1).unwrap_or(u32::MAX))
+                .await;
+        }
+        // Drain: the outbox empties and the consumer has handled every committed message
+        // (or a minute passes).
+        let drained_by = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let handled: i64 = sqlx::query_scalar("SELECT count(DISTINCT id) FROM effects")
+                .fetch_one(inbox_store.pool())
+                .await?;
+            let pending = turnstile::outbox::OutboxStore::status(&outbox, 1)
+                .await?
+                .pending;
+            if (pending == 0 && handled as usize >= committed.len())
+                || tokio::time::Instant::now() >= drained_by
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // Late copies still in flight get a moment to arrive.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        Ok::<_, anyhow::Error>((committed, rolled_back, faults))
+    };
+    let producing = async {
+        let produced = producing.await;
+        stop_consuming.cancel();
+        produced
+    };
+    let (skipped, produced) = tokio::join!(consuming, producing);
+    let (committed, rolled_back, faults) = produced?;
+    let duplicates_skipped = skipped?;
+    for relay in &mut relays {
+        let _ = relay.kill().await;
+    }
+    let effects = sqlx::query("SELECT id, key, seq FROM effects ORDER BY n")
+        .fetch_all(inbox_store.pool())
+        .await?
+        .iter()
+        .map(|row| -> anyhow::Result<(String, String, i64)> {
+            Ok((row.try_get("id")?, row.try_get("key")?, row.try_get("seq")?))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let verdicts = check(&committed, &rolled_back, &effects);
+    Ok(OutboxRun {
+        run,
+        passed: verdicts.iter().all(|v| v.passed),
+        committed: committed.len(),
+        rolled_back: rolled_back.len(),
+        handled: effects.len(),
+        duplicates_skipped,
+        faults,
+        verdicts,
+    })
+}
+
+/// Handles deliveries through the inbox until `stop`; returns how many copies the
+/// inbox skipped.
+async fn consume(
+    store: SqliteIdempotencyStore,
+    broker: &str,
+    stream: &str,
+    stop: CancellationToken,
+) -> anyhow::Result<u64> {
+    let inbox = Inbox::new(store.clone(), "verify")?;
+    let mut skipped = 0;
+    let mut consumer: Option<JetStreamConsumer> = None;
+    while !stop.is_cancelled() {
+        // The broker goes away and comes back: connect (again) when needed.
+        let Some(open) = consumer.as_ref() else {
+            let connected = async {
+                let publisher = JetStreamPublisher::connect(broker, Duration::from_secs(2)).await?;
+                JetStreamConsumer::durable(
+                    publisher.jetstream(),
+                    stream,
+                    "verify",
+                    Duration::from_secs(2),
+                )
+                .await
+            };
+            match connected.await {
+                Ok(opened) => consumer = Some(opened),
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+            continue;
+        };
+        let processed = open
+            .process(
+                32,
+                Duration::from_millis(300),
+                Duration::from_millis(200),
+                async |incoming| {
+                    // The inbox's key (the producer and the message id), and the
+                    // message id the application knows.
+                    let inbox_id = incoming.inbox_id()?;
+                    let id = incoming.id.clone().unwrap_or_default();
+                    let key = incoming.key.clone().unwrap_or_default();
+                    let seq = i64::try_from(incoming.seq.unwrap_or(0)).unwrap_or(i64::MAX);
+                    let mut transaction = store
+                        .pool()
+                        .begin_with("BEGIN IMMEDIATE")
+                        .await
+                        .map_err(|error| {
+                            turnstile::Error::new(turnstile::ErrorKind::Store, error.to_string())
+                        })?;
+                    // In order per key: JetStream redelivers a message that was not
+                    // acknowledged after later ones of its key went out.
+                    let cursor = incoming.cursor_key().unwrap_or_default();
+                    let position = incoming.seq.unwrap_or(0);
+                    let delivery = inbox
+                        .process_in_order(
+                            &mut transaction,
+                            &inbox_id,
+                            &cursor,
+                            position,
+                            async |connection| {
+                                sqlx::query(
+                                    "INSERT INTO effects (id, key, seq) VALUES (?1, ?2, ?3)",
+                                )
+                                .bind(&id)
+                                .bind(&key)
+                                .bind(seq)
+                                .execute(&mut *connection)
+                                .await
+                                .map_err(|error| {
+                                    turnstile::Error::new(
+                                        turnstile::ErrorKind::Store,
+                                        error.to_string(),
+                                    )
+                                })?;
+                                Ok::<_, turnstile::Error>(())
+                            },
+                        )
+                        .await?;
+                    transaction.commit().await.map_err(|error| {
+                        turnstile::Error::new(turnstile::ErrorKind::Store, error.to_string())
+                    })?;
+                    match delivery {
+                        Delivery::Duplicate => skipped += 1,
+                        // Its predecessor comes first: the broker delivers it again.
+                        Delivery::Early { expected } => {
+                            return Err(turnstile::Error::new(
+                                turnstile::ErrorKind::InProgress,
+                                format!("{cursor}: waiting for message {expected}"),
+                            ));
+                        }
+                        _ => {}
+                    }
+                    Ok(())
+                },
+            )
+            .await;
+        if processed.is_err() {
+            consumer = None;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    Ok(skipped)
+}
+
+/// The verdicts, from what the application committed and what the handler did.
+fn check(
+    committed: &HashSet<String>,
+    rolled_back: &HashSet<String>,
+    effects: &[(String, String, i64)],
+) -> Vec<Verdict> {
+    let mut times: HashMap<&str, usize> = HashMap::new();
+    for (id, ..) in effects {
+        *times.entry(id.as_str()).or_insert(0) += 1;
+    }
+    let lost: Vec<&String> = committed
+        .iter()
+        .filter(|id| !times.contains_key(id.as_str()))
+        .collect();
+    let twice: Vec<&str> = times
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(id, _)| *id)
+        .collect();
+    let phantom: Vec<&String> = rolled_back
+        .iter()
+        .filter(|id| times.contains_key(id.as_str()))
+        .collect();
+    let mut last_seq: HashMap<&str, i64> = HashMap::new();
+    let mut out_of_order = Vec::new();
+    for (id, key, seq) in effects {
+        if let Some(&last) = last_seq.get(key.as_str())
+            && *seq <= last
+        {
+            out_of_order.push(format!("{key}: seq {seq} ({id}) handled after {last}"));
+        }
+        last_seq.insert(key.as_str(), *seq);
+    }
+    let verdict = |check: &'static str, problems: Vec<String>, fine: String| Verdict {
+        check,
+        passed: problems.is_empty(),
+        detail: if problems.is_empty() {
+            fine
+        } else {
+            let shown: Vec<String> = problems.iter().take(5).cloned().collect();
+            format!("{} ({} in all)", shown.join("; "), problems.len())
+        },
+    };
+    vec![
+        verdict(
+            "every committed message handled",
+            lost.iter()
+                .map(|id| format!("{id} never handled"))
+                .collect(),
+            format!("{} committed, all handled", committed.len()),
+        ),
+        verdict(
+            "handled at most once",
+            twice
+                .iter()
+                .map(|id| format!("{id} handled twice"))
+                .collect(),
+            format!("{} handled once each", times.len()),
+        ),
+        verdict(
+            "nothing rolled back handled",
+            phantom
+                .iter()
+                .map(|id| format!("{id} was rolled back"))
+                .collect(),
+            format!("{} rolled back, none handled", rolled_back.len()),
+        ),
+        verdict(
+            "each key in order",
+            out_of_order,
+            "every key's messages handled in sequence order".to_owned(),
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(names: &[&str]) -> HashSet<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn each_defect_fails_its_own_check() {
+        let committed = ids(&["a", "b", "c"]);
+        let rolled_back = ids(&["x"]);
+        let effect = |id: &str, seq| (id.to_owned(), "k".to_owned(), seq);
+        let clean = check(
+            &committed,
+            &rolled_back,
+            &[effect("a", 1), effect("b", 2), effect("c", 3)],
+        );
+        assert!(clean.iter().all(|v| v.passed), "{clean:?}");
+        let failed = |effects: &[(String, String, i64)]| -> Vec<&'static str> {
+            check(&committed, &rolled_back, effects)
+                .into_iter()
+                .filter(|v| !v.passed)
+                .map(|v| v.check)
+                .collect()
+        };
+        assert_eq!(
+            failed(&[effect("a", 1), effect("b", 2)]),
+            ["every committed message handled"]
+        );
+        assert_eq!(
+            failed(&[
+                effect("a", 1),
+                effect("b", 2),
+                effect("c", 3),
+                effect("c", 3)
+            ]),
+            ["handled at most once", "each key in order"]
+        );
+        assert_eq!(
+            failed(&[
+                effect("a", 1),
+                effect("b", 2),
+                effect("c", 3),
+                effect("x", 4)
+            ]),
+            ["nothing rolled back handled"]
+        );
+        assert_eq!(
+            failed(&[effect("b", 2), effect("a", 1), effect("c", 3)]),
+            ["each key in order"]
+        );
+    }
+}
