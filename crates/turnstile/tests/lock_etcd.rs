@@ -102,6 +102,47 @@ async fn a_waiter_that_gives_up_while_etcd_is_down_leaves_no_key_in_line() {
     drop(waiter);
 }
 
+/// A release dropped before etcd answered (the lock core bounds a release; a caller may
+/// drop it) still takes the key out: the session keeper deletes it once etcd answers
+/// again. Found by `turnstile verify lock --store etcd --faults partition`: a holder
+/// cut off while releasing left its key first in line, and nobody got the lock for the
+/// rest of the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_dropped_unanswered_still_frees_the_lock() {
+    let server = shared_etcd();
+    let proxy = turnstile_test_support::TcpProxy::start(server.port());
+    let url = format!(
+        "{}?turnstile_prefix={}",
+        server.url(),
+        unique_name("dropped")
+    );
+    let holder = Locker::new(EtcdLockStore::connect(&proxy.url_for(&url)).await.unwrap());
+    let ttl = Duration::from_secs(2);
+    let guard = holder
+        .acquire("job", &LockOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    proxy.cut();
+    let dropped = tokio::time::timeout(Duration::from_millis(200), guard.release()).await;
+    assert!(
+        dropped.is_err(),
+        "the release was answered through a cut path"
+    );
+    // The request never reaches etcd: its connection ends with the bytes held back.
+    proxy.close_connections();
+    proxy.heal();
+    let other = Locker::new(EtcdLockStore::connect(&url).await.unwrap());
+    let taken = other
+        .acquire(
+            "job",
+            &LockOptions::new().ttl(ttl).wait(Duration::from_secs(5)),
+        )
+        .await
+        .expect("the key of a release dropped unanswered held the lock");
+    taken.release().await.unwrap();
+    drop(holder);
+}
+
 /// A client that dies holding a lock (its runtime stops: no release, no keep-alive, no
 /// revoke) frees it when its session lease runs out on etcd — the TTL rounded up to
 /// whole seconds, plus one second, after its last keep-alive — and not before the TTL.

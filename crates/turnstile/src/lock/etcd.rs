@@ -396,16 +396,17 @@ impl EtcdLockStore {
             })
             .await;
         if deleted.is_err() {
-            self.delete_later(key);
+            self.delete_later(key, Duration::ZERO);
         }
     }
 
-    /// Has the session keeper delete `key` at its next tick, and again until it goes:
-    /// a key this client gave up on but could not delete (the store was down) lives on
-    /// the session lease, which this client keeps alive, so nobody else would ever
-    /// remove it, and a waiter's key left in line would hold the lock for good.
-    fn delete_later(&self, key: String) {
-        self.deadlines().insert(key, Instant::now());
+    /// Has the session keeper delete `key` once `after` has passed, and again until it
+    /// goes: a key this client gave up on but could not delete (the store was down, or
+    /// the release was dropped unfinished) lives on the session lease, which this
+    /// client keeps alive, so nobody else would ever remove it, and a waiter's key left
+    /// in line would hold the lock for good.
+    fn delete_later(&self, key: String, after: Duration) {
+        self.deadlines().insert(key, Instant::now() + after);
     }
 
     /// The session lease for locks of `ttl`, kept alive at least until `needed_until`
@@ -671,6 +672,10 @@ impl LockBackend for EtcdLockStore {
             let key = self.key(name, owner);
             let overdue = self.overdue(&key);
             self.left_line(&key);
+            // Should this release fail, time out or be dropped unfinished (the lock core
+            // gives a release a bound), the session keeper deletes the key a second from
+            // now; a release that is answered takes that back.
+            self.delete_later(key.clone(), Duration::from_secs(1));
             // In one round trip: our key, the name's first key (before the delete), and
             // the delete of ours.
             let first_key = self.in_line(name, 1);
@@ -682,11 +687,11 @@ impl LockBackend for EtcdLockStore {
                 ]))
                 .await
             {
-                Ok(answer) => answer,
-                Err(error) => {
-                    self.delete_later(key);
-                    return Err(failed("cannot release the lock")(error));
+                Ok(answer) => {
+                    self.deadlines().remove(&key);
+                    answer
                 }
+                Err(error) => return Err(failed("cannot release the lock")(error)),
             };
             let (mine, first) = mine_and_first(&answer);
             let Some(kv) = mine else {
