@@ -188,14 +188,23 @@ impl RedisSentinelGroup {
         old
     }
 
-    /// Starts the group's server on `port` again (empty, as it was killed); the
-    /// sentinels make it a replica of the current master.
-    pub fn start_again(&self, port: u16) {
+    /// Starts the group's server on `port` again (empty, as it was killed), and waits
+    /// (up to `limit`) until the sentinels have made it a replica: until then it is a
+    /// second, empty master that a client may still be sent to.
+    pub fn start_again(&self, port: u16, limit: Duration) {
         self.servers
             .iter()
             .find(|server| server.port() == port)
             .expect("the port is one of the group's servers")
             .restart();
+        let started = Instant::now();
+        while !redis_cli(port, &["info", "replication"]).contains("role:slave") {
+            assert!(
+                started.elapsed() < limit,
+                "the sentinels did not make the restarted server a replica within {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// Waits (up to `limit`) until the sentinels name a master other than the one on

@@ -282,7 +282,9 @@ impl Store {
             Store::RedisSentinel(group) => {
                 let old = group.kill_master();
                 group.wait_for_a_new_master(old, Duration::from_secs(30));
-                group.start_again(old);
+                // The fault lasts until the old master is a replica again: while it
+                // is back as a second, empty master, clients may still reach it.
+                group.start_again(old, Duration::from_secs(30));
                 Ok(())
             }
             Store::RedLock(nodes) => {
