@@ -295,13 +295,13 @@ impl Relay {
             .min()
             .unwrap_or_else(Instant::now);
         let settlements: Vec<Settlement> = finished
-            .iter()
-            .map(|done| done.settlement.clone())
+            .into_iter()
+            .map(|done| {
+                round.published += done.published;
+                round.failed += usize::from(done.settlement.failure.is_some());
+                done.settlement
+            })
             .collect();
-        for done in &finished {
-            round.published += done.published;
-            round.failed += usize::from(done.settlement.failure.is_some());
-        }
         let answers = self.settle(&settlements, lease_end).await?;
         for (settlement, answer) in settlements.iter().zip(answers) {
             match answer {
