@@ -257,45 +257,26 @@ impl Store {
     /// Restarts the store (blocking).
     fn restart(&self, restart_cmd: Option<&str>) -> anyhow::Result<()> {
         match self {
-            Store::Url(_) => run_shell(restart_cmd.unwrap_or("false")),
-            Store::Sqlite(_) => Ok(()),
-            Store::Redis(server) => {
-                server.restart();
-                Ok(())
-            }
-            Store::Postgres(server, _) => {
-                server.crash_and_restart();
-                Ok(())
-            }
-            Store::MariaDb(server, _) => {
-                server.restart();
-                Ok(())
-            }
-            Store::Etcd(server) => {
-                server.restart();
-                Ok(())
-            }
-            Store::ZooKeeper(server) => {
-                server.start_again();
-                Ok(())
-            }
+            Store::Url(_) => return run_shell(restart_cmd.unwrap_or("false")),
+            Store::Sqlite(_) => {}
+            Store::Redis(server) => server.restart(),
+            Store::Postgres(server, _) => server.crash_and_restart(),
+            Store::MariaDb(server, _) => server.restart(),
+            Store::Etcd(server) => server.restart(),
+            Store::ZooKeeper(server) => server.start_again(),
             Store::RedisSentinel(group) => {
                 let old = group.kill_master();
                 group.wait_for_a_new_master(old, Duration::from_secs(30));
                 // The fault lasts until the old master is a replica again: while it
                 // is back as a second, empty master, clients may still reach it.
                 group.start_again(old, Duration::from_secs(30));
-                Ok(())
             }
-            Store::RedLock(nodes) => {
-                nodes[rand::random::<u64>() as usize % nodes.len()].restart();
-                Ok(())
-            }
+            Store::RedLock(nodes) => nodes[rand::random::<u64>() as usize % nodes.len()].restart(),
             Store::EtcdCluster(cluster) => {
-                cluster.member(rand::random::<u64>() as usize % 3).restart();
-                Ok(())
+                cluster.member(rand::random::<u64>() as usize % 3).restart()
             }
         }
+        Ok(())
     }
 }
 

@@ -201,13 +201,11 @@ async fn one_run(
         })
         .await
         .map_err(|error| anyhow::anyhow!("cannot create the stream: {error}"))?;
+    let relay =
+        |index: usize| start_relay(&store_url, &broker, &dir.join(format!("relay-{index}.log")));
     let mut relays = Vec::new();
     for index in 0..args.relays {
-        relays.push(start_relay(
-            &store_url,
-            &broker,
-            &dir.join(format!("relay-{index}.log")),
-        )?);
+        relays.push(relay(index)?);
     }
     let mut nemesis_log = HistoryWriter::create(&dir.join("nemesis.jsonl"))?;
 
@@ -256,10 +254,9 @@ async fn one_run(
             }
             // A relay that ended (it found the broker down when it started) is
             // started again, as a supervisor would.
-            for (index, relay) in relays.iter_mut().enumerate() {
-                if relay.try_wait().ok().flatten().is_some() {
-                    *relay =
-                        start_relay(&store_url, &broker, &dir.join(format!("relay-{index}.log")))?;
+            for (index, running) in relays.iter_mut().enumerate() {
+                if running.try_wait().ok().flatten().is_some() {
+                    *running = relay(index)?;
                 }
             }
             // Faults, in turn, between enqueues.
@@ -271,8 +268,7 @@ async fn one_run(
                         &Event::now(EventKind::FaultStart, Some(index)).fault("kill-relay"),
                     );
                     let _ = relays[index].kill().await;
-                    relays[index] =
-                        start_relay(&store_url, &broker, &dir.join(format!("relay-{index}.log")))?;
+                    relays[index] = relay(index)?;
                     nemesis_log
                         .record(&Event::now(EventKind::FaultEnd, Some(index)).fault("kill-relay"));
                     *faults.entry("kill-relay".to_owned()).or_insert(0) += 1;
@@ -282,19 +278,15 @@ async fn one_run(
                     // the window, past the broker's duplicate detection.
                     nemesis_log
                         .record(&Event::now(EventKind::FaultStart, None).fault("broker-outage"));
-                    for relay in relays.iter_mut() {
-                        let _ = relay.kill().await;
+                    for running in relays.iter_mut() {
+                        let _ = running.kill().await;
                     }
                     // Blocking for the moment the server takes to stop: the consumer waits.
                     nats.stop();
                     tokio::time::sleep(DUPLICATE_WINDOW + Duration::from_secs(2)).await;
                     nats.start_again();
-                    for (index, relay) in relays.iter_mut().enumerate() {
-                        *relay = start_relay(
-                            &store_url,
-                            &broker,
-                            &dir.join(format!("relay-{index}.log")),
-                        )?;
+                    for (index, running) in relays.iter_mut().enumerate() {
+                        *running = relay(index)?;
                     }
                     nemesis_log
                         .record(&Event::now(EventKind::FaultEnd, None).fault("broker-outage"));
@@ -359,6 +351,11 @@ async fn one_run(
     })
 }
 
+/// A database error in the consumer's handler, as the handler reports it.
+fn handler_error(error: sqlx::Error) -> turnstile::Error {
+    turnstile::Error::new(turnstile::ErrorKind::Store, error.to_string())
+}
+
 /// Handles deliveries through the inbox until `stop`; returns how many copies the
 /// inbox skipped.
 async fn consume(
@@ -400,18 +397,17 @@ async fn consume(
                     let inbox_id = incoming.inbox_id()?;
                     let id = incoming.id.clone().unwrap_or_default();
                     let key = incoming.key.clone().unwrap_or_default();
-                    let seq = i64::try_from(incoming.seq.unwrap_or(0)).unwrap_or(i64::MAX);
+
                     let mut transaction = store
                         .pool()
                         .begin_with("BEGIN IMMEDIATE")
                         .await
-                        .map_err(|error| {
-                            turnstile::Error::new(turnstile::ErrorKind::Store, error.to_string())
-                        })?;
+                        .map_err(handler_error)?;
                     // In order per key: JetStream redelivers a message that was not
                     // acknowledged after later ones of its key went out.
                     let cursor = incoming.cursor_key().unwrap_or_default();
                     let position = incoming.seq.unwrap_or(0);
+                    let seq = i64::try_from(position).unwrap_or(i64::MAX);
                     let delivery = inbox
                         .process_in_order(
                             &mut transaction,
@@ -427,19 +423,12 @@ async fn consume(
                                 .bind(seq)
                                 .execute(&mut *connection)
                                 .await
-                                .map_err(|error| {
-                                    turnstile::Error::new(
-                                        turnstile::ErrorKind::Store,
-                                        error.to_string(),
-                                    )
-                                })?;
+                                .map_err(handler_error)?;
                                 Ok::<_, turnstile::Error>(())
                             },
                         )
                         .await?;
-                    transaction.commit().await.map_err(|error| {
-                        turnstile::Error::new(turnstile::ErrorKind::Store, error.to_string())
-                    })?;
+                    transaction.commit().await.map_err(handler_error)?;
                     match delivery {
                         Delivery::Duplicate => skipped += 1,
                         // Its predecessor comes first: the broker delivers it again.
