@@ -24,11 +24,19 @@ trait TestOutbox: Send + Sync + 'static {
     async fn another(&self) -> Self::Store;
     /// Another store on the same data that keeps delivered messages for `retention`.
     async fn keeping(&self, retention: Duration) -> Self::Store;
+    /// Enqueues `message` in its own transaction, which ends `hold` later (its key's
+    /// row locked all the while), committed or rolled back.
+    async fn enqueue_in_transaction(&self, message: &Message, hold: Duration, commit: bool);
     /// Enqueues `message` in its own transaction, committed or rolled back.
-    async fn enqueue_one(&self, message: &Message, commit: bool);
+    async fn enqueue_one(&self, message: &Message, commit: bool) {
+        self.enqueue_in_transaction(message, Duration::ZERO, commit)
+            .await;
+    }
     /// Enqueues `message` in its own transaction and commits it after `hold`, its
     /// key's row locked all the while.
-    async fn enqueue_holding(&self, message: &Message, hold: Duration);
+    async fn enqueue_holding(&self, message: &Message, hold: Duration) {
+        self.enqueue_in_transaction(message, hold, true).await;
+    }
     /// Enqueues `message` on a connection outside any transaction.
     async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64>;
     /// Makes the database refuse to store messages of `topic` (a trigger), so that an
@@ -72,7 +80,7 @@ impl TestOutbox for Sqlite {
         self.another().await.keep_delivered(Some(retention))
     }
 
-    async fn enqueue_one(&self, message: &Message, commit: bool) {
+    async fn enqueue_in_transaction(&self, message: &Message, hold: Duration, commit: bool) {
         let mut transaction = self
             .outbox
             .pool()
@@ -83,26 +91,14 @@ impl TestOutbox for Sqlite {
             .enqueue(&mut transaction, message)
             .await
             .unwrap();
+        if !hold.is_zero() {
+            tokio::time::sleep(hold).await;
+        }
         if commit {
             self.outbox.commit(transaction).await.unwrap();
         } else {
             transaction.rollback().await.unwrap();
         }
-    }
-
-    async fn enqueue_holding(&self, message: &Message, hold: Duration) {
-        let mut transaction = self
-            .outbox
-            .pool()
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .unwrap();
-        self.outbox
-            .enqueue(&mut transaction, message)
-            .await
-            .unwrap();
-        tokio::time::sleep(hold).await;
-        self.outbox.commit(transaction).await.unwrap();
     }
 
     async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64> {
@@ -164,27 +160,20 @@ impl TestOutbox for Postgres {
         .unwrap()
     }
 
-    async fn enqueue_one(&self, message: &Message, commit: bool) {
+    async fn enqueue_in_transaction(&self, message: &Message, hold: Duration, commit: bool) {
         let mut transaction = self.pool.begin().await.unwrap();
         self.outbox
             .enqueue(&mut transaction, message)
             .await
             .unwrap();
+        if !hold.is_zero() {
+            tokio::time::sleep(hold).await;
+        }
         if commit {
             self.outbox.commit(transaction).await.unwrap();
         } else {
             transaction.rollback().await.unwrap();
         }
-    }
-
-    async fn enqueue_holding(&self, message: &Message, hold: Duration) {
-        let mut transaction = self.pool.begin().await.unwrap();
-        self.outbox
-            .enqueue(&mut transaction, message)
-            .await
-            .unwrap();
-        tokio::time::sleep(hold).await;
-        self.outbox.commit(transaction).await.unwrap();
     }
 
     async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64> {
@@ -272,27 +261,20 @@ impl TestOutbox for Mysql {
         self.another().await.keep_delivered(Some(retention))
     }
 
-    async fn enqueue_one(&self, message: &Message, commit: bool) {
+    async fn enqueue_in_transaction(&self, message: &Message, hold: Duration, commit: bool) {
         let mut transaction = self.pool.begin().await.unwrap();
         self.outbox
             .enqueue(&mut transaction, message)
             .await
             .unwrap();
+        if !hold.is_zero() {
+            tokio::time::sleep(hold).await;
+        }
         if commit {
             self.outbox.commit(transaction).await.unwrap();
         } else {
             transaction.rollback().await.unwrap();
         }
-    }
-
-    async fn enqueue_holding(&self, message: &Message, hold: Duration) {
-        let mut transaction = self.pool.begin().await.unwrap();
-        self.outbox
-            .enqueue(&mut transaction, message)
-            .await
-            .unwrap();
-        tokio::time::sleep(hold).await;
-        self.outbox.commit(transaction).await.unwrap();
     }
 
     async fn enqueue_alone(&self, message: &Message) -> turnstile::Result<u64> {
