@@ -89,6 +89,10 @@ enum Command {
     #[cfg(feature = "sqlite")]
     #[command(name = "verify-worker", hide = true)]
     VerifyWorker(verify::worker::WorkerArgs),
+    /// Internal to `verify idempotency`: one service instance.
+    #[cfg(all(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    #[command(name = "verify-idempotency-instance", hide = true)]
+    VerifyIdempotencyInstance(verify::idempotency::InstanceArgs),
     /// Internal to `lock exec`: runs the command between turnstile and it.
     #[command(name = exec::SUPERVISOR, hide = true)]
     ExecSupervisor(exec::SupervisorArgs),
@@ -563,6 +567,8 @@ fn main() -> ExitCode {
             Command::Verify(command) => verify::run(command).await,
             #[cfg(feature = "sqlite")]
             Command::VerifyWorker(args) => verify::worker::run(args).await,
+            #[cfg(all(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+            Command::VerifyIdempotencyInstance(args) => verify::idempotency::instance(args).await,
             // Run above, before the runtime.
             Command::ExecSupervisor(_) => ExitCode::from(exit::SOFTWARE),
         }

@@ -270,3 +270,90 @@ async fn a_lock_timeout_in_the_callers_transaction_is_in_progress() {
     second.rollback().await.unwrap();
     first.rollback().await.unwrap();
 }
+
+/// Same-transaction mode on a server whose default is `synchronous_commit = off` (whose
+/// WAL writer waits 10 s): an outcome the caller committed, and the business write
+/// committed with it, survive a crash that comes right after — the completion makes the
+/// transaction's commit wait for the disk, so no answer already given is taken back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_committed_in_the_callers_transaction_survives_a_crash() {
+    use turnstile::idempotency::{
+        Fingerprint, IdempotencyKey, IdempotencyOptions, Scope, TransactionalIdempotency,
+    };
+    let server = turnstile_test_support::PostgresServer::spawn_durable();
+    let url = server.url();
+    let store = PostgresIdempotencyStore::connect(&url).await.unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let setting: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        setting, "off",
+        "the application's connections do not wait for the disk"
+    );
+    sqlx::query("CREATE TABLE payments (key TEXT PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let scope = Scope::new("tenant-1").unwrap();
+    let fingerprint = Fingerprint::of(&[b"1000"]);
+    let options = IdempotencyOptions::new();
+    for n in 0..5 {
+        let key = IdempotencyKey::new(format!("pay-{n}")).unwrap();
+        let mut transaction = pool.begin().await.unwrap();
+        store
+            .run_once_in_transaction(
+                &mut transaction,
+                &scope,
+                &key,
+                &fingerprint,
+                &options,
+                async |connection: &mut sqlx::PgConnection, _token| {
+                    sqlx::query("INSERT INTO payments VALUES ($1)")
+                        .bind(format!("pay-{n}"))
+                        .execute(&mut *connection)
+                        .await
+                        .unwrap();
+                    Ok::<_, turnstile::Error>(n)
+                },
+            )
+            .await
+            .unwrap();
+        transaction.commit().await.unwrap();
+    }
+    // Then a commit of the application's own that did not wait for the disk: the crash
+    // must take it, or the test does not show what it should.
+    sqlx::query("INSERT INTO payments VALUES ('not durable')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    drop(pool);
+    drop(store);
+    server.crash_and_restart();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let kept: Vec<String> = sqlx::query_scalar("SELECT key FROM payments ORDER BY key")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        kept,
+        ["pay-0", "pay-1", "pay-2", "pay-3", "pay-4"],
+        "the plain commit is lost, the idempotent ones are not"
+    );
+    let store = PostgresIdempotencyStore::connect(&url).await.unwrap();
+    let keys = Idempotency::new(store);
+    for n in 0..5 {
+        let key = IdempotencyKey::new(format!("pay-{n}")).unwrap();
+        let replayed: u32 = keys
+            .run_once(&scope, &key, &fingerprint, |_| async {
+                Err(turnstile::Error::new(
+                    turnstile::ErrorKind::Store,
+                    "a completed key ran again after the crash",
+                ))
+            })
+            .await
+            .unwrap();
+        assert_eq!(replayed, n);
+    }
+}

@@ -227,6 +227,7 @@ fn without_a_dead_letter_stream_the_message_is_kept_and_retried() {
             .dead_letter_subject(DeadLetterSubject::Subject(dead_subject.clone()));
             let delay = Duration::from_millis(200);
             let mut attempts: Vec<Instant> = Vec::new();
+            let mut handled = std::collections::BTreeSet::new();
             let mut total = Processed::default();
             for _ in 0..60 {
                 let done = consumer
@@ -238,6 +239,7 @@ fn without_a_dead_letter_stream_the_message_is_kept_and_retried() {
                                 "poison",
                             ));
                         }
+                        handled.insert(incoming.payload.to_vec());
                         Ok(())
                     })
                     .await
@@ -252,7 +254,11 @@ fn without_a_dead_letter_stream_the_message_is_kept_and_retried() {
                 assert!(pair[1] - pair[0] >= delay, "retried before the delay");
             }
             assert_eq!(total.dead_lettered, 0);
-            assert_eq!(total.acked, 9);
+            // Every healthy message is handled; delivery is at least once, so a
+            // loaded server may deliver one again (its ack landed after ack_wait)
+            // and it is handled and acked twice: that is the contract, not a bug.
+            assert_eq!(handled.len(), 9, "every healthy message handled");
+            assert!(total.acked >= 9, "{total:?}");
             assert_eq!(total.retried, 4);
             // An operator adds the stream: the next failure dead-letters the message.
             // (Only the poison message fails: a healthy one the server delivers again,

@@ -14,6 +14,8 @@
 
 mod check;
 mod history;
+#[cfg(all(feature = "postgres", feature = "mysql"))]
+pub(crate) mod idempotency;
 #[cfg(feature = "nats")]
 mod outbox;
 mod report;
@@ -50,6 +52,15 @@ pub(crate) enum VerifyCommand {
     /// key's messages were handled in order. Exit status as for `verify lock`.
     #[cfg(feature = "nats")]
     Outbox(outbox::VerifyOutboxArgs),
+    /// Send payments with `Idempotency-Key`s to several service instances (processes
+    /// with the idempotency layer over the store), dropping responses and retrying,
+    /// the same keys in other tenants too, while instances are killed mid-request and
+    /// paused past their lease and the store restarts; then check that each request
+    /// had one effect (beyond what the mode does not promise: the lease mode runs a
+    /// killed or frozen handler's request again), every answer was the request's own,
+    /// and every request was answered. Exit status as for `verify lock`.
+    #[cfg(all(feature = "postgres", feature = "mysql"))]
+    Idempotency(idempotency::VerifyIdempotencyArgs),
 }
 
 /// A fault the nemesis can inject.
@@ -318,12 +329,20 @@ pub(crate) async fn run(command: VerifyCommand) -> ExitCode {
         VerifyCommand::Lock(args) => args,
         #[cfg(feature = "nats")]
         VerifyCommand::Outbox(args) => return outbox::run(args).await,
+        #[cfg(all(feature = "postgres", feature = "mysql"))]
+        VerifyCommand::Idempotency(args) => return idempotency::run(args).await,
     };
-    match verify_lock(args).await {
+    exit_code(verify_lock(args).await, "verify lock")
+}
+
+/// The exit status of a campaign: 0 passed, 1 a check failed, 64 bad input (the
+/// error names an option), 69 the store or a server could not be used.
+fn exit_code(result: anyhow::Result<bool>, command: &str) -> ExitCode {
+    match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
         Err(error) => {
-            eprintln!("turnstile verify: {error:#}");
+            eprintln!("turnstile {command}: {error:#}");
             let usage = error.to_string().starts_with("--");
             ExitCode::from(if usage {
                 crate::exit::USAGE

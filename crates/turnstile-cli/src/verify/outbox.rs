@@ -78,19 +78,7 @@ struct OutboxRun {
 }
 
 pub(crate) async fn run(args: VerifyOutboxArgs) -> ExitCode {
-    match verify(args).await {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
-        Err(error) => {
-            eprintln!("turnstile verify outbox: {error:#}");
-            let usage = error.to_string().starts_with("--");
-            ExitCode::from(if usage {
-                crate::exit::USAGE
-            } else {
-                crate::exit::UNAVAILABLE
-            })
-        }
-    }
+    super::exit_code(verify(args).await, "verify outbox")
 }
 
 async fn verify(args: VerifyOutboxArgs) -> anyhow::Result<bool> {

@@ -163,7 +163,10 @@ impl Sql {
             )),
             // Kept for the retention from its creation, or from its completion when the
             // work outlived the retention (the retry that is surely coming still gets
-            // the replay).
+            // the replay). In the caller's transaction the commit must wait for the
+            // disk whatever the application's connection says: a response is sent
+            // once it commits, and a crash must not take the stored outcome (and the
+            // work that committed with it) back after the client has been answered.
             complete: statement(format!(
                 "WITH done AS (
                     UPDATE {table} SET state = 'completed', outcome = $4, lease_until = {now},
@@ -172,7 +175,8 @@ impl Sql {
                     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'
                     RETURNING waiting_until),
                  notified AS ({notify})
-                 SELECT (SELECT count(*) FROM done) AS done, (SELECT count(*) FROM notified) AS notified",
+                 SELECT (SELECT count(*) FROM done) AS done, (SELECT count(*) FROM notified) AS notified,
+                    set_config('synchronous_commit', 'on', true) AS durable",
                 retention = secs(5),
                 notify = notify("done"),
             )),

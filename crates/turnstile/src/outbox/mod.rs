@@ -577,7 +577,7 @@ impl Incoming {
     }
 }
 
-/// What one a consumer's `process` call did.
+/// What one call of a consumer's `process` did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Processed {
     /// Messages handled and acknowledged.
