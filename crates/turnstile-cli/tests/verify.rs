@@ -200,3 +200,75 @@ fn the_outbox_passes_under_relay_kills_and_broker_outages() {
         "{run}"
     );
 }
+
+/// Idempotency keys in the transaction mode on SQLite: three service instances, one
+/// killed mid-request and one frozen past its lease, 30% of responses dropped, every
+/// fourth key also used by another tenant; one effect per request, every answer the
+/// request's own, every request answered.
+#[test]
+fn idempotency_on_sqlite_passes_under_kills_and_pauses() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .args([
+            "verify",
+            "idempotency",
+            "--store",
+            "sqlite",
+            "--duration",
+            "14s",
+            "--faults",
+            "kill-instance,pause",
+            "--json",
+        ])
+        .arg("--report")
+        .arg(dir.path())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let summary = summary(&output);
+    assert_eq!(output.status.code(), Some(0), "{summary}");
+    assert_eq!(summary["mode"], "transaction");
+    let run = &summary["runs"][0];
+    let checks: Vec<&str> = run["verdicts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["check"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        checks,
+        [
+            "one effect per request",
+            "answers are their own",
+            "every request answered"
+        ]
+    );
+    assert!(run["requests"].as_u64().unwrap() > 100, "{run}");
+    assert_eq!(run["effects"], run["requests"], "{run}");
+    assert!(run["dropped_responses"].as_u64().unwrap() > 0, "{run}");
+    assert!(run["replays"].as_u64().unwrap() > 0, "{run}");
+    assert_eq!(run["faults"]["kill-instance"], 1, "{run}");
+    assert_eq!(run["faults"]["pause"], 1, "{run}");
+    // Bad input: a clear error, exit 64.
+    for (args, says) in [
+        (&["--store", "etcd"][..], "neither a URL"),
+        (
+            &["--store", "sqlite", "--drop-responses", "2"][..],
+            "--drop-responses",
+        ),
+        (&["--store", "sqlite", "--lease", "1ms"][..], "--lease"),
+        (&["--store", "zk://127.0.0.1:1"][..], "no idempotency store"),
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+            .args(["verify", "idempotency"])
+            .args(args)
+            .arg("--report")
+            .arg(dir.path())
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}

@@ -1019,3 +1019,38 @@ async fn a_store_holds_64_locks_at_once_and_a_65th_waits_for_one_of_their_sessio
         guard.release().await.unwrap();
     }
 }
+
+/// `GET_LOCK` names are server-wide: two applications in different databases, with
+/// different table prefixes, that use the same lock name share one lock (the README
+/// tells them to give their names distinct beginnings).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_name_in_two_databases_is_one_lock() {
+    let one = shared_mariadb().fresh_database("serverwide");
+    let other = format!(
+        "{}?turnstile_prefix=other",
+        shared_mariadb().fresh_database("serverwide")
+    );
+    let first = Locker::new(MysqlLockStore::connect(&one).await.unwrap());
+    let second = Locker::new(MysqlLockStore::connect(&other).await.unwrap());
+    let name = unique_name("server-wide");
+    let held = first
+        .try_acquire(&name, &options())
+        .await
+        .unwrap()
+        .expect("free at first");
+    assert!(
+        second
+            .try_acquire(&name, &options())
+            .await
+            .unwrap()
+            .is_none(),
+        "another database's application got a lock that is held"
+    );
+    held.release().await.unwrap();
+    let taken = second
+        .try_acquire(&name, &options())
+        .await
+        .unwrap()
+        .expect("free after the release");
+    taken.release().await.unwrap();
+}

@@ -799,7 +799,7 @@ fn check(
     );
     let verdicts = vec![
         verdict(
-            "one-effect-per-request",
+            "one effect per request",
             &once_problems,
             format!(
                 "{} effects for {} requests; {duplicates} more than one, each explained by a fault the mode does not promise to survive",
@@ -808,12 +808,12 @@ fn check(
             ),
         ),
         verdict(
-            "answers-are-their-own",
+            "answers are their own",
             &wrong_answers,
             "every answer names its own tenant, key and body, and an effect that happened".into(),
         ),
         verdict(
-            "every-request-answered",
+            "every request answered",
             &unanswered,
             "every request was answered".into(),
         ),
@@ -1297,7 +1297,7 @@ mod tests {
         ];
         // No fault at all.
         let check = check(&requests, &effects, &[], &all);
-        assert!(!passed(&check, "one-effect-per-request"));
+        assert!(!passed(&check, "one effect per request"));
         assert_eq!((check.duplicates, check.explained), (1, 0));
         // A kill of another instance explains nothing; of the first effect's, it does
         // in the lease mode, and nothing does in the transaction mode.
@@ -1309,14 +1309,14 @@ mod tests {
         };
         assert!(!passed(
             &super::check(&requests, &effects, &[kill(1)], &all),
-            "one-effect-per-request"
+            "one effect per request"
         ));
         let lease = super::check(&requests, &effects, &[kill(0)], &all);
-        assert!(passed(&lease, "one-effect-per-request"));
+        assert!(passed(&lease, "one effect per request"));
         assert_eq!(lease.explained, 1);
         assert!(!passed(
             &super::check(&requests, &effects, &[kill(0)], &[]),
-            "one-effect-per-request"
+            "one effect per request"
         ));
         // A fault after the second effect explains nothing.
         let late = FaultWindow {
@@ -1326,7 +1326,7 @@ mod tests {
         };
         assert!(!passed(
             &super::check(&requests, &effects, &[late], &all),
-            "one-effect-per-request"
+            "one effect per request"
         ));
     }
 
@@ -1341,7 +1341,7 @@ mod tests {
         ];
         assert!(passed(
             &check(&right, &effects, &[], &[]),
-            "answers-are-their-own"
+            "answers are their own"
         ));
         let crossed = [
             answered("acme", "k", &theirs),
@@ -1349,7 +1349,7 @@ mod tests {
         ];
         assert!(!passed(
             &check(&crossed, &effects, &[], &[]),
-            "answers-are-their-own"
+            "answers are their own"
         ));
         let ghost = effect(3, "acme", "k", 0, 3_000);
         let made_up = [
@@ -1358,7 +1358,7 @@ mod tests {
         ];
         assert!(!passed(
             &check(&made_up, &effects, &[], &[]),
-            "answers-are-their-own"
+            "answers are their own"
         ));
         let mut mismatch = answered("acme", "k", &ours);
         mismatch.answer = None;
@@ -1366,7 +1366,7 @@ mod tests {
         let refused = [mismatch, answered("globex", "k", &theirs)];
         assert!(!passed(
             &check(&refused, &effects, &[], &[]),
-            "answers-are-their-own"
+            "answers are their own"
         ));
     }
 
@@ -1376,8 +1376,8 @@ mod tests {
         let mut waiting = answered("acme", "k", &ours);
         waiting.answer = None;
         let check = check(&[waiting], &[ours], &[], &[]);
-        assert!(!passed(&check, "every-request-answered"));
-        assert!(passed(&check, "one-effect-per-request"));
+        assert!(!passed(&check, "every request answered"));
+        assert!(passed(&check, "one effect per request"));
     }
 
     #[test]
