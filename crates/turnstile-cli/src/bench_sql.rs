@@ -87,22 +87,6 @@ pub(crate) enum RawSqlHeld {
     },
 }
 
-/// `url` without its `turnstile_*` query options.
-fn without_turnstile_options(url: &str) -> String {
-    let Some((base, query)) = url.split_once('?') else {
-        return url.to_owned();
-    };
-    let kept: Vec<&str> = query
-        .split('&')
-        .filter(|pair| !pair.starts_with("turnstile_"))
-        .collect();
-    if kept.is_empty() {
-        base.to_owned()
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    }
-}
-
 /// A counter row incremented with two separate statements (read, then write), on kept
 /// connections like the floors'.
 pub(crate) enum SqlCounter {
@@ -143,7 +127,7 @@ impl SqlCounter {
     /// A counter for the library peer or the raw peer, in the store's database.
     pub(crate) async fn open(url: &str, run: &str) -> Result<SqlCounter, Error> {
         // The library's `turnstile_*` options are not the driver's.
-        let url = &without_turnstile_options(url);
+        let url = &crate::without_turnstile_options(url);
         let scheme = url
             .split("://")
             .next()

@@ -575,6 +575,24 @@ fn main() -> ExitCode {
     })
 }
 
+/// `url` without its `turnstile_*` query options: the URL an application's own driver
+/// pool connects with (the options are the store's, not the driver's).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn without_turnstile_options(url: &str) -> String {
+    let Some((base, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| !pair.starts_with("turnstile_"))
+        .collect();
+    if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

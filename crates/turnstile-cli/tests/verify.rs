@@ -4,14 +4,29 @@
 use std::process::{Command, Output, Stdio};
 
 fn verify(args: &[&str], report: &std::path::Path) -> Output {
+    verify_pillar("lock", args, report)
+}
+
+/// Runs `turnstile verify PILLAR ARGS --report REPORT`.
+fn verify_pillar(pillar: &str, args: &[&str], report: &std::path::Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_turnstile"))
-        .args(["verify", "lock"])
+        .args(["verify", pillar])
         .args(args)
         .arg("--report")
         .arg(report)
         .stdin(Stdio::null())
         .output()
         .unwrap()
+}
+
+/// The names of a run's checks, in order.
+fn check_names(run: &serde_json::Value) -> Vec<&str> {
+    run["verdicts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["check"].as_str().unwrap())
+        .collect()
 }
 
 fn summary(output: &Output) -> serde_json::Value {
@@ -34,12 +49,8 @@ fn assert_passed(output: &Output, faults: &[&str]) -> Vec<serde_json::Value> {
     let runs = summary["runs"].as_array().unwrap().clone();
     for run in &runs {
         let verdicts = run["verdicts"].as_array().unwrap();
-        let checks: Vec<&str> = verdicts
-            .iter()
-            .map(|v| v["check"].as_str().unwrap())
-            .collect();
         assert_eq!(
-            checks,
+            check_names(run),
             [
                 "fenced register monotonic",
                 "no unexplained overlap",
@@ -159,32 +170,16 @@ fn bad_input_gets_a_clear_error() {
 #[test]
 fn the_outbox_passes_under_relay_kills_and_broker_outages() {
     let dir = tempfile::tempdir().unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))
-        .args([
-            "verify",
-            "outbox",
-            "--duration",
-            "12s",
-            "--messages",
-            "800",
-            "--json",
-        ])
-        .arg("--report")
-        .arg(dir.path())
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let output = verify_pillar(
+        "outbox",
+        &["--duration", "12s", "--messages", "800", "--json"],
+        dir.path(),
+    );
     let summary = summary(&output);
     assert_eq!(output.status.code(), Some(0), "{summary}");
     let run = &summary["runs"][0];
-    let checks: Vec<&str> = run["verdicts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v["check"].as_str().unwrap())
-        .collect();
     assert_eq!(
-        checks,
+        check_names(run),
         [
             "every committed message handled",
             "handled at most once",
@@ -208,10 +203,9 @@ fn the_outbox_passes_under_relay_kills_and_broker_outages() {
 #[test]
 fn idempotency_on_sqlite_passes_under_kills_and_pauses() {
     let dir = tempfile::tempdir().unwrap();
-    let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))
-        .args([
-            "verify",
-            "idempotency",
+    let output = verify_pillar(
+        "idempotency",
+        &[
             "--store",
             "sqlite",
             "--duration",
@@ -219,24 +213,15 @@ fn idempotency_on_sqlite_passes_under_kills_and_pauses() {
             "--faults",
             "kill-instance,pause",
             "--json",
-        ])
-        .arg("--report")
-        .arg(dir.path())
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+        ],
+        dir.path(),
+    );
     let summary = summary(&output);
     assert_eq!(output.status.code(), Some(0), "{summary}");
     assert_eq!(summary["mode"], "transaction");
     let run = &summary["runs"][0];
-    let checks: Vec<&str> = run["verdicts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v["check"].as_str().unwrap())
-        .collect();
     assert_eq!(
-        checks,
+        check_names(run),
         [
             "one effect per request",
             "answers are their own",
@@ -259,14 +244,7 @@ fn idempotency_on_sqlite_passes_under_kills_and_pauses() {
         (&["--store", "sqlite", "--lease", "1ms"][..], "--lease"),
         (&["--store", "zk://127.0.0.1:1"][..], "no idempotency store"),
     ] {
-        let output = Command::new(env!("CARGO_BIN_EXE_turnstile"))
-            .args(["verify", "idempotency"])
-            .args(args)
-            .arg("--report")
-            .arg(dir.path())
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
+        let output = verify_pillar("idempotency", args, dir.path());
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(64), "{args:?}: {stderr}");
         assert!(stderr.contains(says), "{args:?}: {stderr}");

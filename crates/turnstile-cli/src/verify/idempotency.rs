@@ -172,23 +172,6 @@ fn engine_of(url: &str) -> anyhow::Result<Engine> {
     })
 }
 
-/// The URL the application's own pool connects with: the store's `turnstile_*`
-/// options are not the driver's.
-fn driver_url(url: &str) -> String {
-    let Some((base, query)) = url.split_once('?') else {
-        return url.to_owned();
-    };
-    let kept: Vec<&str> = query
-        .split('&')
-        .filter(|pair| !pair.starts_with("turnstile_"))
-        .collect();
-    if kept.is_empty() {
-        base.to_owned()
-    } else {
-        format!("{base}?{}", kept.join("&"))
-    }
-}
-
 // ---------------------------------------------------------------------------------
 // The service instance.
 
@@ -399,7 +382,8 @@ async fn serve_instance(args: InstanceArgs) -> anyhow::Result<()> {
         }
         (Mode::Transaction, Engine::Postgres) => {
             let store = PostgresIdempotencyStore::connect(&args.store).await?;
-            let pool = sqlx::PgPool::connect(&driver_url(&args.store)).await?;
+            let pool =
+                sqlx::PgPool::connect(&crate::without_turnstile_options(&args.store)).await?;
             transaction_router!(
                 sqlx::Postgres,
                 store,
@@ -411,7 +395,8 @@ async fn serve_instance(args: InstanceArgs) -> anyhow::Result<()> {
         }
         (Mode::Transaction, Engine::MySql) => {
             let store = MysqlIdempotencyStore::connect(&args.store).await?;
-            let pool = sqlx::MySqlPool::connect(&driver_url(&args.store)).await?;
+            let pool =
+                sqlx::MySqlPool::connect(&crate::without_turnstile_options(&args.store)).await?;
             transaction_router!(sqlx::MySql, store, pool, options, args, INSERT_EFFECT)
         }
         (Mode::Transaction, Engine::Redis) => {
@@ -448,12 +433,12 @@ impl EffectsDb {
                 let path = path.split('?').next().unwrap_or(path);
                 EffectsDb::Sqlite(open_effects_file(Path::new(path)).await?)
             }
-            (Mode::Transaction, Engine::Postgres) => {
-                EffectsDb::Postgres(sqlx::PgPool::connect(&driver_url(url)).await?)
-            }
-            (Mode::Transaction, Engine::MySql) => {
-                EffectsDb::MySql(sqlx::MySqlPool::connect(&driver_url(url)).await?)
-            }
+            (Mode::Transaction, Engine::Postgres) => EffectsDb::Postgres(
+                sqlx::PgPool::connect(&crate::without_turnstile_options(url)).await?,
+            ),
+            (Mode::Transaction, Engine::MySql) => EffectsDb::MySql(
+                sqlx::MySqlPool::connect(&crate::without_turnstile_options(url)).await?,
+            ),
             (Mode::Transaction, Engine::Redis) => {
                 anyhow::bail!(
                     "--mode transaction needs an SQL store; Redis has the lease mode only"
@@ -1396,11 +1381,11 @@ mod tests {
             .collect();
         assert_eq!(all.len(), 400, "no two requests share tenant and key");
         assert_eq!(
-            driver_url("postgres://h/db?turnstile_mode=x&sslmode=off"),
+            crate::without_turnstile_options("postgres://h/db?turnstile_mode=x&sslmode=off"),
             "postgres://h/db?sslmode=off"
         );
         assert_eq!(
-            driver_url("mysql://h/db?turnstile_prefix=p"),
+            crate::without_turnstile_options("mysql://h/db?turnstile_prefix=p"),
             "mysql://h/db"
         );
     }
