@@ -11,23 +11,39 @@ use crate::{Process, find_binary, free_port, read_log, spawn_tied_to_process, wa
 const SBIN: &[&str] = &["/usr/sbin", "/usr/local/sbin", "/usr/local/mysql/bin"];
 
 /// A real MariaDB server on a free loopback port with a user `turnstile` (no password)
-/// that may do anything; InnoDB flushes its log once a second (a server crash keeps
-/// every commit, an OS crash could lose the last second).
+/// that may do anything. [`spawn`](MariaDbServer::spawn)'s InnoDB flushes its log once a
+/// second (a server crash keeps every commit, an OS crash could lose the last second);
+/// [`spawn_durable`](MariaDbServer::spawn_durable)'s flushes every commit.
 pub struct MariaDbServer {
     dir: tempfile::TempDir,
     port: Mutex<u16>,
     process: Process,
+    /// `innodb_flush_log_at_trx_commit = 1` (every commit flushed and synced).
+    durable: bool,
 }
 
 impl MariaDbServer {
     /// Installs a data directory and starts the server; waits until it accepts
     /// connections.
     pub fn spawn() -> MariaDbServer {
+        MariaDbServer::spawn_with(false)
+    }
+
+    /// A server with a production's durability settings: every commit's log flushed and
+    /// synced to the disk (`innodb_flush_log_at_trx_commit = 1`, MariaDB's default).
+    /// A server crash (`kill -9`) keeps every commit with either setting; this one is
+    /// for the tests that claim durability, so they run as a user's server would.
+    pub fn spawn_durable() -> MariaDbServer {
+        MariaDbServer::spawn_with(true)
+    }
+
+    fn spawn_with(durable: bool) -> MariaDbServer {
         let dir = crate::server_dir("mariadb");
         let server = MariaDbServer {
             dir,
             port: Mutex::new(0),
             process: Process::default(),
+            durable,
         };
         let install = find_binary(
             "mariadb-install-db",
@@ -99,10 +115,12 @@ impl MariaDbServer {
                     "--innodb-buffer-pool-size=32M",
                     "--innodb-log-file-size=16M",
                 ])
-                .args([
-                    "--innodb-flush-log-at-trx-commit=2",
-                    "--max-connections=300",
-                ])
+                .arg(if self.durable {
+                    "--innodb-flush-log-at-trx-commit=1"
+                } else {
+                    "--innodb-flush-log-at-trx-commit=2"
+                })
+                .arg("--max-connections=300")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());

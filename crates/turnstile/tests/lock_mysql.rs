@@ -613,7 +613,16 @@ async fn refusals_are_configuration_errors() {
 /// committed counter keeps the next token larger across a crash of the server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_sync_commit_a_token_ahead_of_the_clock_survives_a_crash() {
-    let server = MariaDbServer::spawn();
+    // Durable settings, as the claim is made for them.
+    let server = MariaDbServer::spawn_durable();
+    let flush: String = {
+        let pool = sqlx::MySqlPool::connect(&server.url()).await.unwrap();
+        sqlx::query_scalar("SELECT CAST(@@innodb_flush_log_at_trx_commit AS CHAR)")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(flush, "1");
     let url = format!("{}?turnstile_sync_commit=on", server.url());
     let store = MysqlLockStore::connect(&url).await.unwrap();
     let name = turnstile_test_support::unique_name("ahead");
