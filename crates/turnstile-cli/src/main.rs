@@ -416,7 +416,7 @@ async fn status(args: StatusArgs, breaking: bool) -> ExitCode {
                 "held": true,
                 "broken": breaking,
                 "owner": info.owner,
-                "fencing_token": info.fencing_token.get(),
+                "fencing_token": info.fencing_token.map(|token| token.get()),
                 "remaining_ttl_ms": info.remaining_ttl.map(|ttl| u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)),
                 "store": locker.backend().describe(),
             }),
@@ -443,20 +443,24 @@ async fn status(args: StatusArgs, breaking: bool) -> ExitCode {
             format!("owner {}", info.owner)
         }
     };
+    let token = |info: &turnstile::lock::LockInfo| match info.fencing_token {
+        Some(token) => format!("with fencing token {token}"),
+        None => "unfenced (no token)".to_owned(),
+    };
     match (held, breaking) {
         (Some(info), false) => println!(
-            "{:?} is held by {} with fencing token {}; {}",
+            "{:?} is held by {} {}; {}",
             args.name,
             owner(&info),
-            info.fencing_token,
+            token(&info),
             lease(&info)
         ),
         (Some(info), true) => println!(
-            "broke {:?}: it was held by {} with fencing token {} ({}); \
+            "broke {:?}: it was held by {} {} ({}); \
              the holder learns of it at its next renewal",
             args.name,
             owner(&info),
-            info.fencing_token,
+            token(&info),
             lease(&info)
         ),
         (None, false) => println!("{:?} is free", args.name),

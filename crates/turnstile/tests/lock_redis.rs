@@ -966,3 +966,38 @@ async fn behind_sentinel_a_command_that_finds_its_master_gone_is_sent_once_more(
         "the command did not run once on the new master"
     );
 }
+
+/// On Redis an unfenced acquisition is a bare `SET NX PX` of the owner: no token is
+/// issued or kept (the fence key is not touched), the status says there is none, and
+/// the scripts that renew and release read the value as that owner's.
+#[tokio::test]
+async fn an_unfenced_lock_is_a_bare_set_with_no_token() {
+    use turnstile::lock::LockBackend;
+    let url = shared_redis().url();
+    let store = RedisLockStore::connect(&url).await.unwrap();
+    assert!(store.unfenced_is_cheaper());
+    let client = redis::Client::open(url).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let locker = Locker::new(store.clone());
+    let name = LockName::new(unique_name("bare")).unwrap();
+    let options = LockOptions::new().ttl(Duration::from_secs(2));
+    let guard = locker.acquire_unfenced(&name, &options).await.unwrap();
+    let value: String = redis::cmd("GET")
+        .arg(store.lock_key(&name))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(value, format!("{}:", guard.owner().to_hex()));
+    let fence: Option<String> = redis::cmd("GET")
+        .arg(store.fence_key(&name))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(fence, None, "no token was issued");
+    let status = locker.status(&name).await.unwrap().expect("held");
+    assert_eq!(status.fencing_token, None);
+    assert_eq!(status.owner, guard.owner().to_hex());
+    guard.extend().await.unwrap();
+    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+    assert!(locker.status(&name).await.unwrap().is_none());
+}

@@ -568,7 +568,7 @@ fn lock_status(name: String, info: Option<turnstile::lock::LockInfo>) -> LockSta
             name,
             held: true,
             holder: Some(info.owner.chars().take(8).collect()),
-            fencing_token: Some(info.fencing_token.get()),
+            fencing_token: info.fencing_token.map(|token| token.get()),
             lease_left_ms: info.remaining_ttl.map(ms),
         },
         None => LockStatus {
@@ -614,11 +614,12 @@ async fn force_release(
             format!(
                 "by {}; token {} held by {}…",
                 principal.name,
-                info.fencing_token.get(),
+                info.fencing_token
+                    .map_or_else(|| "none".to_owned(), |token| token.get().to_string()),
                 info.owner.chars().take(8).collect::<String>()
             ),
         );
-        tracing::warn!(lock = %full, by = %principal.name, token = info.fencing_token.get(), "lock broken through the service");
+        tracing::warn!(lock = %full, by = %principal.name, token = info.fencing_token.map(|token| token.get()), "lock broken through the service");
     }
     Ok(Json(lock_status(name, info)))
 }

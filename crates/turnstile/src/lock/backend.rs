@@ -38,6 +38,33 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<TryAcquire>>;
 
+    /// Takes the lock for `owner` for `ttl` if it is free, **without a fencing token**,
+    /// for [`Locker::acquire_unfenced`](super::Locker::acquire_unfenced), whose guard has
+    /// none. Exclusion, the lease, renewal and release are those of
+    /// [`try_acquire`](Self::try_acquire), and a later fenced acquisition still gets a
+    /// token larger than every one issued before. An engine that can skip the token's
+    /// bookkeeping does (Redis: `SET NX PX`, no script); the default takes the fenced
+    /// path and forgets the token, which saves nothing.
+    fn try_acquire_unfenced<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<TryAcquireUnfenced>> {
+        Box::pin(async move {
+            Ok(match self.try_acquire(name, owner, ttl).await? {
+                TryAcquire::Acquired { .. } => TryAcquireUnfenced::Acquired,
+                TryAcquire::Held { remaining_ttl } => TryAcquireUnfenced::Held { remaining_ttl },
+            })
+        })
+    }
+
+    /// Whether [`try_acquire_unfenced`](Self::try_acquire_unfenced) is cheaper here than
+    /// [`try_acquire`](Self::try_acquire) (`false` unless the engine overrides it).
+    fn unfenced_is_cheaper(&self) -> bool {
+        false
+    }
+
     /// Resets the lease of a lock `owner` holds to `ttl` from now.
     fn extend<'a>(
         &'a self,
@@ -153,6 +180,19 @@ pub enum TryAcquire {
     },
 }
 
+/// The answer to [`LockBackend::try_acquire_unfenced`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TryAcquireUnfenced {
+    /// The lock is ours (no token).
+    Acquired,
+    /// Someone else holds it.
+    Held {
+        /// The holder's remaining lease, when the store knows it.
+        remaining_ttl: Option<Duration>,
+    },
+}
+
 /// The answer to [`LockBackend::extend`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -249,8 +289,10 @@ impl fmt::Display for ReleaseOutcome {
 pub struct LockInfo {
     /// The holder's owner id (32 hex digits).
     pub owner: String,
-    /// The holder's fencing token.
-    pub fencing_token: FencingToken,
+    /// The holder's fencing token; `None` for a holder that took the lock unfenced
+    /// ([`Locker::acquire_unfenced`](super::Locker::acquire_unfenced)) on an engine
+    /// that then keeps no token for it.
+    pub fencing_token: Option<FencingToken>,
     /// How long the lease has left, by the store's clock.
     pub remaining_ttl: Option<Duration>,
 }

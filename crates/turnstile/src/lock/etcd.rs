@@ -538,7 +538,7 @@ impl EtcdLockStore {
     async fn info(&self, kv: &etcd_client::KeyValue) -> LockInfo {
         LockInfo {
             owner: kv.value_str().unwrap_or_default().to_owned(),
-            fencing_token: token(kv.create_revision()),
+            fencing_token: Some(token(kv.create_revision())),
             remaining_ttl: self.lease_left(kv.lease()).await,
         }
     }

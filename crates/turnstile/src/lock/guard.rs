@@ -38,7 +38,8 @@ struct Held {
     queue: Arc<LocalQueue>,
     name: LockName,
     owner: OwnerId,
-    token: FencingToken,
+    /// `None` for an unfenced acquisition.
+    token: Option<FencingToken>,
     lease: Arc<Lease>,
     /// Set once this holder stopped counting as a local holder in its queue.
     finished: AtomicBool,
@@ -140,7 +141,7 @@ impl LockGuard {
         queue: Arc<LocalQueue>,
         name: LockName,
         owner: OwnerId,
-        token: FencingToken,
+        token: Option<FencingToken>,
         sent: Instant,
         options: &LockOptions,
     ) -> LockGuard {
@@ -199,12 +200,21 @@ impl LockGuard {
     /// This acquisition's fencing token: pass it with every write to the protected
     /// resource (see [`crate::fence`]).
     pub fn fencing_token(&self) -> FencingToken {
-        self.held.token
+        // A `LockGuard` is only handed out for a fenced acquisition; an unfenced one is
+        // wrapped in an `UnfencedGuard`, which has no way to ask.
+        self.held
+            .token
+            .expect("a LockGuard is made only for a fenced acquisition")
     }
 
     /// This acquisition's owner id.
     pub fn owner(&self) -> &OwnerId {
         &self.held.owner
+    }
+
+    /// The token, if the acquisition has one (for telemetry).
+    pub(crate) fn held_token(&self) -> Option<u64> {
+        self.held.token.map(FencingToken::get)
     }
 
     /// Until when the lease is certainly ours by this host's monotonic clock (the
@@ -350,7 +360,7 @@ impl LockGuard {
         DetachedLock {
             name: self.held.name.clone(),
             owner: self.held.owner.clone(),
-            fencing_token: self.held.token,
+            fencing_token: self.fencing_token(),
             ttl: self.held.lease.ttl,
         }
     }
@@ -366,5 +376,97 @@ impl Drop for LockGuard {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(bounded_release(Arc::clone(&self.held)));
         }
+    }
+}
+
+/// Proof of holding a lock taken **without a fencing token**
+/// ([`Locker::acquire_unfenced`](super::Locker::acquire_unfenced)): a lock that only saves
+/// work (a duplicate run costs time or money, not correctness).
+///
+/// Everything of a [`LockGuard`] but the token: the owner id, the watchdog, the lost
+/// signal, the release and the in-process hand-over. There is no `fencing_token()`, so
+/// a fenced write (see [`crate::fence`]) cannot be made with this guard: a holder
+/// paused past its lease, or cut off from the store, can act after another has taken
+/// the lock, and nothing stops its writes. Use [`Locker::acquire`](super::Locker::acquire)
+/// where that matters.
+///
+/// ```no_run
+/// # async fn demo(locker: turnstile::lock::Locker) -> turnstile::Result<()> {
+/// use turnstile::lock::LockOptions;
+/// let guard = locker.acquire_unfenced("rebuild-cache", &LockOptions::new()).await?;
+/// // ... rebuild the cache; another instance would only have done the same work ...
+/// guard.release().await?;
+/// # Ok(())
+/// # }
+/// ```
+pub struct UnfencedGuard {
+    guard: LockGuard,
+}
+
+impl fmt::Debug for UnfencedGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UnfencedGuard")
+            .field("name", &self.guard.held.name)
+            .field("owner", &self.guard.held.owner)
+            .field("lost", &self.guard.held.lease.loss_reason())
+            .finish()
+    }
+}
+
+impl UnfencedGuard {
+    pub(crate) fn new(guard: LockGuard) -> UnfencedGuard {
+        UnfencedGuard { guard }
+    }
+
+    /// The lock's name.
+    pub fn name(&self) -> &LockName {
+        self.guard.name()
+    }
+
+    /// This acquisition's owner id.
+    pub fn owner(&self) -> &OwnerId {
+        self.guard.owner()
+    }
+
+    /// Until when the lease is certainly ours by this host's monotonic clock (see
+    /// [`LockGuard::valid_until`]).
+    pub fn valid_until(&self) -> Instant {
+        self.guard.valid_until()
+    }
+
+    /// Whether the lock is suspended (see [`LockGuard::is_suspended`]).
+    pub fn is_suspended(&self) -> bool {
+        self.guard.is_suspended()
+    }
+
+    /// Whether the lost signal has fired.
+    pub fn is_lost(&self) -> bool {
+        self.guard.is_lost()
+    }
+
+    /// Why the lock was lost, once it has been.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.guard.loss_reason()
+    }
+
+    /// A future that completes, with the reason, the moment ownership can no longer be
+    /// assumed (see [`LockGuard::lost`]).
+    pub fn lost(&self) -> LostSignal {
+        self.guard.lost()
+    }
+
+    /// A cancellation token cancelled when the lock is lost.
+    pub fn lost_token(&self) -> CancellationToken {
+        self.guard.lost_token()
+    }
+
+    /// Renews the lease now, for its full TTL.
+    pub async fn extend(&self) -> Result<()> {
+        self.guard.extend().await
+    }
+
+    /// Stops the watchdog and releases the lock (see [`LockGuard::release`]).
+    pub async fn release(self) -> Result<ReleaseOutcome> {
+        self.guard.release().await
     }
 }

@@ -14,7 +14,7 @@ use super::telemetry;
 
 use super::{
     ExtendOutcome, IntoLockName, LockBackend, LockGuard, LockInfo, LockName, LockOptions, OwnerId,
-    ReleaseOutcome, ReleaseWatch, TryAcquire,
+    ReleaseOutcome, ReleaseWatch, TryAcquire, TryAcquireUnfenced, UnfencedGuard,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
@@ -251,17 +251,45 @@ impl Locker {
     where
         N: IntoLockName,
     {
+        self.try_acquire_as(name, options, true).await
+    }
+
+    /// Tries once to take the lock **without a fencing token**; `Ok(None)` if someone
+    /// else holds it. See [`acquire_unfenced`](Self::acquire_unfenced).
+    pub async fn try_acquire_unfenced<N>(
+        &self,
+        name: N,
+        options: &LockOptions,
+    ) -> Result<Option<UnfencedGuard>>
+    where
+        N: IntoLockName,
+    {
+        Ok(self
+            .try_acquire_as(name, options, false)
+            .await?
+            .map(UnfencedGuard::new))
+    }
+
+    async fn try_acquire_as<N>(
+        &self,
+        name: N,
+        options: &LockOptions,
+        fenced: bool,
+    ) -> Result<Option<LockGuard>>
+    where
+        N: IntoLockName,
+    {
         options.validate()?;
         let name = name.into_lock_name()?;
         let owner = OwnerId::random();
         let started = Instant::now();
         let bound = Bound::new(&name, self, options, started);
         let answer = bound
-            .run(self.attempt(&self.queue(&name), &name, &owner, options))
+            .run(self.attempt(&self.queue(&name), &name, &owner, options, fenced))
             .await;
         match answer {
             Ok(Attempt::Acquired(guard)) => {
-                telemetry::acquired(&name, guard.fencing_token().get(), started.elapsed(), false);
+                telemetry::acquired(&name, guard.held_token(), started.elapsed(), false);
                 Ok(Some(guard))
             }
             Ok(Attempt::Held { .. }) => {
@@ -302,6 +330,41 @@ impl Locker {
     where
         N: IntoLockName,
     {
+        self.acquire_fenced_or_not(name, options, true).await
+    }
+
+    /// Takes the lock **without a fencing token**, waiting up to the options' wait
+    /// bound: for locks that only save work (Kleppmann's *efficiency* locks), where a
+    /// duplicate run costs time or money, not correctness.
+    ///
+    /// Everything else is as for [`acquire`](Self::acquire): the owner id, the wait
+    /// driven by release notifications, the fair per-process queue, the watchdog, the
+    /// lost signal. The guard has no token, so a fenced write cannot be made with it.
+    /// An engine that can skip the token's bookkeeping does (Redis: a bare
+    /// `SET NX PX`, no script, and a release that announces itself as usual); on the
+    /// others ([`LockBackend::unfenced_is_cheaper`] says which) the fenced path is taken
+    /// and the token forgotten, so the mode costs nothing there and saves nothing.
+    /// Fenced and unfenced acquisitions of one name exclude each other, and a fenced
+    /// acquisition after an unfenced one still gets a token larger than every token
+    /// issued before.
+    pub async fn acquire_unfenced<N>(&self, name: N, options: &LockOptions) -> Result<UnfencedGuard>
+    where
+        N: IntoLockName,
+    {
+        self.acquire_fenced_or_not(name, options, false)
+            .await
+            .map(UnfencedGuard::new)
+    }
+
+    async fn acquire_fenced_or_not<N>(
+        &self,
+        name: N,
+        options: &LockOptions,
+        fenced: bool,
+    ) -> Result<LockGuard>
+    where
+        N: IntoLockName,
+    {
         options.validate()?;
         let name = name.into_lock_name()?;
         let owner = OwnerId::random();
@@ -315,15 +378,12 @@ impl Locker {
             owner: &owner,
             armed: keeps_line,
         };
-        let result = self.acquire_as(&name, &owner, options).await;
+        let result = self.acquire_as(&name, &owner, options, fenced).await;
         leave_line.disarm();
         match &result {
-            Ok((guard, handed_over)) => telemetry::acquired(
-                &name,
-                guard.fencing_token().get(),
-                started.elapsed(),
-                *handed_over,
-            ),
+            Ok((guard, handed_over)) => {
+                telemetry::acquired(&name, guard.held_token(), started.elapsed(), *handed_over)
+            }
             Err(error) => {
                 telemetry::not_acquired(&name, error, started.elapsed());
                 if keeps_line {
@@ -360,6 +420,7 @@ impl Locker {
         name: &LockName,
         owner: &OwnerId,
         options: &LockOptions,
+        fenced: bool,
     ) -> Result<(LockGuard, bool)> {
         let started = Instant::now();
         let bound = Bound::new(name, self, options, started);
@@ -380,7 +441,10 @@ impl Locker {
             let remaining_ttl = if std::mem::take(&mut wait_first) {
                 Some(options.get_ttl())
             } else {
-                match bound.run(self.attempt(&queue, name, owner, options)).await {
+                match bound
+                    .run(self.attempt(&queue, name, owner, options, fenced))
+                    .await
+                {
                     Ok(Attempt::Acquired(guard)) => return Ok((guard, false)),
                     Ok(Attempt::Held { remaining_ttl }) => {
                         outage.answered();
@@ -467,7 +531,9 @@ impl Locker {
                     Arc::clone(&queue),
                     name.clone(),
                     owner.clone(),
-                    token,
+                    // A hand-over issues a token (one step on the store); an unfenced
+                    // waiter does not keep it.
+                    fenced.then_some(token),
                     sent,
                     options,
                 );
@@ -551,6 +617,7 @@ impl Locker {
         name: &LockName,
         owner: &OwnerId,
         options: &LockOptions,
+        fenced: bool,
     ) -> Result<Attempt> {
         let backend = &self.inner.backend;
         let sent = Instant::now();
@@ -560,13 +627,29 @@ impl Locker {
             owner,
             armed: true,
         };
-        let answer = backend.try_acquire(name, owner, options.get_ttl()).await;
+        let answer = if fenced {
+            backend
+                .try_acquire(name, owner, options.get_ttl())
+                .await
+                .map(|answer| match answer {
+                    TryAcquire::Acquired { token } => Ok(Some(token)),
+                    TryAcquire::Held { remaining_ttl } => Err(remaining_ttl),
+                })
+        } else {
+            backend
+                .try_acquire_unfenced(name, owner, options.get_ttl())
+                .await
+                .map(|answer| match answer {
+                    TryAcquireUnfenced::Acquired => Ok(None),
+                    TryAcquireUnfenced::Held { remaining_ttl } => Err(remaining_ttl),
+                })
+        };
         undo.disarm();
         if answer.is_ok() {
             self.inner.record_acquire_time(sent.elapsed());
         }
         match answer? {
-            TryAcquire::Acquired { token } => {
+            Ok(token) => {
                 queue.acquired_from_store();
                 Ok(Attempt::Acquired(LockGuard::start(
                     Arc::clone(backend),
@@ -578,7 +661,7 @@ impl Locker {
                     options,
                 )))
             }
-            TryAcquire::Held { remaining_ttl } => Ok(Attempt::Held { remaining_ttl }),
+            Err(remaining_ttl) => Ok(Attempt::Held { remaining_ttl }),
         }
     }
 

@@ -41,8 +41,9 @@ pub mod zookeeper;
 
 pub use backend::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, ReleaseOutcome, ReleaseWatch, TryAcquire,
+    TryAcquireUnfenced,
 };
-pub use guard::{DetachedLock, LockGuard};
+pub use guard::{DetachedLock, LockGuard, UnfencedGuard};
 pub use lease::LostSignal;
 pub(crate) use locker::describe_wait;
 pub use locker::{Locker, MIN_ATTEMPT_TIME};

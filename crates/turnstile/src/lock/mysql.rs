@@ -953,7 +953,7 @@ impl LockBackend for MysqlLockStore {
                 .await?
                 .map(|(owner, token, _)| LockInfo {
                     owner,
-                    fencing_token: token,
+                    fencing_token: Some(token),
                     remaining_ttl: None,
                 }))
         })
@@ -994,7 +994,7 @@ impl LockBackend for MysqlLockStore {
             self.signals.notify(name.as_str());
             Ok(Some(LockInfo {
                 owner,
-                fencing_token: token,
+                fencing_token: Some(token),
                 remaining_ttl: None,
             }))
         })

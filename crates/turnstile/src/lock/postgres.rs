@@ -777,7 +777,7 @@ fn holder(row: &PgRow) -> Result<LockInfo> {
         .map_err(|e| map_error(e, "bad lock row"))?;
     Ok(LockInfo {
         owner,
-        fencing_token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
+        fencing_token: Some(FencingToken::new(u64::try_from(token).unwrap_or(0))),
         remaining_ttl: remaining(row)?,
     })
 }

@@ -506,7 +506,7 @@ impl LockBackend for PostgresSessionLockStore {
                 .await?
                 .map(|(_, owner, token)| LockInfo {
                     owner,
-                    fencing_token: token,
+                    fencing_token: Some(token),
                     remaining_ttl: None,
                 }))
         })
@@ -531,7 +531,7 @@ impl LockBackend for PostgresSessionLockStore {
             self.signals.notify(name.as_str());
             Ok(Some(LockInfo {
                 owner,
-                fencing_token: token,
+                fencing_token: Some(token),
                 remaining_ttl: None,
             }))
         })

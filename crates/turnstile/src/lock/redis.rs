@@ -73,7 +73,7 @@ use redis::{Script, Value};
 
 use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
-    ReleaseWatch, TryAcquire, ceil_millis,
+    ReleaseWatch, TryAcquire, TryAcquireUnfenced, ceil_millis,
 };
 pub use crate::engine::redis::RedisConnection;
 use crate::engine::redis::{
@@ -624,7 +624,12 @@ fn parse_holder(value: Value) -> Result<Option<LockInfo>> {
     let (owner, token) = stored.split_once(':').ok_or_else(bad)?;
     Ok(Some(LockInfo {
         owner: owner.to_owned(),
-        fencing_token: token.parse()?,
+        // An unfenced holder's value has no token after the colon.
+        fencing_token: if token.is_empty() {
+            None
+        } else {
+            Some(token.parse()?)
+        },
         remaining_ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
     }))
 }
@@ -651,6 +656,57 @@ impl LockBackend for RedisLockStore {
                 .map_err(|error| map_error(error, "cannot acquire the lock"))?;
             acquire_reply(acquired, detail)
         })
+    }
+
+    /// `SET NX PX` with the owner and no token (the value `OWNER:`, which the release,
+    /// renewal and hand-over scripts read as the fenced value's owner), in one round
+    /// trip with the `GET` and `PTTL` a refusal needs: no script, no token key.
+    fn try_acquire_unfenced<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<TryAcquireUnfenced>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let key = self.lock_key(name);
+            let value = format!("{}:", owner.as_str());
+            let (set, held, pttl): (Option<String>, Option<String>, i64) = redis::pipe()
+                .cmd("SET")
+                .arg(&key)
+                .arg(&value)
+                .arg("NX")
+                .arg("PX")
+                .arg(ceil_millis(ttl))
+                .cmd("GET")
+                .arg(&key)
+                .cmd("PTTL")
+                .arg(&key)
+                .query_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot acquire the lock"))?;
+            if set.is_some() {
+                return Ok(TryAcquireUnfenced::Acquired);
+            }
+            if held.as_deref().is_some_and(|held| held.starts_with(&value)) {
+                // Ours already (an earlier request ran, its reply was lost): renewed
+                // from now, so the lease the lock core counts from this request's
+                // sending does not outlast the store's.
+                return Ok(match self.extend(name, owner, ttl).await? {
+                    ExtendOutcome::Extended => TryAcquireUnfenced::Acquired,
+                    ExtendOutcome::Lost(_) => TryAcquireUnfenced::Held {
+                        remaining_ttl: None,
+                    },
+                });
+            }
+            Ok(TryAcquireUnfenced::Held {
+                remaining_ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
+            })
+        })
+    }
+
+    fn unfenced_is_cheaper(&self) -> bool {
+        true
     }
 
     fn extend<'a>(

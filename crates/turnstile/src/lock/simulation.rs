@@ -443,7 +443,7 @@ impl LockBackend for SimulatedStore {
             let now = world.store_ms();
             world.live().map(|record| LockInfo {
                 owner: record.owner.clone(),
-                fencing_token: FencingToken::new(record.token),
+                fencing_token: Some(FencingToken::new(record.token)),
                 remaining_ttl: Some(Duration::from_secs_f64(
                     ((record.expires_store_ms - now) / 1000.0).max(0.0),
                 )),

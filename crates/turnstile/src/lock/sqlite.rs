@@ -161,7 +161,7 @@ fn lock_info(row: &sqlx::sqlite::SqliteRow, now_ms: i64) -> Result<LockInfo> {
         .map_err(|e| map_error(e, "bad lock row"))?;
     Ok(LockInfo {
         owner: owner.unwrap_or_default(),
-        fencing_token: FencingToken::new(u64::try_from(token).unwrap_or(0)),
+        fencing_token: Some(FencingToken::new(u64::try_from(token).unwrap_or(0))),
         remaining_ttl: Some(Duration::from_millis(
             u64::try_from(expires_at_ms.saturating_sub(now_ms)).unwrap_or(0),
         )),

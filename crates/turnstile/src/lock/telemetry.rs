@@ -21,11 +21,16 @@ use super::lease::LeaseKind;
 use super::{ExtendOutcome, LockName, LossReason, ReleaseOutcome};
 use crate::error::Error;
 
-pub(crate) fn acquired(name: &LockName, token: u64, waited: Duration, handed_over: bool) {
+pub(crate) fn acquired(name: &LockName, token: Option<u64>, waited: Duration, handed_over: bool) {
     let via = if handed_over { "handover" } else { "store" };
     metrics::counter!("turnstile_lock_acquired_total", "via" => via).increment(1);
     metrics::histogram!("turnstile_lock_acquire_wait_seconds").record(waited.as_secs_f64());
-    tracing::debug!(lock = %name, token, waited = ?waited, via, "lock acquired");
+    match token {
+        Some(token) => tracing::debug!(lock = %name, token, waited = ?waited, via, "lock acquired"),
+        None => {
+            tracing::debug!(lock = %name, fenced = false, waited = ?waited, via, "lock acquired unfenced")
+        }
+    }
 }
 
 pub(crate) fn not_acquired(name: &LockName, error: &Error, waited: Duration) {

@@ -417,7 +417,7 @@ impl ZooKeeperLockStore {
         {
             Some(stat) => Ok(Some(LockInfo {
                 owner: node.owner.clone(),
-                fencing_token: token(&stat),
+                fencing_token: Some(token(&stat)),
                 remaining_ttl: None,
             })),
             None => Ok(None),
@@ -471,13 +471,17 @@ impl ZooKeeperLockStore {
         let placed = if *oldest == mine.node {
             mine
         } else {
+            // Every ZooKeeper holder has a token: its node's creation zxid.
             match self.info(client, dir, oldest).await? {
-                Some(info) => Placed {
+                Some(LockInfo {
+                    fencing_token: Some(token),
+                    ..
+                }) => Placed {
                     node: oldest.clone(),
                     path: format!("{dir}/{}", oldest.child()),
-                    token: info.fencing_token,
+                    token,
                 },
-                None => {
+                _ => {
                     self.forget(dir, &owner);
                     return Ok(None);
                 }

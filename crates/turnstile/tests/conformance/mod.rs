@@ -198,7 +198,7 @@ pub async fn a_non_owner_cannot_release_or_extend(store: impl TestStore) {
         ExtendOutcome::Lost(LossReason::TakenOver)
     );
     let status = locker.status(&lock).await.unwrap().expect("still held");
-    assert_eq!(status.fencing_token, guard.fencing_token());
+    assert_eq!(status.fencing_token, Some(guard.fencing_token()));
     assert_eq!(status.owner, guard.owner().to_hex());
     assert!(!guard.is_lost());
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
@@ -232,7 +232,7 @@ pub async fn release_after_expiry_reports_it(store: impl TestStore) {
         .await
         .unwrap()
         .expect("the new holder keeps it");
-    assert_eq!(status.fencing_token, current.fencing_token());
+    assert_eq!(status.fencing_token, Some(current.fencing_token()));
     current.release().await.unwrap();
 }
 
@@ -262,7 +262,7 @@ pub async fn extend_works(store: impl TestStore) {
         .await
         .unwrap()
         .expect("extended lease still held");
-    assert_eq!(status.fencing_token, guard.fencing_token());
+    assert_eq!(status.fencing_token, Some(guard.fencing_token()));
     assert!(!guard.is_lost());
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
 }
@@ -305,7 +305,7 @@ pub async fn lost_signal_fires_when_the_lock_is_taken_away(store: impl TestStore
         .await
         .unwrap()
         .expect("it was held");
-    assert_eq!(broken.fencing_token, guard.fencing_token());
+    assert_eq!(broken.fencing_token, Some(guard.fencing_token()));
     let thief = operator.acquire(&lock, &options(5_000)).await.unwrap();
     // Told at the first renewal, TTL/3 after the acquire.
     let mut lost = guard.lost();
@@ -318,6 +318,84 @@ pub async fn lost_signal_fires_when_the_lock_is_taken_away(store: impl TestStore
     assert!(guard.lost_token().is_cancelled());
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::HeldByOther);
     thief.release().await.unwrap();
+}
+
+/// An unfenced acquisition excludes fenced and unfenced ones alike, is kept by its
+/// watchdog past several leases, is handed to a waiter of its process, fires its lost
+/// signal when the lock is taken away, and a fenced acquisition after it still gets a
+/// token larger than every earlier one.
+pub async fn unfenced_locks_keep_every_guarantee_but_the_token(store: impl TestStore) {
+    let lock = name("unfenced");
+    let locker = store.locker().await;
+    let other = store.locker().await;
+    let first = locker.acquire(&lock, &options(3_000)).await.unwrap();
+    let before = first.fencing_token();
+    first.release().await.unwrap();
+    let guard = locker
+        .acquire_unfenced(&lock, &options(1_000))
+        .await
+        .unwrap();
+    assert!(
+        other
+            .try_acquire(&lock, &options(1_000))
+            .await
+            .unwrap()
+            .is_none(),
+        "a fenced acquire took a lock held unfenced"
+    );
+    assert!(
+        other
+            .try_acquire_unfenced(&lock, &options(1_000))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let status = other.status(&lock).await.unwrap().expect("held");
+    assert!(
+        status.owner.is_empty() || status.owner == guard.owner().to_hex(),
+        "{status:?}"
+    );
+    // Past several leases, the watchdog keeps it.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert!(!guard.is_lost());
+    assert!(
+        other
+            .try_acquire_unfenced(&lock, &options(1_000))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    // A waiter of this process gets it at the release.
+    let waiter = {
+        let (locker, lock) = (locker.clone(), lock.clone());
+        tokio::spawn(async move {
+            locker
+                .acquire_unfenced(&lock, &options(3_000))
+                .await
+                .unwrap()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
+    let next = waiter.await.unwrap();
+    // Taken away: the lost signal fires at the first renewal (TTL/3 = 1 s).
+    let sent = Instant::now();
+    other
+        .force_release(&lock)
+        .await
+        .unwrap()
+        .expect("held by the waiter");
+    let reason = tokio::time::timeout_at(sent + Duration::from_millis(1_500), next.lost())
+        .await
+        .expect("the lost signal did not fire at the first renewal");
+    assert!(
+        matches!(reason, LossReason::TakenOver | LossReason::Expired),
+        "{reason:?}"
+    );
+    drop(next);
+    let after = other.acquire(&lock, &options(3_000)).await.unwrap();
+    assert!(after.fencing_token() > before);
+    after.release().await.unwrap();
 }
 
 /// Every acquisition gets a token larger than all before it, whoever acquires.
@@ -888,7 +966,7 @@ pub async fn pruning_forgets_unused_names_and_tokens_keep_increasing(store: impl
         .await
         .unwrap()
         .expect("a held lock survives pruning");
-    assert_eq!(status.fencing_token, holding.fencing_token());
+    assert_eq!(status.fencing_token, Some(holding.fencing_token()));
     let again = locker.acquire(&unused, &options(5_000)).await.unwrap();
     assert!(
         again.fencing_token() > first_token,
@@ -1464,7 +1542,7 @@ pub async fn a_hand_over_issues_a_new_larger_token(store: impl TestStore) {
         next.fencing_token(),
     );
     let status = locker.status(&lock).await.unwrap().expect("held");
-    assert_eq!(status.fencing_token, next.fencing_token());
+    assert_eq!(status.fencing_token, Some(next.fencing_token()));
     assert_eq!(status.owner, next.owner().to_hex());
     // The first owner holds nothing any more.
     assert_eq!(
@@ -1579,6 +1657,7 @@ macro_rules! conformance_tests {
             watchdog_keeps_the_lock_past_several_ttls,
             lost_signal_fires_when_the_lock_is_taken_away,
             tokens_strictly_increase,
+            unfenced_locks_keep_every_guarantee_but_the_token,
             a_waiter_wakes_promptly_after_release,
             cancelled_waiters_leave_nothing_behind,
             acquire_times_out,
