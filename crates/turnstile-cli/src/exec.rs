@@ -36,7 +36,9 @@ use tokio::net::unix::pipe;
 use tokio::process::{Child, Command};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::time::{Instant, sleep, sleep_until};
-use turnstile::lock::{LockGuard, LockName, LockOptions, Locker};
+use turnstile::lock::{
+    LockGuard, LockName, LockOptions, Locker, LossReason, LostSignal, ReleaseOutcome, UnfencedGuard,
+};
 
 use crate::{ExecArgs, exit, fail};
 
@@ -74,7 +76,18 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         Ok(locker) => locker,
         Err(error) => return fail(&error),
     };
-    let guard = match locker.acquire(name.clone(), &options).await {
+    let acquired = if args.unfenced {
+        locker
+            .acquire_unfenced(name.clone(), &options)
+            .await
+            .map(HeldLock::Unfenced)
+    } else {
+        locker
+            .acquire(name.clone(), &options)
+            .await
+            .map(HeldLock::Fenced)
+    };
+    let guard = match acquired {
         Ok(guard) => guard,
         Err(error) => return fail(&error),
     };
@@ -87,10 +100,11 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         let _ = guard.release().await;
         return ExitCode::from(exit::LOST);
     }
-    let environment = [
-        ("TURNSTILE_FENCING_TOKEN", guard.fencing_token().to_string()),
-        ("TURNSTILE_LOCK_NAME", name.as_str().to_owned()),
-    ];
+    // An unfenced lock has no token: the variable is not set, never made up.
+    let mut environment = vec![("TURNSTILE_LOCK_NAME", name.as_str().to_owned())];
+    if let HeldLock::Fenced(guard) = &guard {
+        environment.push(("TURNSTILE_FENCING_TOKEN", guard.fencing_token().to_string()));
+    }
     let supervisor = match Supervisor::start(&args.command, &environment, kill_after) {
         Ok(supervisor) => supervisor,
         Err(error) => {
@@ -103,6 +117,56 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         }
     };
     supervise(supervisor, program, guard, kill_after).await
+}
+
+/// The lock the command runs under: fenced (the default) or `--unfenced`.
+enum HeldLock {
+    Fenced(LockGuard),
+    Unfenced(UnfencedGuard),
+}
+
+impl HeldLock {
+    fn name(&self) -> &LockName {
+        match self {
+            HeldLock::Fenced(guard) => guard.name(),
+            HeldLock::Unfenced(guard) => guard.name(),
+        }
+    }
+
+    fn is_lost(&self) -> bool {
+        match self {
+            HeldLock::Fenced(guard) => guard.is_lost(),
+            HeldLock::Unfenced(guard) => guard.is_lost(),
+        }
+    }
+
+    fn loss_reason(&self) -> Option<LossReason> {
+        match self {
+            HeldLock::Fenced(guard) => guard.loss_reason(),
+            HeldLock::Unfenced(guard) => guard.loss_reason(),
+        }
+    }
+
+    fn valid_until(&self) -> Instant {
+        match self {
+            HeldLock::Fenced(guard) => guard.valid_until(),
+            HeldLock::Unfenced(guard) => guard.valid_until(),
+        }
+    }
+
+    fn lost(&self) -> LostSignal {
+        match self {
+            HeldLock::Fenced(guard) => guard.lost(),
+            HeldLock::Unfenced(guard) => guard.lost(),
+        }
+    }
+
+    async fn release(self) -> turnstile::Result<ReleaseOutcome> {
+        match self {
+            HeldLock::Fenced(guard) => guard.release().await,
+            HeldLock::Unfenced(guard) => guard.release().await,
+        }
+    }
 }
 
 /// The default `--kill-after`, for TTLs long enough to fit it (see [`kill_after_within`]).
@@ -142,7 +206,7 @@ fn kill_after_within(
 /// Why the command must not start, if the lock is already lost or the lease has too
 /// little left: an acquire that took longer than the TTL to answer succeeds with a
 /// lease counted from when it was sent. The command would only be terminated at once.
-fn too_late_to_start(guard: &LockGuard, kill_after: Duration) -> Option<String> {
+fn too_late_to_start(guard: &HeldLock, kill_after: Duration) -> Option<String> {
     if guard.is_lost() {
         let reason = guard
             .loss_reason()
@@ -177,7 +241,7 @@ fn too_late_to_start(guard: &LockGuard, kill_after: Duration) -> Option<String> 
 async fn supervise(
     mut supervisor: Supervisor,
     program: &str,
-    guard: LockGuard,
+    guard: HeldLock,
     kill_after: Duration,
 ) -> ExitCode {
     let (Ok(mut terminate), Ok(mut hangup), Ok(mut interrupt), Ok(mut quit), Ok(mut suspend)) = (

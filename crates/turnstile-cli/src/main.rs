@@ -194,6 +194,11 @@ struct ExecArgs {
     /// TTL/3. Default: 10s, or TTL/3 if that is shorter. At most 100 years.
     #[arg(long, value_parser = parse_kill_after, value_name = "DURATION")]
     kill_after: Option<Duration>,
+    /// Take the lock without a fencing token, for commands whose duplicate run only
+    /// wastes work: `TURNSTILE_FENCING_TOKEN` is not set. Cheaper on Redis (a bare
+    /// `SET NX PX`); the same cost as the fenced lock on the other engines.
+    #[arg(long)]
+    unfenced: bool,
     /// The lock's name.
     name: String,
     /// The command and its arguments (after `--`).

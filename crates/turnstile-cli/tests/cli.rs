@@ -217,6 +217,45 @@ fn exec_runs_the_command_with_its_token_and_passes_its_exit_code() {
     assert!(stdout(&sandbox.run(&["lock", "status", "report"])).contains("is free"));
 }
 
+/// `--unfenced`: the command runs under the lock with no token in its environment
+/// (never a made-up one), and a fenced `lock exec` of the same name is excluded meanwhile.
+#[test]
+fn exec_unfenced_sets_no_token_and_still_excludes() {
+    let sandbox = Sandbox::new();
+    let marker = sandbox.path("inside");
+    let mut holder = sandbox
+        .turnstile(&[
+            "lock",
+            "exec",
+            "--unfenced",
+            "job",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "echo \"${{TURNSTILE_FENCING_TOKEN-unset}}\" > {}; sleep 3",
+                marker.display()
+            ),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !marker.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the command never ran"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let refused = sandbox.run(&["lock", "exec", "--no-wait", "job", "--", "true"]);
+    assert_eq!(code(&refused), 75, "{}", stderr(&refused));
+    assert_eq!(holder.wait().unwrap().code(), Some(0));
+    assert_eq!(std::fs::read_to_string(&marker).unwrap().trim(), "unset");
+    assert!(stdout(&sandbox.run(&["lock", "status", "job"])).contains("is free"));
+}
+
 #[test]
 fn processes_exclude_each_other_through_the_default_sqlite_store() {
     let sandbox = Sandbox::new();
