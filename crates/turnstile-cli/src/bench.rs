@@ -43,6 +43,10 @@ pub(crate) struct BenchArgs {
     /// the `rslock` feature.
     #[arg(long, conflicts_with_all = ["raw", "raw_blocking", "service"])]
     rslock: bool,
+    /// Take the locks unfenced (`Locker::acquire_unfenced`: no token; on Redis a bare
+    /// `SET NX PX`), to compare with the fenced default on the same store.
+    #[arg(long, conflicts_with_all = ["raw", "raw_blocking", "service", "rslock"])]
+    unfenced: bool,
 }
 
 pub(crate) struct Workload {
@@ -79,6 +83,7 @@ impl Workload {
 /// One held lock, whichever peer took it.
 enum Held {
     Library(LockGuard),
+    LibraryUnfenced(turnstile::lock::UnfencedGuard),
     Service(crate::bench_service::ServiceHeld),
     #[cfg(feature = "redis")]
     Raw {
@@ -108,6 +113,11 @@ enum Peer {
         counter: crate::bench_sql::SqlCounter,
     },
     Library {
+        locker: Locker,
+        counter: Counter,
+    },
+    /// The library with unfenced locks (`--unfenced`).
+    LibraryUnfenced {
         locker: Locker,
         counter: Counter,
     },
@@ -251,6 +261,7 @@ impl Peer {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Peer::RawSql { .. } => "raw",
             Peer::Library { .. } => "turnstile",
+            Peer::LibraryUnfenced { .. } => "turnstile-unfenced",
             Peer::Service { .. } => "turnstile-serve",
             #[cfg(feature = "redis")]
             Peer::Raw { .. } => "raw",
@@ -267,7 +278,9 @@ impl Peer {
         match self {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Peer::RawSql { .. } => "busy-retry",
-            Peer::Library { .. } => "release-notification+local-fifo-queue",
+            Peer::Library { .. } | Peer::LibraryUnfenced { .. } => {
+                "release-notification+local-fifo-queue"
+            }
             Peer::Service { .. } => "http-long-poll",
             #[cfg(feature = "redis")]
             Peer::Raw { .. } => "busy-retry",
@@ -290,10 +303,18 @@ impl Peer {
                 Ok(None) => Err(AcquireError::Timeout),
                 Err(error) => Err(AcquireError::Failed(error)),
             },
-            Peer::Library { locker, .. } => {
+            Peer::Library { locker, .. } | Peer::LibraryUnfenced { locker, .. } => {
                 let options = LockOptions::new().ttl(ttl).wait(wait);
-                match locker.acquire(name, &options).await {
-                    Ok(guard) => Ok(Held::Library(guard)),
+                let acquired = if let Peer::LibraryUnfenced { .. } = self {
+                    locker
+                        .acquire_unfenced(name, &options)
+                        .await
+                        .map(Held::LibraryUnfenced)
+                } else {
+                    locker.acquire(name, &options).await.map(Held::Library)
+                };
+                match acquired {
+                    Ok(held) => Ok(held),
                     Err(error) if error.kind() == ErrorKind::AcquireTimeout => {
                         Err(AcquireError::Timeout)
                     }
@@ -371,6 +392,9 @@ impl Peer {
             (_, Held::Library(guard)) => {
                 guard.release().await.map(|_| ()).map_err(|e| e.to_string())
             }
+            (_, Held::LibraryUnfenced(guard)) => {
+                guard.release().await.map(|_| ()).map_err(|e| e.to_string())
+            }
             (Peer::Service { client, .. }, Held::Service(held)) => client.release(held).await,
             #[cfg(feature = "etcd")]
             (Peer::RawEtcd { client, .. }, Held::RawEtcd(held)) => {
@@ -409,7 +433,9 @@ impl Peer {
         match self {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Peer::RawSql { counter, .. } => counter.get().await,
-            Peer::Library { counter, .. } | Peer::Service { counter, .. } => counter.get().await,
+            Peer::Library { counter, .. }
+            | Peer::LibraryUnfenced { counter, .. }
+            | Peer::Service { counter, .. } => counter.get().await,
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { counter, .. } => counter.get().await,
             #[cfg(feature = "zookeeper")]
@@ -432,9 +458,9 @@ impl Peer {
         match self {
             #[cfg(any(feature = "postgres", feature = "mysql"))]
             Peer::RawSql { counter, .. } => counter.set(value).await,
-            Peer::Library { counter, .. } | Peer::Service { counter, .. } => {
-                counter.set(value).await
-            }
+            Peer::Library { counter, .. }
+            | Peer::LibraryUnfenced { counter, .. }
+            | Peer::Service { counter, .. } => counter.set(value).await,
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { counter, .. } => counter.set(value).await,
             #[cfg(feature = "zookeeper")]
@@ -835,7 +861,12 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
     let opened = match &args.service {
         Some(service) => open_service_peer(service, &url, &run).await,
         None if args.rslock => open_rslock_peer(&url, &run).await,
-        None => open_peer(&url, args.raw, &run).await,
+        None => open_peer(&url, args.raw, &run).await.map(|peer| match peer {
+            Peer::Library { locker, counter } if args.unfenced => {
+                Peer::LibraryUnfenced { locker, counter }
+            }
+            other => other,
+        }),
     };
     let peer = match opened {
         Ok(peer) => Rc::new(peer),
