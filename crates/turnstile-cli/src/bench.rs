@@ -861,12 +861,14 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
     let opened = match &args.service {
         Some(service) => open_service_peer(service, &url, &run).await,
         None if args.rslock => open_rslock_peer(&url, &run).await,
-        None => open_peer(&url, args.raw, &run).await.map(|peer| match peer {
-            Peer::Library { locker, counter } if args.unfenced => {
-                Peer::LibraryUnfenced { locker, counter }
-            }
-            other => other,
-        }),
+        None => open_peer(&url, args.raw, &run)
+            .await
+            .map(|peer| match peer {
+                Peer::Library { locker, counter } if args.unfenced => {
+                    Peer::LibraryUnfenced { locker, counter }
+                }
+                other => other,
+            }),
     };
     let peer = match opened {
         Ok(peer) => Rc::new(peer),

@@ -290,3 +290,40 @@ async fn transactions_must_use_the_engines_store() {
         .unwrap_err();
     assert_eq!(error.kind(), turnstile::ErrorKind::InvalidOptions);
 }
+
+/// A handler whose transaction cannot be opened (the pool has no connection to give)
+/// answers 503 without running: that answer gives the key back, so the retry runs
+/// the handler, instead of being stored and replayed as the lease mode stores a 5xx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_that_cannot_open_gives_the_key_back() {
+    use turnstile::idempotency::sqlite::SqliteIdempotencyStore;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("app.db");
+    let store = SqliteIdempotencyStore::open(&path).await.unwrap();
+    sqlx::query("CREATE TABLE payments (id INTEGER PRIMARY KEY, note TEXT NOT NULL)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    // The application's pool: one connection, given up for after 200 ms.
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(200))
+        .connect_with(
+            sqlx::sqlite::SqliteConnectOptions::new()
+                .filename(&path)
+                .busy_timeout(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap();
+    let probe = Probe::default();
+    let router = router!(sqlx::Sqlite, store.clone(), pool.clone(), probe.clone());
+    let taken = pool.acquire().await.unwrap();
+    let (status, _, body) = send(&router, request("/payments", "k-1", "pay")).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(probe.runs.load(Ordering::SeqCst), 0);
+    drop(taken);
+    let (status, headers, body) = send(&router, request("/payments", "k-1", "pay")).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(headers["idempotent-replayed"], "false");
+    assert_eq!(probe.runs.load(Ordering::SeqCst), 1);
+}

@@ -592,7 +592,7 @@ where
         }
         response = call(&mut inner, request) => response,
     };
-    let in_transaction = finisher.as_ref().is_some_and(|finisher| finisher.opened());
+    let in_transaction = finisher.as_ref().is_some_and(|finisher| finisher.asked());
     let stored = config.store_status.unwrap_or(if in_transaction {
         stored_in_transactions_by_default
     } else {
@@ -669,6 +669,9 @@ struct NoTransactions;
 #[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
 impl NoTransactions {
     fn opened(&self) -> bool {
+        false
+    }
+    fn asked(&self) -> bool {
         false
     }
     async fn rollback(self) {}

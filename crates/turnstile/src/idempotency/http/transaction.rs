@@ -32,6 +32,9 @@ struct Slot<DB: sqlx::Database> {
     begin: Option<&'static str>,
     token: FencingToken,
     transaction: Arc<Mutex<Option<sqlx::Transaction<'static, DB>>>>,
+    /// Set when the handler asked for the transaction, even if it could not be opened:
+    /// the request is in the same-transaction mode either way.
+    asked: std::sync::atomic::AtomicBool,
 }
 
 /// The handler's side of the same-transaction mode: the request's database
@@ -123,6 +126,7 @@ impl<DB: sqlx::Database, State: Sync> FromRequestParts<State> for IdempotentTran
                 None,
             )));
         };
+        slot.asked.store(true, std::sync::atomic::Ordering::SeqCst);
         let mut guard = Arc::clone(&slot.transaction).lock_owned().await;
         if guard.is_none() {
             let opened = match slot.begin {
@@ -148,6 +152,12 @@ impl<DB: sqlx::Database, State: Sync> FromRequestParts<State> for IdempotentTran
 pub(super) trait Finisher: Send {
     /// Whether the handler opened the transaction.
     fn opened(&self) -> bool;
+
+    /// Whether the handler asked for the transaction (opened or not): its response
+    /// follows the same-transaction mode's policy. A handler whose transaction could
+    /// not be opened (a 503 from the extractor) had no effect to keep, so that answer
+    /// must give the key back, not be stored and replayed.
+    fn asked(&self) -> bool;
 
     /// Stores `outcome` in the handler's transaction and commits it; on any failure the
     /// transaction is rolled back and the key given back.
@@ -187,6 +197,7 @@ where
             begin: self.store.begin_statement(),
             token,
             transaction: Arc::default(),
+            asked: std::sync::atomic::AtomicBool::new(false),
         });
         extensions.insert(Arc::clone(&slot));
         Box::new(RequestFinisher {
@@ -221,6 +232,10 @@ where
             // Still held: it was opened.
             Err(_) => true,
         }
+    }
+
+    fn asked(&self) -> bool {
+        self.slot.asked.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn commit(
