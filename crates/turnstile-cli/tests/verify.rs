@@ -225,7 +225,8 @@ fn idempotency_on_sqlite_passes_under_kills_and_pauses() {
         [
             "one effect per request",
             "answers are their own",
-            "every request answered"
+            "every request answered",
+            "faults injected"
         ]
     );
     assert!(run["requests"].as_u64().unwrap() > 100, "{run}");

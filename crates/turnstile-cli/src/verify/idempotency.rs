@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
-use turnstile::idempotency::http::{IdempotencyLayer, IdempotentTransaction};
+use turnstile::idempotency::http::{IdempotencyLayer, IdempotentTransaction, types};
 use turnstile::idempotency::{Idempotency, IdempotencyOptions, Scope};
 
 use super::check::Verdict;
@@ -518,12 +518,15 @@ struct RequestRecord {
     in_flight: u32,
     /// 503: the store could not be reached.
     unavailable: u32,
-    /// 500: the claim was lost while the handler ran (the key was given back).
+    /// 503 `claim-lost`: the claim was lost while the handler ran (the key was given
+    /// back).
     claim_lost: u32,
     /// Connection refused or reset (an instance killed or restarting).
     connection_errors: u32,
-    /// 422: the store took the request for another one with the same key.
+    /// 422 `key-reused`: the store took the request for another one with the same key.
     key_mismatch: bool,
+    /// A stored (replayed) answer other than a 201: the request's final answer.
+    stored_error: Option<u16>,
     /// Any other status, in order.
     other_statuses: Vec<u16>,
 }
@@ -611,15 +614,24 @@ async fn send_until_answered(
                 request.replayed = replayed;
                 return;
             }
-            Ok(Ok((422, _, _))) => {
-                request.key_mismatch = true;
-                return;
-            }
-            Ok(Ok((status, _, _))) => {
+            Ok(Ok((status, replayed, body))) => {
+                let problem = serde_json::from_slice::<serde_json::Value>(&body)
+                    .ok()
+                    .and_then(|value| value["type"].as_str().map(str::to_owned))
+                    .unwrap_or_default();
+                if status == 422 && problem == types::KEY_REUSED {
+                    request.key_mismatch = true;
+                    return;
+                }
+                if replayed {
+                    // A stored answer: every retry would get it again.
+                    request.stored_error = Some(status);
+                    return;
+                }
                 match status {
                     409 => request.in_flight += 1,
+                    503 if problem == types::CLAIM_LOST => request.claim_lost += 1,
                     503 => request.unavailable += 1,
-                    500 => request.claim_lost += 1,
                     other => request.other_statuses.push(other),
                 }
                 tokio::time::sleep(between(
@@ -645,6 +657,42 @@ struct FaultWindow {
     end_ns: u64,
 }
 
+/// Which faults explain a second effect of one request, and how.
+#[derive(Debug, Clone, Serialize)]
+struct Explaining {
+    /// The faults the mode does not promise to survive (none in the transaction mode).
+    faults: Vec<IdempotencyFault>,
+    /// How long after its effect a request can still be in flight (its response not
+    /// yet stored): a fault that starts later did not interrupt it.
+    in_flight_ns: u64,
+    /// Whether a restart of the store forgets completed records (Redis without
+    /// persistence), so that a restart anywhere between two effects explains them.
+    store_forgets: bool,
+}
+
+impl Explaining {
+    /// Whether `window` explains `later`, a second effect of the request that had
+    /// `earlier`: a fault the mode does not survive, between the two, that hit the
+    /// first effect's request while it was in flight (on an instance of either effect:
+    /// a handler frozen before it took its time stamp has the later one), or a restart
+    /// that made the store forget the completed record.
+    fn explains(&self, window: &FaultWindow, earlier: &Effect, later: &Effect) -> bool {
+        let at = |effect: &Effect| u64::try_from(effect.at_ns).unwrap_or(0);
+        let between = window.start_ns <= at(later) && window.end_ns >= at(earlier);
+        if !self.faults.contains(&window.fault) || !between {
+            return false;
+        }
+        if window.fault == IdempotencyFault::Restart && self.store_forgets {
+            return true;
+        }
+        let in_flight = window.start_ns <= at(earlier).saturating_add(self.in_flight_ns);
+        let on_its_instance = window.instance.is_none_or(|instance| {
+            i64::try_from(instance).is_ok_and(|i| i == earlier.instance || i == later.instance)
+        });
+        in_flight && on_its_instance
+    }
+}
+
 /// What the checker found in one run.
 #[derive(Debug, Clone, Serialize)]
 struct IdempotencyCheck {
@@ -664,15 +712,13 @@ struct IdempotencyCheck {
     verdicts: Vec<Verdict>,
 }
 
-/// Decides a run from what the clients were answered and the effects that happened.
-/// `explaining` are the faults after which the mode lets a request's effect happen
-/// again (a fault on the instance that had the earlier effect, or on the store, between
-/// the two effects).
+/// Decides a run from what the clients were answered and the effects that happened;
+/// `explaining` says which faults let the mode run a request's effect again.
 fn check(
     requests: &[RequestRecord],
     effects: &[Effect],
     faults: &[FaultWindow],
-    explaining: &[IdempotencyFault],
+    explaining: &Explaining,
 ) -> IdempotencyCheck {
     let mut by_request: HashMap<(&str, &str), Vec<&Effect>> = HashMap::new();
     for effect in effects {
@@ -698,14 +744,7 @@ fn check(
         for pair in list.windows(2) {
             let (earlier, later) = (pair[0], pair[1]);
             duplicates += 1;
-            let explains = |window: &&FaultWindow| {
-                explaining.contains(&window.fault)
-                    && window.start_ns <= u64::try_from(later.at_ns).unwrap_or(0)
-                    && window.end_ns >= u64::try_from(earlier.at_ns).unwrap_or(u64::MAX)
-                    && window.instance.is_none_or(|instance| {
-                        i64::try_from(instance).is_ok_and(|i| i == earlier.instance)
-                    })
-            };
+            let explains = |window: &&FaultWindow| explaining.explains(window, earlier, later);
             match faults.iter().find(explains) {
                 Some(_) => explained += 1,
                 None => unexplained.push(format!(
@@ -725,6 +764,14 @@ fn check(
         if request.key_mismatch {
             wrong_answers.push(format!(
                 "{}/{}: 422, taken for another request with the same key",
+                request.scope, request.key
+            ));
+        }
+        if let Some(status) = request.stored_error
+            && by_request.contains_key(&(request.scope.as_str(), request.key.as_str()))
+        {
+            wrong_answers.push(format!(
+                "{}/{}: answered with a stored {status} though its effect happened",
                 request.scope, request.key
             ));
         }
@@ -751,7 +798,9 @@ fn check(
     }
     let unanswered: Vec<String> = requests
         .iter()
-        .filter(|request| request.answer.is_none() && !request.key_mismatch)
+        .filter(|request| {
+            request.answer.is_none() && !request.key_mismatch && request.stored_error.is_none()
+        })
         .map(|request| {
             format!(
                 "{}/{} after {} attempts (409 {}, 503 {}, 500 {}, other {:?})",
@@ -853,7 +902,7 @@ struct IdempotencySummary {
     lease_ms: u128,
     duration_ms: u128,
     faults: Vec<IdempotencyFault>,
-    explaining_faults: Vec<IdempotencyFault>,
+    explaining: Explaining,
     passed: bool,
     runs: Vec<IdempotencyRun>,
 }
@@ -879,9 +928,12 @@ async fn verify(args: VerifyIdempotencyArgs) -> anyhow::Result<bool> {
         args.lease >= Duration::from_millis(300) && args.lease <= Duration::from_secs(60),
         "--lease must be between 300ms and 60s"
     );
+    let shortest = WARM_UP + 3 * args.lease + quiet(args.lease) + Duration::from_millis(500);
     anyhow::ensure!(
-        args.duration >= Duration::from_secs(5),
-        "--duration must be at least 5s"
+        args.duration >= shortest && args.duration <= Duration::from_secs(24 * 3600),
+        "--duration must be between {} (room for one fault: a warm-up, the fault, the quiet after it, with --lease {}) and 24h",
+        humantime::format_duration(shortest),
+        humantime::format_duration(args.lease)
     );
     anyhow::ensure!(!args.faults.is_empty(), "--faults names no fault");
     anyhow::ensure!(
@@ -913,17 +965,30 @@ async fn verify(args: VerifyIdempotencyArgs) -> anyhow::Result<bool> {
         (None, Engine::Redis) => Mode::Lease,
         (None, _) => Mode::Transaction,
     };
-    let explaining = match mode {
-        // The effect and the stored response commit together: nothing explains two.
-        Mode::Transaction => vec![],
-        Mode::Lease => vec![
-            IdempotencyFault::KillInstance,
-            IdempotencyFault::Pause,
-            IdempotencyFault::Restart,
-        ],
+    let explaining = Explaining {
+        faults: match mode {
+            // The effect and the stored response commit together: nothing explains two.
+            Mode::Transaction => vec![],
+            Mode::Lease => vec![
+                IdempotencyFault::KillInstance,
+                IdempotencyFault::Pause,
+                IdempotencyFault::Restart,
+            ],
+        },
+        // The first request's response is stored within its lease, or its claim is
+        // lost; twice that and a second of slack for a loaded machine.
+        in_flight_ns: u64::try_from((2 * args.lease + Duration::from_secs(1)).as_nanos())
+            .unwrap_or(u64::MAX),
+        // Redis keeps records only as far as its persistence does (best-effort).
+        store_forgets: engine == Engine::Redis,
     };
     let mut faults = args.faults.clone();
-    if !store.can_restart(args.restart_cmd.as_deref()) {
+    if !store.can_restart(args.restart_cmd.as_deref())
+        && faults.contains(&IdempotencyFault::Restart)
+    {
+        eprintln!(
+            "turnstile verify idempotency: skipping restart: this store cannot be restarted here (give --restart-cmd)"
+        );
         faults.retain(|fault| *fault != IdempotencyFault::Restart);
         anyhow::ensure!(
             !faults.is_empty(),
@@ -939,7 +1004,7 @@ async fn verify(args: VerifyIdempotencyArgs) -> anyhow::Result<bool> {
         lease_ms: args.lease.as_millis(),
         duration_ms: args.duration.as_millis(),
         faults: faults.clone(),
-        explaining_faults: explaining.clone(),
+        explaining: explaining.clone(),
         passed: true,
         runs: Vec::new(),
     };
@@ -1072,7 +1137,7 @@ async fn one_run(
     mode: Mode,
     faults: &[IdempotencyFault],
     first_fault: usize,
-    explaining: &[IdempotencyFault],
+    explaining: &Explaining,
     run: u32,
     run_dir: &Path,
 ) -> anyhow::Result<IdempotencyCheck> {
@@ -1104,8 +1169,9 @@ async fn one_run(
     }
 
     let started_ns = monotonic_ns();
-    let end_ns = started_ns + u64::try_from(args.duration.as_nanos()).unwrap_or(u64::MAX);
-    let deadline_ns = end_ns + 60_000_000_000;
+    let end_ns =
+        started_ns.saturating_add(u64::try_from(args.duration.as_nanos()).unwrap_or(u64::MAX));
+    let deadline_ns = end_ns.saturating_add(60_000_000_000);
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(4)
         .build()?;
@@ -1152,7 +1218,13 @@ async fn one_run(
         let _ = instance.child.kill().await;
     }
     let effects = effects_db.read(&run_id).await?;
-    let check = check(&requests, &effects, &windows, explaining);
+    let mut check = check(&requests, &effects, &windows, explaining);
+    // A run in which no fault landed shows nothing about faults.
+    check.verdicts.push(Verdict {
+        check: "faults injected",
+        passed: !windows.is_empty(),
+        detail: format!("{} fault episodes", windows.len()),
+    });
     let mut lines = String::new();
     for request in &requests {
         lines.push_str(&serde_json::to_string(request)?);
@@ -1170,6 +1242,17 @@ async fn one_run(
     Ok(check)
 }
 
+/// How long clients run before the first fault.
+const WARM_UP: Duration = Duration::from_millis(1500);
+
+/// The longest a store restart may take before the run gives up.
+const RESTART_LIMIT: Duration = Duration::from_secs(120);
+
+/// The quiet period after each fault.
+fn quiet(lease: Duration) -> Duration {
+    (3 * lease).max(Duration::from_secs(2))
+}
+
 /// Injects faults in turn until the run's end, with quiet periods between.
 #[allow(clippy::too_many_arguments)]
 async fn nemesis(
@@ -1182,9 +1265,9 @@ async fn nemesis(
     first_fault: usize,
     end_ns: u64,
 ) -> anyhow::Result<Vec<FaultWindow>> {
-    let quiet = (3 * args.lease).max(Duration::from_secs(2));
+    let quiet = quiet(args.lease);
     let mut windows = Vec::new();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(WARM_UP).await;
     let mut turn = first_fault;
     // A fault and the quiet after it fit before the end.
     while monotonic_ns() + u64::try_from((3 * args.lease + quiet).as_nanos()).unwrap_or(0) < end_ns
@@ -1212,7 +1295,11 @@ async fn nemesis(
                 Some(target)
             }
             IdempotencyFault::Pause => {
-                let pid = instances[target].child.id().unwrap_or(0);
+                // An instance that has exited has no pid (and pid 0 would be this
+                // command's own process group).
+                let Some(pid) = instances[target].child.id() else {
+                    continue;
+                };
                 signal(pid, libc::SIGSTOP);
                 tokio::time::sleep(between(args.lease * 3 / 2, args.lease * 3)).await;
                 signal(pid, libc::SIGCONT);
@@ -1220,7 +1307,15 @@ async fn nemesis(
             }
             IdempotencyFault::Restart => {
                 let (store, command) = (store.clone(), args.restart_cmd.clone());
-                tokio::task::spawn_blocking(move || store.restart(command.as_deref())).await??;
+                let restart =
+                    tokio::task::spawn_blocking(move || store.restart(command.as_deref()));
+                match tokio::time::timeout(RESTART_LIMIT, restart).await {
+                    Ok(done) => done??,
+                    Err(_) => anyhow::bail!(
+                        "the store did not restart within {}",
+                        humantime::format_duration(RESTART_LIMIT)
+                    ),
+                }
                 None
             }
         };
@@ -1260,6 +1355,15 @@ mod tests {
         }
     }
 
+    /// The transaction mode: nothing explains a second effect.
+    fn strict() -> Explaining {
+        Explaining {
+            faults: vec![],
+            in_flight_ns: 10_000,
+            store_forgets: false,
+        }
+    }
+
     fn passed(check: &IdempotencyCheck, name: &str) -> bool {
         check
             .verdicts
@@ -1275,17 +1379,25 @@ mod tests {
         let second = effect(2, "acme", "k", 1, 5_000);
         let requests = [answered("acme", "k", &second)];
         let effects = [first.clone(), second.clone()];
-        let all = [
-            IdempotencyFault::KillInstance,
-            IdempotencyFault::Pause,
-            IdempotencyFault::Restart,
-        ];
+        let all = Explaining {
+            faults: vec![
+                IdempotencyFault::KillInstance,
+                IdempotencyFault::Pause,
+                IdempotencyFault::Restart,
+            ],
+            in_flight_ns: 10_000,
+            store_forgets: false,
+        };
+        let none = Explaining {
+            faults: vec![],
+            ..all.clone()
+        };
         // No fault at all.
         let check = check(&requests, &effects, &[], &all);
         assert!(!passed(&check, "one effect per request"));
         assert_eq!((check.duplicates, check.explained), (1, 0));
-        // A kill of another instance explains nothing; of the first effect's, it does
-        // in the lease mode, and nothing does in the transaction mode.
+        // A kill of an instance that had neither effect explains nothing; of the first
+        // effect's, it does in the lease mode, and nothing does in the transaction mode.
         let kill = |instance| FaultWindow {
             fault: IdempotencyFault::KillInstance,
             instance: Some(instance),
@@ -1293,14 +1405,14 @@ mod tests {
             end_ns: 3_000,
         };
         assert!(!passed(
-            &super::check(&requests, &effects, &[kill(1)], &all),
+            &super::check(&requests, &effects, &[kill(2)], &all),
             "one effect per request"
         ));
         let lease = super::check(&requests, &effects, &[kill(0)], &all);
         assert!(passed(&lease, "one effect per request"));
         assert_eq!(lease.explained, 1);
         assert!(!passed(
-            &super::check(&requests, &effects, &[kill(0)], &[]),
+            &super::check(&requests, &effects, &[kill(0)], &none),
             "one effect per request"
         ));
         // A fault after the second effect explains nothing.
@@ -1325,7 +1437,7 @@ mod tests {
             answered("globex", "k", &theirs),
         ];
         assert!(passed(
-            &check(&right, &effects, &[], &[]),
+            &check(&right, &effects, &[], &strict()),
             "answers are their own"
         ));
         let crossed = [
@@ -1333,7 +1445,7 @@ mod tests {
             answered("globex", "k", &theirs),
         ];
         assert!(!passed(
-            &check(&crossed, &effects, &[], &[]),
+            &check(&crossed, &effects, &[], &strict()),
             "answers are their own"
         ));
         let ghost = effect(3, "acme", "k", 0, 3_000);
@@ -1342,7 +1454,7 @@ mod tests {
             answered("globex", "k", &theirs),
         ];
         assert!(!passed(
-            &check(&made_up, &effects, &[], &[]),
+            &check(&made_up, &effects, &[], &strict()),
             "answers are their own"
         ));
         let mut mismatch = answered("acme", "k", &ours);
@@ -1350,7 +1462,7 @@ mod tests {
         mismatch.key_mismatch = true;
         let refused = [mismatch, answered("globex", "k", &theirs)];
         assert!(!passed(
-            &check(&refused, &effects, &[], &[]),
+            &check(&refused, &effects, &[], &strict()),
             "answers are their own"
         ));
     }
@@ -1360,7 +1472,7 @@ mod tests {
         let ours = effect(1, "acme", "k", 0, 1_000);
         let mut waiting = answered("acme", "k", &ours);
         waiting.answer = None;
-        let check = check(&[waiting], &[ours], &[], &[]);
+        let check = check(&[waiting], &[ours], &[], &strict());
         assert!(!passed(&check, "every request answered"));
         assert!(passed(&check, "one effect per request"));
     }
@@ -1388,5 +1500,72 @@ mod tests {
             crate::without_turnstile_options("mysql://h/db?turnstile_prefix=p"),
             "mysql://h/db"
         );
+    }
+
+    #[test]
+    fn only_a_fault_while_the_first_request_was_in_flight_explains_a_second_effect() {
+        let first = effect(1, "acme", "k", 0, 1_000);
+        let second = effect(2, "acme", "k", 1, 50_000);
+        let requests = [answered("acme", "k", &second)];
+        let effects = [first.clone(), second.clone()];
+        let lease = Explaining {
+            faults: vec![IdempotencyFault::KillInstance, IdempotencyFault::Restart],
+            in_flight_ns: 10_000,
+            store_forgets: false,
+        };
+        let window = |fault, instance, start_ns| FaultWindow {
+            fault,
+            instance,
+            start_ns,
+            end_ns: start_ns + 1_000,
+        };
+        let explained = |windows: &[FaultWindow], explaining: &Explaining| {
+            passed(
+                &check(&requests, &effects, windows, explaining),
+                "one effect per request",
+            )
+        };
+        // The first request was done (its response stored) long before the kill.
+        assert!(!explained(
+            &[window(IdempotencyFault::KillInstance, Some(0), 30_000)],
+            &lease
+        ));
+        // While it was in flight: explained.
+        assert!(explained(
+            &[window(IdempotencyFault::KillInstance, Some(0), 5_000)],
+            &lease
+        ));
+        // On the later effect's instance (frozen before it stamped its effect): explained.
+        assert!(explained(
+            &[window(IdempotencyFault::KillInstance, Some(1), 5_000)],
+            &lease
+        ));
+        // A restart of a store that keeps its records explains only an interrupted
+        // request; one that forgets them (Redis without persistence), any in between.
+        assert!(!explained(
+            &[window(IdempotencyFault::Restart, None, 30_000)],
+            &lease
+        ));
+        let forgetful = Explaining {
+            store_forgets: true,
+            ..lease.clone()
+        };
+        assert!(explained(
+            &[window(IdempotencyFault::Restart, None, 30_000)],
+            &forgetful
+        ));
+    }
+
+    #[test]
+    fn a_stored_error_for_a_request_whose_effect_happened_is_a_violation() {
+        let ours = effect(1, "acme", "k", 0, 1_000);
+        let mut request = answered("acme", "k", &ours);
+        request.answer = None;
+        request.stored_error = Some(503);
+        let with_effect = check(&[request.clone()], &[ours], &[], &strict());
+        assert!(!passed(&with_effect, "answers are their own"));
+        assert!(passed(&with_effect, "every request answered"));
+        let without = check(&[request], &[], &[], &strict());
+        assert!(passed(&without, "answers are their own"));
     }
 }
