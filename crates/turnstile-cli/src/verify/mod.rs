@@ -233,6 +233,12 @@ impl Store {
             // the last writes (asynchronous replication); a RedLock node restarted empty
             // can give a second holder its majority.
             "redis" | "redis-sentinel" | "redlock" | "unknown" => faults.push("restart".into()),
+            // Lease rows commit asynchronously unless `turnstile_sync_commit=on`: a
+            // crash can lose the last acquisitions (the guarantees table says so), and
+            // the holder learns it at its next renewal; the fence keeps it out.
+            "postgres" if !self.url().contains("turnstile_sync_commit=on") => {
+                faults.push("restart".into());
+            }
             "postgres-session" | "mysql" => {
                 faults.push("restart".into());
                 faults.push("kill-conn".into());
