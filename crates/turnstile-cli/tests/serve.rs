@@ -4,7 +4,7 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
@@ -822,8 +822,9 @@ async fn idempotency_keys_over_http(service: &Service, engine: &str) {
 
 /// Two instances on one store: a critical section guarded through either of them is
 /// never entered twice at once, and the instances really contend: some acquire through
-/// one instance is called while a holder that came through the other is inside (between
-/// its grant and its release), so the store kept it waiting for that holder's release.
+/// one instance was still waiting while a holder that came through the other was inside
+/// (its wait overlaps that hold), so the store kept it waiting for that holder's release.
+/// A run whose workers took turns one after another would have no such overlap.
 async fn two_instances_keep_exclusion(store: &str) {
     let dir = Arc::new(tempfile::tempdir().unwrap());
     let services = [
@@ -831,31 +832,33 @@ async fn two_instances_keep_exclusion(store: &str) {
         Service::start(store, &[], dir),
     ];
     let name = unique_name("shared");
-    // The instance (1 or 2) the holder inside the section came through; 0: nobody.
-    let inside = AtomicUsize::new(0);
-    let entered = AtomicU32::new(0);
-    // Acquires called while a holder from the other instance was inside.
-    let waited_across = AtomicU32::new(0);
+    // Every step below takes the next number of this clock, so overlaps are read off
+    // the order the steps happened in, not off timings.
+    let clock = AtomicU64::new(0);
+    let inside = AtomicBool::new(false);
+    // (instance, acquire sent, lease answered) and (instance, entered, left).
+    let waits = std::sync::Mutex::new(Vec::new());
+    let holds = std::sync::Mutex::new(Vec::new());
     let worker = |index: usize| {
-        let (services, inside, entered, waited_across, name) =
-            (&services, &inside, &entered, &waited_across, &name);
+        let (services, clock, inside, waits, holds, name) =
+            (&services, &clock, &inside, &waits, &holds, &name);
         async move {
             for round in 0..15 {
                 let instance = (index + round) % 2;
                 let api = services[instance].anonymous();
-                let holder_when_sent = inside.load(Ordering::SeqCst);
+                let sent = clock.fetch_add(1, Ordering::SeqCst);
                 let lease = api
                     .acquire(name, json!({"ttl_ms": 10000, "wait_ms": 20000}))
                     .await;
+                let answered = clock.fetch_add(1, Ordering::SeqCst);
                 assert_eq!(lease.status, StatusCode::OK, "{lease:?}");
-                if holder_when_sent != 0 && holder_when_sent != instance + 1 {
-                    waited_across.fetch_add(1, Ordering::SeqCst);
-                }
-                let before = inside.swap(instance + 1, Ordering::SeqCst);
-                assert_eq!(before, 0, "two holders at once");
-                entered.fetch_add(1, Ordering::SeqCst);
+                waits.lock().unwrap().push((instance, sent, answered));
+                assert!(!inside.swap(true, Ordering::SeqCst), "two holders at once");
+                let entered = clock.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(2)).await;
-                inside.store(0, Ordering::SeqCst);
+                let left = clock.fetch_add(1, Ordering::SeqCst);
+                inside.store(false, Ordering::SeqCst);
+                holds.lock().unwrap().push((instance, entered, left));
                 let owner = lease.body["owner"].as_str().unwrap();
                 // Release through the other instance: the service keeps no state.
                 let other = services[(instance + 1) % 2].anonymous();
@@ -872,10 +875,19 @@ async fn two_instances_keep_exclusion(store: &str) {
     // All four workers at once, on this task: while one sleeps inside the section the
     // others' acquires are sent and wait in the instances.
     tokio::join!(worker(0), worker(1), worker(2), worker(3));
-    assert_eq!(entered.load(Ordering::SeqCst), 60);
+    let (waits, holds) = (waits.into_inner().unwrap(), holds.into_inner().unwrap());
+    assert_eq!(holds.len(), 60);
+    let waited_across = waits
+        .iter()
+        .filter(|(instance, sent, answered)| {
+            holds.iter().any(|(holder, entered, left)| {
+                holder != instance && sent < left && answered > entered
+            })
+        })
+        .count();
     assert!(
-        waited_across.load(Ordering::SeqCst) > 0,
-        "no acquire was ever called while a holder from the other instance was inside: \
+        waited_across > 0,
+        "no acquire waited while a holder from the other instance was inside: \
          the instances never contended"
     );
 }
