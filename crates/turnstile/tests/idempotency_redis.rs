@@ -80,3 +80,171 @@ async fn an_outcome_is_stored_once_the_store_is_back() {
     }
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
 }
+
+/// How many scripts (`EVAL`, `EVALSHA`) the server has run, from `INFO commandstats`.
+async fn scripts_run(connection: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(connection)
+        .await
+        .unwrap();
+    info.lines()
+        .filter(|line| line.starts_with("cmdstat_eval:") || line.starts_with("cmdstat_evalsha:"))
+        .map(|line| {
+            let calls = line.split("calls=").nth(1).unwrap();
+            calls[..calls.find(',').unwrap()].parse::<u64>().unwrap()
+        })
+        .sum()
+}
+
+/// A key nobody has claimed is claimed and completed with plain commands (no script
+/// runs on the server); the scripts run only once the key is there: a duplicate's
+/// replay, and another body's mismatch.
+#[tokio::test]
+async fn a_new_keys_claim_and_completion_run_no_script() {
+    use std::time::Duration;
+    use turnstile::idempotency::{ClaimAnswer, Fingerprint, Finish, IdempotencyKey, Scope};
+    let server = turnstile_test_support::RedisServer::spawn();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let backend = Idempotency::connect(&server.url())
+        .await
+        .unwrap()
+        .store()
+        .clone();
+    let (scope, fingerprint) = (Scope::new("tenant").unwrap(), Fingerprint::of(&[b"x"]));
+    let (lease, retention) = (Duration::from_secs(5), Duration::from_secs(60));
+    let before = scripts_run(&mut connection).await;
+    for n in 0..20 {
+        let key = IdempotencyKey::new(format!("new-{n}")).unwrap();
+        let ClaimAnswer::Started { token } = backend
+            .claim(&scope, &key, &fingerprint, lease, retention)
+            .await
+            .unwrap()
+        else {
+            panic!("a new key was not started");
+        };
+        assert_eq!(
+            backend
+                .complete(&scope, &key, token, b"paid", retention)
+                .await
+                .unwrap(),
+            Finish::Done
+        );
+    }
+    assert_eq!(
+        scripts_run(&mut connection).await,
+        before,
+        "a new key's claim or completion ran a script"
+    );
+    let key = IdempotencyKey::new("new-0").unwrap();
+    assert_eq!(
+        backend
+            .claim(&scope, &key, &fingerprint, lease, retention)
+            .await
+            .unwrap(),
+        ClaimAnswer::Replay {
+            outcome: b"paid".to_vec()
+        }
+    );
+    assert_eq!(
+        backend
+            .claim(&scope, &key, &Fingerprint::of(&[b"y"]), lease, retention)
+            .await
+            .unwrap(),
+        ClaimAnswer::Mismatch
+    );
+    // (The first call of a script may count twice: an `EVALSHA` refused with
+    // `NOSCRIPT`, then the script sent whole.)
+    assert!(
+        scripts_run(&mut connection).await > before,
+        "a record that is there is decided by the claim script"
+    );
+}
+
+/// Records written by the earlier version of this store (one script per operation, the
+/// outcome inside the record as state `c`) are still read: a repeat gets the replay,
+/// and one in progress is still in progress.
+#[tokio::test]
+async fn records_from_the_script_only_version_are_still_read() {
+    use std::time::Duration;
+    use turnstile::idempotency::{ClaimAnswer, Fingerprint, IdempotencyKey, Scope};
+    let prefix = unique_name("idemold");
+    let url = format!("{}?turnstile_prefix={prefix}", shared_redis().url());
+    let backend = Idempotency::connect(&url).await.unwrap().store().clone();
+    let client = redis::Client::open(shared_redis().url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let (scope, fingerprint) = (Scope::new("tenant").unwrap(), Fingerprint::of(&[b"x"]));
+    let (lease, retention) = (Duration::from_secs(5), Duration::from_secs(60));
+    for (name, state, outcome) in [("done", "c", "paid"), ("busy", "p", "")] {
+        let key = IdempotencyKey::new(name).unwrap();
+        // A first claim names the record's key and its fingerprint's form; the record is
+        // then overwritten as the script-only version wrote it.
+        let started = backend
+            .claim(&scope, &key, &fingerprint, lease, retention)
+            .await
+            .unwrap();
+        assert!(
+            matches!(started, ClaimAnswer::Started { .. }),
+            "{started:?}"
+        );
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}:idem:*:record"))
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        let mut record = None;
+        for candidate in keys {
+            let value: String = redis::cmd("GET")
+                .arg(&candidate)
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+            if value.starts_with("n|") {
+                record = Some((candidate, value));
+            }
+        }
+        let (record, value) = record.expect("the first claim's record");
+        let fingerprint_hex = value.split('|').nth(1).unwrap().to_owned();
+        let time: (String, String) = redis::cmd("TIME")
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        let now_ms = time.0.parse::<u64>().unwrap() * 1000 + time.1.parse::<u64>().unwrap() / 1000;
+        let old = format!(
+            "{state}|{fingerprint_hex}|{}|{}|{}|{now_ms}|{outcome}",
+            now_ms * 1000,
+            now_ms + 5_000,
+            now_ms + 60_000,
+        );
+        let _: () = redis::cmd("SET")
+            .arg(&record)
+            .arg(old)
+            .arg("PX")
+            .arg(60_000)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        let answer = backend
+            .claim(&scope, &key, &fingerprint, lease, retention)
+            .await
+            .unwrap();
+        match state {
+            "c" => assert_eq!(
+                answer,
+                ClaimAnswer::Replay {
+                    outcome: b"paid".to_vec()
+                }
+            ),
+            _ => assert!(
+                matches!(answer, ClaimAnswer::InProgress { .. }),
+                "{answer:?}"
+            ),
+        }
+        let _: () = redis::cmd("DEL")
+            .arg(&record)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+    }
+}

@@ -1,24 +1,48 @@
-//! Idempotency records in Redis: one Lua script per operation.
+//! Idempotency records in Redis: one plain `SET` for the first claim of a key, one
+//! pipelined round trip of plain commands for its completion, and a Lua script for
+//! everything else (duplicates, reclaims, heartbeats, give-backs).
 //!
 //! A record is one string value at `P:idem:{H}:record`, where `P` is the prefix
 //! (`turnstile`, or the URL's `turnstile_prefix`) and `H` the first 32 hex digits of the
 //! SHA-256 of the scope and the key: fixed-length keys whatever the scope and key hold,
 //! and the `{H}` hash tag keeps every key of a record in one Cluster slot. The value is
 //! `STATE|FINGERPRINT|TOKEN|LEASE_UNTIL_MS|EXPIRES_MS|CREATED_MS|OUTCOME` (state `p` in
-//! progress, `w` in progress with a duplicate seen, `c` completed, `r` released), written
-//! with `SET … PXAT` so that the record and its expiry change in one command.
-//! Completions and releases are published on `P:idem:{H}:done`, only when a duplicate
-//! has seen the claim in progress (and so may be waiting).
+//! progress, `w` in progress with a duplicate seen, `r` released, `c` completed by an
+//! older version of this store), written by scripts with `SET … PXAT` so that the record
+//! and its expiry change in one command.
 //!
-//! One string rather than a hash because each `redis.call` inside a script costs a few
-//! microseconds of the server's single thread, more than the command itself: a claim of
-//! a new key is three calls (`TIME`, `GET`, `SET`), a completion three.
+//! **The first claim of a key** is `SET record "n|FP|TOKEN|LEASE_MS|RETENTION_MS|0|" NX
+//! PX max(lease, retention) GET`: it creates the record only if there is none, and
+//! answers the record that is there otherwise (then the claim script decides). A state
+//! `n` record keeps its lease and retention as lengths; the scripts read its times off
+//! the key's own expiry (`PTTL`), so the lease is still judged by the server's clock.
+//!
+//! **A completion** writes the outcome under a key that names its claim's token,
+//! `P:idem:{H}:out:TOKEN`, with a plain `SET … PX`, moves the record's expiry to the
+//! retention from now (`PEXPIRE … GT`), and reads the record back, all in one pipeline.
+//! No compare-and-set is needed: a record whose token has an outcome key is completed,
+//! and a stale claimer's outcome sits under a token the record no longer names, so it
+//! is never read. The record read back says which of the two this completion was
+//! ([`Finish::Done`] or [`Finish::Fenced`]), and whether a duplicate saw the claim in
+//! progress (state `w`): only then is the completion published on `P:idem:{H}:done`.
+//!
+//! Why plain commands where they suffice: each `redis.call` inside a script costs a few
+//! microseconds of the server's single thread, more than the command itself, and a
+//! script's own run as much again; a new key's claim and completion were two scripts.
 //!
 //! # Guarantees
-//! - **Atomicity**: each operation is one script; Redis runs a script alone.
+//! - **Atomicity**: the first claim is one `SET NX`; every other change of a record is
+//!   one script, which Redis runs alone; an outcome is one `SET` of a key no other
+//!   claim writes.
 //! - **Clock**: lease ends and retention are judged by the Redis server's clock
-//!   (`TIME`); a record expires with the key (`PXAT`), so there is nothing to sweep.
-//! - **Tokens**: `max(last + 1, server TIME in µs)`.
+//!   (`TIME`, and key expiry for a first claim); a record expires with the key, so
+//!   there is nothing to sweep. A completed record is kept for the retention from its
+//!   completion.
+//! - **Tokens**: a reclaim takes `max(last + 1, server TIME in µs)`, so tokens of a key
+//!   strictly increase while its record lives. A first claim (no record) takes the
+//!   claiming process's clock in µs, never less than the last token that process
+//!   handed out; nothing older than the record can then complete it, because an outcome
+//!   is read only under the token the record names.
 //! - **Durability**: as Redis is configured. Without persistence, a restart forgets
 //!   every record (a retry then runs again), and asynchronous replication can lose the
 //!   last completions on failover: **Redis idempotency is best-effort across failures**;
@@ -54,6 +78,10 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local function now_us()
   return time[1] .. string.format('%06d', tonumber(time[2]))
 end
+-- The key an outcome of the claim with this token is stored under.
+local function outcome_key(token)
+  return string.sub(KEYS[1], 1, -7) .. 'out:' .. token
+end
 local function load()
   local value = redis.call('GET', KEYS[1])
   if not value then
@@ -64,8 +92,25 @@ local function load()
   if not state then
     error('turnstile: ' .. KEYS[1] .. ' does not hold an idempotency record')
   end
-  return {state = state, fp = fp, token = token, lease_until = tonumber(lease_until),
-          expires = tonumber(expires), created = created, outcome = string.sub(value, at)}
+  local r = {state = state, fp = fp, token = token, lease_until = tonumber(lease_until),
+             expires = tonumber(expires), created = created, outcome = string.sub(value, at)}
+  if state == 'n' then
+    -- A first claim, written by one SET with the longer of its lease and retention
+    -- as the key's expiry: its times come from that expiry, on this server's clock.
+    local lease, retention = r.lease_until, r.expires
+    local created_ms = now_ms + redis.call('PTTL', KEYS[1]) - math.max(lease, retention)
+    r.state, r.created = 'p', string.format('%d', created_ms)
+    r.lease_until, r.expires = created_ms + lease, created_ms + retention
+  end
+  if r.state == 'p' or r.state == 'w' then
+    local outcome = redis.call('GET', outcome_key(r.token))
+    if outcome then
+      -- Completed: its expiry is the key's, which the completion moved.
+      r.state, r.outcome, r.lease_until = 'c', outcome, now_ms
+      r.expires = now_ms + math.max(0, redis.call('PTTL', KEYS[1]))
+    end
+  end
+  return r
 end
 local function store(r, expire_at)
   redis.call('SET', KEYS[1], r.state .. '|' .. r.fp .. '|' .. r.token .. '|' .. string.format('%d', r.lease_until)
@@ -78,7 +123,8 @@ end
     };
 }
 
-/// KEYS[1] record; ARGV fingerprint, lease ms, retention ms. Answers
+/// KEYS[1] record; ARGV fingerprint, lease ms, retention ms. Run when the first claim's
+/// `SET NX` found a record. Answers
 /// `{'started', token}`, `{'replay', outcome}`, `{'in_progress', lease_left_ms}` or
 /// `{'mismatch'}`.
 const CLAIM: &str = concat!(
@@ -130,27 +176,6 @@ return 1
 "
 );
 
-/// KEYS[1] record; ARGV token, outcome, retention ms, channel. 1 stored, 0 refused.
-const COMPLETE: &str = concat!(
-    record_lua!(),
-    r"
-local r = load()
-if not r or not in_progress(r) or r.token ~= ARGV[1] then
-  return 0
-end
-local waited = r.state == 'w'
-r.state, r.outcome, r.lease_until = 'c', ARGV[2], now_ms
--- Kept for the retention from its creation, or from now when the work outlived it.
-r.expires = tonumber(r.created) + tonumber(ARGV[3])
-if r.expires <= now_ms then r.expires = now_ms + tonumber(ARGV[3]) end
-store(r, r.expires)
-if waited then
-  redis.call('PUBLISH', ARGV[4], 'completed')
-end
-return 1
-"
-);
-
 /// KEYS[1] record; ARGV token, channel. 1 given back, 0 refused.
 const RELEASE: &str = concat!(
     record_lua!(),
@@ -178,6 +203,7 @@ local r = load()
 if not r or r.state == 'r' then
   return 0
 end
+redis.call('DEL', outcome_key(r.token))
 local token = now_us()
 if tonumber(r.token) >= tonumber(token) then
   token = string.format('%d', tonumber(r.token) + 1)
@@ -209,7 +235,6 @@ return {state, r.fp, r.token, string.format('%d', math.max(0, r.lease_until - no
 struct Scripts {
     claim: Script,
     heartbeat: Script,
-    complete: Script,
     release: Script,
     forget: Script,
     get: Script,
@@ -263,7 +288,6 @@ impl RedisIdempotencyStore {
             scripts: Arc::new(Scripts {
                 claim: Script::new(CLAIM),
                 heartbeat: Script::new(HEARTBEAT),
-                complete: Script::new(COMPLETE),
                 release: Script::new(RELEASE),
                 forget: Script::new(FORGET),
                 get: Script::new(GET),
@@ -320,6 +344,42 @@ fn fingerprint_hex(fingerprint: &Fingerprint) -> String {
     crate::hex::hex(fingerprint.as_bytes())
 }
 
+/// The token of a first claim: this process's clock in µs, and never less than one
+/// more than the last token this function gave, so a process's tokens strictly
+/// increase even when its clock steps back. (A reclaim's token comes from the script,
+/// `max(last + 1, server TIME)`, above whatever a first claim took.)
+fn first_claim_token() -> FencingToken {
+    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_micros()).unwrap_or(u64::MAX)
+        });
+    let previous = LAST
+        .fetch_update(
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+            |last| Some(now.max(last + 1)),
+        )
+        .unwrap_or_else(|last| last);
+    FencingToken::new(now.max(previous + 1))
+}
+
+/// The key the outcome of the claim with `token` is stored under, beside `record`.
+fn outcome_key(record: &str, token: FencingToken) -> String {
+    let base = &record[..record.len() - "record".len()];
+    format!("{base}out:{token}")
+}
+
+/// The state letter and token of a record's value (`STATE|FP|TOKEN|…`).
+fn claim_named_by(value: &[u8]) -> Option<(u8, u64)> {
+    let mut fields = value.split(|&byte| byte == b'|');
+    let state = *fields.next()?.first()?;
+    let _fingerprint = fields.next()?;
+    let token = std::str::from_utf8(fields.next()?).ok()?.parse().ok()?;
+    Some((state, token))
+}
+
 impl IdempotencyStore for RedisIdempotencyStore {
     fn claim<'a>(
         &'a self,
@@ -332,13 +392,32 @@ impl IdempotencyStore for RedisIdempotencyStore {
         Box::pin(async move {
             let record = self.record_key(scope, key);
             let mut connection = self.connection.clone();
+            let fingerprint = fingerprint_hex(fingerprint);
+            let (lease_ms, retention_ms) = (ceil_millis(lease), ceil_millis(retention));
+            // A key nobody holds is created by this one command; a record that is there
+            // comes back instead, and the script below decides about it.
+            let token = first_claim_token();
+            let first = format!("n|{fingerprint}|{token}|{lease_ms}|{retention_ms}|0|");
+            let existing: Option<Vec<u8>> = redis::cmd("SET")
+                .arg(&record)
+                .arg(first)
+                .arg("NX")
+                .arg("PX")
+                .arg(lease_ms.max(retention_ms).max(1))
+                .arg("GET")
+                .query_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot claim the idempotency key"))?;
+            if existing.is_none() {
+                return Ok(ClaimAnswer::Started { token });
+            }
             let reply: Vec<Value> = self
                 .scripts
                 .claim
                 .key(record)
-                .arg(fingerprint_hex(fingerprint))
-                .arg(ceil_millis(lease))
-                .arg(ceil_millis(retention))
+                .arg(fingerprint)
+                .arg(lease_ms)
+                .arg(retention_ms)
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot claim the idempotency key"))?;
@@ -404,23 +483,54 @@ impl IdempotencyStore for RedisIdempotencyStore {
         Box::pin(async move {
             check_outcome(outcome)?;
             let (record, channel) = self.keys(scope, key);
+            let outcome_key = outcome_key(&record, token);
+            let retention_ms = ceil_millis(retention).max(1);
             let mut connection = self.connection.clone();
-            let answer: i64 = self
-                .scripts
-                .complete
-                .key(record)
-                .arg(token.get().to_string())
+            // The outcome key outlives the record by a second, so a record that is
+            // there never names an outcome that has already expired.
+            let (now_named,): (Option<Vec<u8>>,) = redis::pipe()
+                .cmd("SET")
+                .arg(&outcome_key)
                 .arg(outcome)
-                .arg(ceil_millis(retention))
-                .arg(channel)
-                .invoke_async(&mut connection)
+                .arg("PX")
+                .arg(retention_ms.saturating_add(1_000))
+                .ignore()
+                .cmd("PEXPIRE")
+                .arg(&record)
+                .arg(retention_ms)
+                .arg("GT")
+                .ignore()
+                .cmd("GET")
+                .arg(&record)
+                .query_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot store the outcome"))?;
-            Ok(if answer == 1 {
-                Finish::Done
-            } else {
-                Finish::Fenced
-            })
+            match now_named.as_deref().and_then(claim_named_by) {
+                Some((state, named))
+                    if named == token.get() && matches!(state, b'n' | b'p' | b'w') =>
+                {
+                    if state == b'w' {
+                        // A duplicate saw the claim at work and may be waiting.
+                        let _: i64 = redis::cmd("PUBLISH")
+                            .arg(&channel)
+                            .arg("completed")
+                            .query_async(&mut connection)
+                            .await
+                            .map_err(|error| map_error(error, "cannot announce the outcome"))?;
+                    }
+                    Ok(Finish::Done)
+                }
+                _ => {
+                    // Another claim took the key over (or it was given back, forgotten
+                    // or lost): this outcome is never read; do not keep it either.
+                    let _: i64 = redis::cmd("DEL")
+                        .arg(&outcome_key)
+                        .query_async(&mut connection)
+                        .await
+                        .map_err(|error| map_error(error, "cannot store the outcome"))?;
+                    Ok(Finish::Fenced)
+                }
+            }
         })
     }
 
