@@ -98,8 +98,8 @@ async fn scripts_run(connection: &mut redis::aio::MultiplexedConnection) -> u64 
 }
 
 /// A key nobody has claimed is claimed and completed with plain commands (no script
-/// runs on the server); the scripts run only once the key is there: a duplicate's
-/// replay, and another body's mismatch.
+/// runs on the server), and so are a repeat's replay and another body's mismatch; a
+/// script runs only for a duplicate of a claim still at work.
 #[tokio::test]
 async fn a_new_keys_claim_and_completion_run_no_script() {
     use std::time::Duration;
@@ -154,11 +154,31 @@ async fn a_new_keys_claim_and_completion_run_no_script() {
             .unwrap(),
         ClaimAnswer::Mismatch
     );
-    // (The first call of a script may count twice: an `EVALSHA` refused with
-    // `NOSCRIPT`, then the script sent whole.)
+    assert_eq!(
+        scripts_run(&mut connection).await,
+        before,
+        "a replay or a mismatch ran a script"
+    );
+    let busy = IdempotencyKey::new("busy").unwrap();
+    let started = backend
+        .claim(&scope, &busy, &fingerprint, lease, retention)
+        .await
+        .unwrap();
+    assert!(
+        matches!(started, ClaimAnswer::Started { .. }),
+        "{started:?}"
+    );
+    let duplicate = backend
+        .claim(&scope, &busy, &fingerprint, lease, retention)
+        .await
+        .unwrap();
+    assert!(
+        matches!(duplicate, ClaimAnswer::InProgress { .. }),
+        "{duplicate:?}"
+    );
     assert!(
         scripts_run(&mut connection).await > before,
-        "a record that is there is decided by the claim script"
+        "a duplicate of a claim at work is decided by the claim script"
     );
 }
 

@@ -17,12 +17,13 @@
 //! `n` record keeps its lease and retention as lengths; the scripts read its times off
 //! the key's own expiry (`PTTL`), so the lease is still judged by the server's clock.
 //!
-//! **A completion** writes the outcome under a key that names its claim's token,
-//! `P:idem:{H}:out:TOKEN`, with a plain `SET … PX`, moves the record's expiry to the
-//! retention from now (`PEXPIRE … GT`), and reads the record back, all in one pipeline.
-//! No compare-and-set is needed: a record whose token has an outcome key is completed,
-//! and a stale claimer's outcome sits under a token the record no longer names, so it
-//! is never read. The record read back says which of the two this completion was
+//! **A completion** writes the outcome into the hash `P:idem:{H}:outcomes` under its
+//! claim's token (`HSET`, `PEXPIRE`), moves the record's expiry to the retention from
+//! now (`PEXPIRE … GT`), and reads the record back, all in one `MULTI` round trip. No
+//! compare-and-set is needed: a record whose token has an outcome is completed, and a
+//! stale claimer's outcome sits under a token the record no longer names, so it is
+//! never read. The first claim's round trip also reads that hash (`HGETALL`, empty for
+//! a new key), so a replay or a mismatch is answered without a script too. The record read back says which of the two this completion was
 //! ([`Finish::Done`] or [`Finish::Fenced`]), and whether a duplicate saw the claim in
 //! progress (state `w`): only then is the completion published on `P:idem:{H}:done`.
 //!
@@ -32,8 +33,8 @@
 //!
 //! # Guarantees
 //! - **Atomicity**: the first claim is one `SET NX`; every other change of a record is
-//!   one script, which Redis runs alone; an outcome is one `SET` of a key no other
-//!   claim writes.
+//!   one script, which Redis runs alone; an outcome is one `MULTI` that writes a hash
+//!   field no other claim writes.
 //! - **Clock**: lease ends and retention are judged by the Redis server's clock
 //!   (`TIME`, and key expiry for a first claim); a record expires with the key, so
 //!   there is nothing to sweep. A completed record is kept for the retention from its
@@ -51,6 +52,7 @@
 //! - **Waiting**: duplicates subscribe to the record's channel and re-check at the
 //!   claim's lease end.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,10 +80,6 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local function now_us()
   return time[1] .. string.format('%06d', tonumber(time[2]))
 end
--- The key an outcome of the claim with this token is stored under.
-local function outcome_key(token)
-  return string.sub(KEYS[1], 1, -7) .. 'out:' .. token
-end
 local function load()
   local value = redis.call('GET', KEYS[1])
   if not value then
@@ -103,7 +101,7 @@ local function load()
     r.lease_until, r.expires = created_ms + lease, created_ms + retention
   end
   if r.state == 'p' or r.state == 'w' then
-    local outcome = redis.call('GET', outcome_key(r.token))
+    local outcome = redis.call('HGET', KEYS[2], r.token)
     if outcome then
       -- Completed: its expiry is the key's, which the completion moved.
       r.state, r.outcome, r.lease_until = 'c', outcome, now_ms
@@ -123,7 +121,7 @@ end
     };
 }
 
-/// KEYS[1] record; ARGV fingerprint, lease ms, retention ms. Run when the first claim's
+/// KEYS[1] record, KEYS[2] outcomes; ARGV fingerprint, lease ms, retention ms. Run when the first claim's
 /// `SET NX` found a record. Answers
 /// `{'started', token}`, `{'replay', outcome}`, `{'in_progress', lease_left_ms}` or
 /// `{'mismatch'}`.
@@ -159,7 +157,7 @@ return {'started', token}
 "
 );
 
-/// KEYS[1] record; ARGV token, lease ms. 1 renewed, -1 another claim holds it, 0 gone.
+/// KEYS[1] record, KEYS[2] outcomes; ARGV token, lease ms. 1 renewed, -1 another claim holds it, 0 gone.
 const HEARTBEAT: &str = concat!(
     record_lua!(),
     r"
@@ -176,7 +174,7 @@ return 1
 "
 );
 
-/// KEYS[1] record; ARGV token, channel. 1 given back, 0 refused.
+/// KEYS[1] record, KEYS[2] outcomes; ARGV token, channel. 1 given back, 0 refused.
 const RELEASE: &str = concat!(
     record_lua!(),
     r"
@@ -194,7 +192,7 @@ return 1
 "
 );
 
-/// KEYS[1] record; ARGV channel. 1 forgotten (the token bumped, so a claim at work is
+/// KEYS[1] record, KEYS[2] outcomes; ARGV channel. 1 forgotten (the token bumped, so a claim at work is
 /// fenced out), 0 nothing to forget.
 const FORGET: &str = concat!(
     record_lua!(),
@@ -203,7 +201,7 @@ local r = load()
 if not r or r.state == 'r' then
   return 0
 end
-redis.call('DEL', outcome_key(r.token))
+redis.call('DEL', KEYS[2])
 local token = now_us()
 if tonumber(r.token) >= tonumber(token) then
   token = string.format('%d', tonumber(r.token) + 1)
@@ -215,7 +213,7 @@ return 1
 "
 );
 
-/// KEYS[1] record. `{state, fp, token, lease_left_ms, expires_in_ms, outcome}` or nil.
+/// KEYS[1] record, KEYS[2] outcomes. `{state, fp, token, lease_left_ms, expires_in_ms, outcome}` or nil.
 const GET: &str = concat!(
     record_lua!(),
     r"
@@ -297,27 +295,40 @@ impl RedisIdempotencyStore {
         })
     }
 
-    /// The record's key.
-    fn record_key(&self, scope: &Scope, key: &IdempotencyKey) -> String {
+    /// The keys of the record for `scope` and `key`.
+    fn keys(&self, scope: &Scope, key: &IdempotencyKey) -> RecordKeys {
         let mut hasher = Sha256::new();
         hasher.update((scope.as_str().len() as u64).to_be_bytes());
         hasher.update(scope.as_str());
         hasher.update(key.as_str());
         let digest = hasher.finalize();
-        let mut record = String::with_capacity(self.prefix.len() + 48);
-        record.push_str(&self.prefix);
-        record.push_str(":idem:{");
-        crate::hex::push_hex(&mut record, &digest[..16]);
-        record.push_str("}:record");
-        record
+        let mut base = String::with_capacity(self.prefix.len() + 48);
+        base.push_str(&self.prefix);
+        base.push_str(":idem:{");
+        crate::hex::push_hex(&mut base, &digest[..16]);
+        base.push_str("}:");
+        let with = |suffix: &str| {
+            let mut key = String::with_capacity(base.len() + suffix.len());
+            key.push_str(&base);
+            key.push_str(suffix);
+            key
+        };
+        RecordKeys {
+            record: with("record"),
+            outcomes: with("outcomes"),
+            channel: with("done"),
+        }
     }
+}
 
-    /// The record's key and its notification channel.
-    fn keys(&self, scope: &Scope, key: &IdempotencyKey) -> (String, String) {
-        let record = self.record_key(scope, key);
-        let channel = format!("{}:done", &record[..record.len() - ":record".len()]);
-        (record, channel)
-    }
+/// The keys of one record, all in its `{H}` hash slot.
+struct RecordKeys {
+    /// The record (`STATE|FP|TOKEN|…`).
+    record: String,
+    /// A hash of outcomes by the token of the claim that stored them.
+    outcomes: String,
+    /// Where completions and give-backs are published to waiting duplicates.
+    channel: String,
 }
 
 fn text(value: &Value) -> Option<String> {
@@ -365,19 +376,32 @@ fn first_claim_token() -> FencingToken {
     FencingToken::new(now.max(previous + 1))
 }
 
-/// The key the outcome of the claim with `token` is stored under, beside `record`.
-fn outcome_key(record: &str, token: FencingToken) -> String {
-    let base = &record[..record.len() - "record".len()];
-    format!("{base}out:{token}")
+/// A record's value as the first claim reads it back: its state letter, fingerprint in
+/// hex, token, and what follows the sixth `|` (the outcome, in a record that holds it).
+struct RecordHeader<'v> {
+    state: u8,
+    fingerprint: &'v [u8],
+    token_text: &'v str,
+    token: u64,
+    outcome: &'v [u8],
 }
 
-/// The state letter and token of a record's value (`STATE|FP|TOKEN|…`).
-fn claim_named_by(value: &[u8]) -> Option<(u8, u64)> {
-    let mut fields = value.split(|&byte| byte == b'|');
-    let state = *fields.next()?.first()?;
-    let _fingerprint = fields.next()?;
-    let token = std::str::from_utf8(fields.next()?).ok()?.parse().ok()?;
-    Some((state, token))
+impl<'v> RecordHeader<'v> {
+    fn parse(value: &'v [u8]) -> Option<Self> {
+        let mut fields = value.splitn(7, |&byte| byte == b'|');
+        let state = *fields.next()?.first()?;
+        let fingerprint = fields.next()?;
+        let token_text = std::str::from_utf8(fields.next()?).ok()?;
+        let token = token_text.parse().ok()?;
+        let outcome = fields.nth(3)?;
+        Some(RecordHeader {
+            state,
+            fingerprint,
+            token_text,
+            token,
+            outcome,
+        })
+    }
 }
 
 impl IdempotencyStore for RedisIdempotencyStore {
@@ -390,31 +414,54 @@ impl IdempotencyStore for RedisIdempotencyStore {
         retention: Duration,
     ) -> BoxFuture<'a, Result<ClaimAnswer>> {
         Box::pin(async move {
-            let record = self.record_key(scope, key);
+            let keys = self.keys(scope, key);
             let mut connection = self.connection.clone();
             let fingerprint = fingerprint_hex(fingerprint);
             let (lease_ms, retention_ms) = (ceil_millis(lease), ceil_millis(retention));
-            // A key nobody holds is created by this one command; a record that is there
-            // comes back instead, and the script below decides about it.
+            // A key nobody holds is created by the SET; a record that is there comes
+            // back instead, with the outcomes stored for it, and is decided here if it
+            // is completed or another request's, by the script below otherwise.
             let token = first_claim_token();
             let first = format!("n|{fingerprint}|{token}|{lease_ms}|{retention_ms}|0|");
-            let existing: Option<Vec<u8>> = redis::cmd("SET")
-                .arg(&record)
+            let (existing, outcomes): (Option<Vec<u8>>, HashMap<String, Vec<u8>>) = redis::pipe()
+                .cmd("SET")
+                .arg(&keys.record)
                 .arg(first)
                 .arg("NX")
                 .arg("PX")
                 .arg(lease_ms.max(retention_ms).max(1))
                 .arg("GET")
+                .cmd("HGETALL")
+                .arg(&keys.outcomes)
                 .query_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot claim the idempotency key"))?;
-            if existing.is_none() {
+            let Some(existing) = existing else {
                 return Ok(ClaimAnswer::Started { token });
+            };
+            if let Some(header) = RecordHeader::parse(&existing) {
+                if header.fingerprint != fingerprint.as_bytes() {
+                    return Ok(ClaimAnswer::Mismatch);
+                }
+                if header.state == b'c' {
+                    // Completed by the script-only version: the outcome is inline.
+                    return Ok(ClaimAnswer::Replay {
+                        outcome: header.outcome.to_vec(),
+                    });
+                }
+                if matches!(header.state, b'n' | b'p' | b'w')
+                    && let Some(outcome) = outcomes.get(header.token_text)
+                {
+                    return Ok(ClaimAnswer::Replay {
+                        outcome: outcome.clone(),
+                    });
+                }
             }
             let reply: Vec<Value> = self
                 .scripts
                 .claim
-                .key(record)
+                .key(&keys.record)
+                .key(&keys.outcomes)
                 .arg(fingerprint)
                 .arg(lease_ms)
                 .arg(retention_ms)
@@ -453,12 +500,13 @@ impl IdempotencyStore for RedisIdempotencyStore {
         lease: Duration,
     ) -> BoxFuture<'a, Result<ExtendOutcome>> {
         Box::pin(async move {
-            let record = self.record_key(scope, key);
+            let keys = self.keys(scope, key);
             let mut connection = self.connection.clone();
             let answer: i64 = self
                 .scripts
                 .heartbeat
-                .key(record)
+                .key(&keys.record)
+                .key(&keys.outcomes)
                 .arg(token.get().to_string())
                 .arg(ceil_millis(lease))
                 .invoke_async(&mut connection)
@@ -482,37 +530,42 @@ impl IdempotencyStore for RedisIdempotencyStore {
     ) -> BoxFuture<'a, Result<Finish>> {
         Box::pin(async move {
             check_outcome(outcome)?;
-            let (record, channel) = self.keys(scope, key);
-            let outcome_key = outcome_key(&record, token);
+            let keys = self.keys(scope, key);
             let retention_ms = ceil_millis(retention).max(1);
+            let token_text = token.get().to_string();
             let mut connection = self.connection.clone();
-            // The outcome key outlives the record by a second, so a record that is
-            // there never names an outcome that has already expired.
+            // The outcomes outlive the record by a second, so a record that is there
+            // never names an outcome that has already expired.
             let (now_named,): (Option<Vec<u8>>,) = redis::pipe()
-                .cmd("SET")
-                .arg(&outcome_key)
+                .atomic()
+                .cmd("HSET")
+                .arg(&keys.outcomes)
+                .arg(&token_text)
                 .arg(outcome)
-                .arg("PX")
+                .ignore()
+                .cmd("PEXPIRE")
+                .arg(&keys.outcomes)
                 .arg(retention_ms.saturating_add(1_000))
                 .ignore()
                 .cmd("PEXPIRE")
-                .arg(&record)
+                .arg(&keys.record)
                 .arg(retention_ms)
                 .arg("GT")
                 .ignore()
                 .cmd("GET")
-                .arg(&record)
+                .arg(&keys.record)
                 .query_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot store the outcome"))?;
-            match now_named.as_deref().and_then(claim_named_by) {
-                Some((state, named))
-                    if named == token.get() && matches!(state, b'n' | b'p' | b'w') =>
+            match now_named.as_deref().and_then(RecordHeader::parse) {
+                Some(header)
+                    if header.token == token.get()
+                        && matches!(header.state, b'n' | b'p' | b'w') =>
                 {
-                    if state == b'w' {
+                    if header.state == b'w' {
                         // A duplicate saw the claim at work and may be waiting.
                         let _: i64 = redis::cmd("PUBLISH")
-                            .arg(&channel)
+                            .arg(&keys.channel)
                             .arg("completed")
                             .query_async(&mut connection)
                             .await
@@ -523,8 +576,9 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 _ => {
                     // Another claim took the key over (or it was given back, forgotten
                     // or lost): this outcome is never read; do not keep it either.
-                    let _: i64 = redis::cmd("DEL")
-                        .arg(&outcome_key)
+                    let _: i64 = redis::cmd("HDEL")
+                        .arg(&keys.outcomes)
+                        .arg(&token_text)
                         .query_async(&mut connection)
                         .await
                         .map_err(|error| map_error(error, "cannot store the outcome"))?;
@@ -541,14 +595,15 @@ impl IdempotencyStore for RedisIdempotencyStore {
         token: FencingToken,
     ) -> BoxFuture<'a, Result<Finish>> {
         Box::pin(async move {
-            let (record, channel) = self.keys(scope, key);
+            let keys = self.keys(scope, key);
             let mut connection = self.connection.clone();
             let answer: i64 = self
                 .scripts
                 .release
-                .key(record)
+                .key(&keys.record)
+                .key(&keys.outcomes)
                 .arg(token.get().to_string())
-                .arg(channel)
+                .arg(&keys.channel)
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot give the key back"))?;
@@ -566,12 +621,13 @@ impl IdempotencyStore for RedisIdempotencyStore {
         key: &'a IdempotencyKey,
     ) -> BoxFuture<'a, Result<Option<Record>>> {
         Box::pin(async move {
-            let record = self.record_key(scope, key);
+            let keys = self.keys(scope, key);
             let mut connection = self.connection.clone();
             let reply: Value = self
                 .scripts
                 .get
-                .key(record)
+                .key(&keys.record)
+                .key(&keys.outcomes)
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot read the record"))?;
@@ -610,13 +666,14 @@ impl IdempotencyStore for RedisIdempotencyStore {
         key: &'a IdempotencyKey,
     ) -> BoxFuture<'a, Result<bool>> {
         Box::pin(async move {
-            let (record, channel) = self.keys(scope, key);
+            let keys = self.keys(scope, key);
             let mut connection = self.connection.clone();
             let answer: i64 = self
                 .scripts
                 .forget
-                .key(record)
-                .arg(channel)
+                .key(&keys.record)
+                .key(&keys.outcomes)
+                .arg(&keys.channel)
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot forget the record"))?;
@@ -634,10 +691,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
         scope: &'a Scope,
         key: &'a IdempotencyKey,
     ) -> BoxFuture<'a, Result<ReleaseWatch>> {
-        Box::pin(async move {
-            let (_, channel) = self.keys(scope, key);
-            self.notifier.watch(channel).await
-        })
+        Box::pin(async move { self.notifier.watch(self.keys(scope, key).channel).await })
     }
 
     fn describe(&self) -> String {
