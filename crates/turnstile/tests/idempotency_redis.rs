@@ -182,9 +182,9 @@ async fn a_new_keys_claim_and_completion_run_no_script() {
     );
 }
 
-/// Records written by the earlier version of this store (one script per operation, the
-/// outcome inside the record as state `c`) are still read: a repeat gets the replay,
-/// and one in progress is still in progress.
+/// Records written by the earlier version of this store (one script per operation,
+/// letter states, the outcome inside the record as state `c`) are still read: a repeat
+/// gets the replay, and one in progress is still in progress and keeps its form.
 #[tokio::test]
 async fn records_from_the_script_only_version_are_still_read() {
     use std::time::Duration;
@@ -220,7 +220,7 @@ async fn records_from_the_script_only_version_are_still_read() {
                 .query_async(&mut connection)
                 .await
                 .unwrap();
-            if value.starts_with("n|") {
+            if value.starts_with("1|") {
                 record = Some((candidate, value));
             }
         }
@@ -256,10 +256,20 @@ async fn records_from_the_script_only_version_are_still_read() {
                     outcome: b"paid".to_vec()
                 }
             ),
-            _ => assert!(
-                matches!(answer, ClaimAnswer::InProgress { .. }),
-                "{answer:?}"
-            ),
+            _ => {
+                assert!(
+                    matches!(answer, ClaimAnswer::InProgress { .. }),
+                    "{answer:?}"
+                );
+                // The duplicate is noted in the old form, so the old version's
+                // completion script still finds (and publishes) it.
+                let value: String = redis::cmd("GET")
+                    .arg(&record)
+                    .query_async(&mut connection)
+                    .await
+                    .unwrap();
+                assert!(value.starts_with("w|"), "{value}");
+            }
         }
         let _: () = redis::cmd("DEL")
             .arg(&record)
@@ -267,4 +277,61 @@ async fn records_from_the_script_only_version_are_still_read() {
             .await
             .unwrap();
     }
+}
+
+/// A completion's outcomes outlive their record, even when a renewal with a lease
+/// longer than the retention keeps the record past the retention: a record that is
+/// there never names an outcome that has expired (which would read as a claim at work).
+#[tokio::test]
+async fn outcomes_never_expire_before_their_record() {
+    use std::time::Duration;
+    use turnstile::idempotency::{ClaimAnswer, Fingerprint, Finish, IdempotencyKey, Scope};
+    let prefix = unique_name("idemttl");
+    let url = format!("{}?turnstile_prefix={prefix}", shared_redis().url());
+    let backend = Idempotency::connect(&url).await.unwrap().store().clone();
+    let client = redis::Client::open(shared_redis().url()).unwrap();
+    let (scope, key) = (
+        Scope::new("tenant").unwrap(),
+        IdempotencyKey::new("k").unwrap(),
+    );
+    let fingerprint = Fingerprint::of(&[b"x"]);
+    let (lease, retention) = (Duration::from_secs(30), Duration::from_secs(2));
+    let ClaimAnswer::Started { token } = backend
+        .claim(&scope, &key, &fingerprint, lease, retention)
+        .await
+        .unwrap()
+    else {
+        panic!("a new key was not started");
+    };
+    backend.heartbeat(&scope, &key, token, lease).await.unwrap();
+    assert_eq!(
+        backend
+            .complete(&scope, &key, token, b"paid", retention)
+            .await
+            .unwrap(),
+        Finish::Done
+    );
+    let ttl = |suffix: &'static str| {
+        let pattern = format!("{prefix}:idem:*:{suffix}");
+        let client = client.clone();
+        async move {
+            let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(pattern)
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+            let ttl: i64 = redis::cmd("PTTL")
+                .arg(&keys[0])
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+            ttl
+        }
+    };
+    let (record, outcomes) = (ttl("record").await, ttl("outcomes").await);
+    assert!(
+        record > 0 && outcomes > record,
+        "record {record} ms, outcomes {outcomes} ms"
+    );
 }

@@ -1,49 +1,62 @@
-//! Idempotency records in Redis: one plain `SET` for the first claim of a key, one
-//! pipelined round trip of plain commands for its completion, and a Lua script for
-//! everything else (duplicates, reclaims, heartbeats, give-backs).
+//! Idempotency records in Redis: one round trip of plain commands for the first claim
+//! of a key, for a replay and for a completion; a Lua script for everything else
+//! (duplicates of a claim at work, reclaims, heartbeats, give-backs). Needs Redis 7.0
+//! or newer (`SET … NX … GET`, `PEXPIRE … NX | GT`).
 //!
 //! A record is one string value at `P:idem:{H}:record`, where `P` is the prefix
 //! (`turnstile`, or the URL's `turnstile_prefix`) and `H` the first 32 hex digits of the
 //! SHA-256 of the scope and the key: fixed-length keys whatever the scope and key hold,
 //! and the `{H}` hash tag keeps every key of a record in one Cluster slot. The value is
-//! `STATE|FINGERPRINT|TOKEN|LEASE_UNTIL_MS|EXPIRES_MS|CREATED_MS|OUTCOME` (state `p` in
-//! progress, `w` in progress with a duplicate seen, `r` released, `c` completed by an
-//! older version of this store), written by scripts with `SET … PXAT` so that the record
-//! and its expiry change in one command.
+//! `STATE|FINGERPRINT|TOKEN|LEASE_UNTIL_MS|EXPIRES_MS|CREATED_MS|` (state `2` in
+//! progress, `3` in progress with a duplicate seen, `4` released), written by scripts
+//! with `SET … PXAT` so that the record and its expiry change in one command. Outcomes
+//! are in the hash `P:idem:{H}:outcomes`, by the token of the claim that stored them.
 //!
-//! **The first claim of a key** is `SET record "n|FP|TOKEN|LEASE_MS|RETENTION_MS|0|" NX
-//! PX max(lease, retention) GET`: it creates the record only if there is none, and
-//! answers the record that is there otherwise (then the claim script decides). A state
-//! `n` record keeps its lease and retention as lengths; the scripts read its times off
-//! the key's own expiry (`PTTL`), so the lease is still judged by the server's clock.
+//! **The first claim of a key** is one `MULTI`: `SET record "1|FP|TOKEN|LEASE_MS|
+//! RETENTION_MS|0|" NX PX max(lease, retention) GET` and `HGETALL outcomes`. It creates
+//! the record only if there is none; otherwise it reads the record that is there and
+//! its outcomes, so a replay (the outcome under the record's token) and a mismatch
+//! (another fingerprint) are answered at once, and only a duplicate of a claim at work
+//! or a reclaim calls the claim script. A state `1` record keeps its lease and
+//! retention as lengths; the scripts read its times off the key's own expiry (`PTTL`),
+//! so the lease is still judged by the server's clock.
 //!
-//! **A completion** writes the outcome into the hash `P:idem:{H}:outcomes` under its
-//! claim's token (`HSET`, `PEXPIRE`), moves the record's expiry to the retention from
-//! now (`PEXPIRE … GT`), and reads the record back, all in one `MULTI` round trip. No
+//! **A completion** is one `MULTI`: `HSET outcomes TOKEN outcome`, `PEXPIRE outcomes …
+//! NX` and `… GT` (at least the retention and the longest lease this store used, plus a
+//! second: they outlive their record), `PEXPIRE record retention GT`, `GET record`. No
 //! compare-and-set is needed: a record whose token has an outcome is completed, and a
 //! stale claimer's outcome sits under a token the record no longer names, so it is
-//! never read. The first claim's round trip also reads that hash (`HGETALL`, empty for
-//! a new key), so a replay or a mismatch is answered without a script too. The record read back says which of the two this completion was
-//! ([`Finish::Done`] or [`Finish::Fenced`]), and whether a duplicate saw the claim in
-//! progress (state `w`): only then is the completion published on `P:idem:{H}:done`.
+//! never read (it is deleted once the record read back shows it, and the completion
+//! answers [`Finish::Fenced`]). Only when that record shows a duplicate saw the claim
+//! at work (state `3`) is the completion published on `P:idem:{H}:done`.
 //!
 //! Why plain commands where they suffice: each `redis.call` inside a script costs a few
 //! microseconds of the server's single thread, more than the command itself, and a
 //! script's own run as much again; a new key's claim and completion were two scripts.
 //!
 //! # Guarantees
-//! - **Atomicity**: the first claim is one `SET NX`; every other change of a record is
-//!   one script, which Redis runs alone; an outcome is one `MULTI` that writes a hash
-//!   field no other claim writes.
+//! - **Atomicity**: the first claim is one `SET NX` (read with the outcomes in one
+//!   `MULTI`); every other change of a record is one script, which Redis runs alone; an
+//!   outcome is one `MULTI` that writes a hash field no other claim writes.
 //! - **Clock**: lease ends and retention are judged by the Redis server's clock
 //!   (`TIME`, and key expiry for a first claim); a record expires with the key, so
 //!   there is nothing to sweep. A completed record is kept for the retention from its
-//!   completion.
+//!   completion (the SQL stores keep it from its creation unless the work outlived
+//!   it). A stale claimer's fenced completion can lengthen a record's life (never
+//!   shorten it), and so a first claim's lease as the scripts read it: a duplicate
+//!   may then wait longer, never take a live lease.
 //! - **Tokens**: a reclaim takes `max(last + 1, server TIME in µs)`, so tokens of a key
 //!   strictly increase while its record lives. A first claim (no record) takes the
-//!   claiming process's clock in µs, never less than the last token that process
-//!   handed out; nothing older than the record can then complete it, because an outcome
-//!   is read only under the token the record names.
+//!   server's clock as this host reads it (its own clock plus the offset one `TIME`
+//!   measured at connect, within half a round trip and the two clocks' drift since),
+//!   never less than the last token this process handed out; nothing older than the
+//!   record can complete it, because an outcome is read only under the token the
+//!   record names.
+//! - **Upgrades**: the records the script-only version wrote (letter states, the
+//!   outcome inline) are read and finished in their own form; that version's scripts
+//!   refuse this version's records as not idempotency records (a store error, so a 503
+//!   from the layer) rather than misread them. During a rolling upgrade a request can
+//!   so fail on an old process; it never runs twice because of the mix.
 //! - **Durability**: as Redis is configured. Without persistence, a restart forgets
 //!   every record (a retry then runs again), and asynchronous replication can lose the
 //!   last completions on failover: **Redis idempotency is best-effort across failures**;
@@ -54,6 +67,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
@@ -80,27 +94,37 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local function now_us()
   return time[1] .. string.format('%06d', tonumber(time[2]))
 end
+-- States of the records this version writes: '1' a first claim (its lease and
+-- retention as lengths), '2' in progress, '3' in progress with a duplicate seen, '4'
+-- released. The letters p, w, r and c are records of the script-only version: they
+-- keep their form while their token lives, so its processes can still finish them,
+-- and its scripts refuse the digits (their pattern wants a letter) instead of
+-- misreading a record this version completed.
+local decode = {['1'] = 'n', ['2'] = 'p', ['3'] = 'w', ['4'] = 'r'}
+local encode = {p = '2', w = '3', r = '4'}
 local function load()
   local value = redis.call('GET', KEYS[1])
   if not value then
     return nil
   end
   local state, fp, token, lease_until, expires, created, at =
-    string.match(value, '^(%a)|(%x*)|(%d+)|(%d+)|(%d+)|(%d+)|()')
+    string.match(value, '^(%w)|(%x*)|(%d+)|(%d+)|(%d+)|(%d+)|()')
   if not state then
     error('turnstile: ' .. KEYS[1] .. ' does not hold an idempotency record')
   end
-  local r = {state = state, fp = fp, token = token, lease_until = tonumber(lease_until),
-             expires = tonumber(expires), created = created, outcome = string.sub(value, at)}
-  if state == 'n' then
+  local r = {state = decode[state] or state, legacy = decode[state] == nil, fp = fp,
+             token = token, lease_until = tonumber(lease_until), expires = tonumber(expires),
+             created = created, outcome = string.sub(value, at)}
+  if r.state == 'n' then
     -- A first claim, written by one SET with the longer of its lease and retention
     -- as the key's expiry: its times come from that expiry, on this server's clock.
+    -- (Only ever later than the truth: an expiry is never shortened.)
     local lease, retention = r.lease_until, r.expires
     local created_ms = now_ms + redis.call('PTTL', KEYS[1]) - math.max(lease, retention)
     r.state, r.created = 'p', string.format('%d', created_ms)
     r.lease_until, r.expires = created_ms + lease, created_ms + retention
   end
-  if r.state == 'p' or r.state == 'w' then
+  if not r.legacy and (r.state == 'p' or r.state == 'w') then
     local outcome = redis.call('HGET', KEYS[2], r.token)
     if outcome then
       -- Completed: its expiry is the key's, which the completion moved.
@@ -111,7 +135,11 @@ local function load()
   return r
 end
 local function store(r, expire_at)
-  redis.call('SET', KEYS[1], r.state .. '|' .. r.fp .. '|' .. r.token .. '|' .. string.format('%d', r.lease_until)
+  local state = r.state
+  if not r.legacy then
+    state = encode[r.state]
+  end
+  redis.call('SET', KEYS[1], state .. '|' .. r.fp .. '|' .. r.token .. '|' .. string.format('%d', r.lease_until)
     .. '|' .. string.format('%d', r.expires) .. '|' .. r.created .. '|' .. r.outcome, 'PXAT', string.format('%d', expire_at))
 end
 local function in_progress(r)
@@ -151,7 +179,7 @@ if r then
 else
   r = {fp = ARGV[1], expires = now_ms + tonumber(ARGV[3]), created = string.format('%d', now_ms)}
 end
-r.state, r.token, r.lease_until, r.outcome = 'p', token, now_ms + tonumber(ARGV[2]), ''
+r.state, r.token, r.lease_until, r.outcome, r.legacy = 'p', token, now_ms + tonumber(ARGV[2]), '', false
 store(r, math.max(r.expires, r.lease_until))
 return {'started', token}
 "
@@ -206,7 +234,7 @@ local token = now_us()
 if tonumber(r.token) >= tonumber(token) then
   token = string.format('%d', tonumber(r.token) + 1)
 end
-r.state, r.token, r.lease_until, r.outcome = 'r', token, now_ms, ''
+r.state, r.token, r.lease_until, r.outcome, r.legacy = 'r', token, now_ms, '', false
 store(r, math.max(r.expires, now_ms + 1000))
 redis.call('PUBLISH', ARGV[1], 'forgotten')
 return 1
@@ -246,6 +274,12 @@ pub struct RedisIdempotencyStore {
     scripts: Arc<Scripts>,
     notifier: Arc<Notifier>,
     url: String,
+    /// The Redis server's clock minus this host's, in µs, read once at connect: a first
+    /// claim's token is this host's clock moved onto the server's.
+    clock_offset_us: i64,
+    /// The longest lease (ms) this store has claimed or renewed with: a completion keeps
+    /// the outcomes at least that long, so they never expire before their record.
+    longest_lease_ms: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for RedisIdempotencyStore {
@@ -279,7 +313,8 @@ impl RedisIdempotencyStore {
         }
         let timeout = Duration::from_secs(3);
         let client = open_client(&driver_url, None)?;
-        let connection = connect_manager(client.clone(), &driver_url, timeout, timeout).await?;
+        let mut connection = connect_manager(client.clone(), &driver_url, timeout, timeout).await?;
+        let clock_offset_us = server_clock_offset(&mut connection).await?;
         Ok(RedisIdempotencyStore {
             connection,
             prefix,
@@ -292,6 +327,8 @@ impl RedisIdempotencyStore {
             }),
             notifier: Notifier::new(client, timeout, timeout),
             url: crate::store::redact(&driver_url),
+            clock_offset_us,
+            longest_lease_ms: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -355,23 +392,40 @@ fn fingerprint_hex(fingerprint: &Fingerprint) -> String {
     crate::hex::hex(fingerprint.as_bytes())
 }
 
-/// The token of a first claim: this process's clock in µs, and never less than one
-/// more than the last token this function gave, so a process's tokens strictly
-/// increase even when its clock steps back. (A reclaim's token comes from the script,
-/// `max(last + 1, server TIME)`, above whatever a first claim took.)
-fn first_claim_token() -> FencingToken {
-    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let now = std::time::SystemTime::now()
+/// This host's clock in µs since the epoch.
+fn local_clock_us() -> i64 {
+    std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |since| {
-            u64::try_from(since.as_micros()).unwrap_or(u64::MAX)
-        });
+            i64::try_from(since.as_micros()).unwrap_or(i64::MAX)
+        })
+}
+
+/// The server's clock minus this host's, in µs: one `TIME`, taken against the middle of
+/// its round trip.
+async fn server_clock_offset(connection: &mut ConnectionManager) -> Result<i64> {
+    let sent = local_clock_us();
+    let (seconds, micros): (i64, i64) = redis::cmd("TIME")
+        .query_async(connection)
+        .await
+        .map_err(|error| map_error(error, "cannot read the Redis server's clock"))?;
+    let answered = local_clock_us();
+    let server = seconds.saturating_mul(1_000_000).saturating_add(micros);
+    Ok(server - (sent / 2 + answered / 2))
+}
+
+/// The token of a first claim: the server's clock in µs as this host reads it (its own
+/// clock plus the offset measured at connect), and never less than one more than the
+/// last token this function gave, so a process's tokens strictly increase even when
+/// its clock steps back. (A reclaim's token comes from the script, `max(last + 1,
+/// server TIME)`, above whatever a first claim took.)
+fn first_claim_token(clock_offset_us: i64) -> FencingToken {
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = u64::try_from(local_clock_us().saturating_add(clock_offset_us)).unwrap_or(0);
     let previous = LAST
-        .fetch_update(
-            std::sync::atomic::Ordering::Relaxed,
-            std::sync::atomic::Ordering::Relaxed,
-            |last| Some(now.max(last + 1)),
-        )
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+            Some(now.max(last + 1))
+        })
         .unwrap_or_else(|last| last);
     FencingToken::new(now.max(previous + 1))
 }
@@ -387,6 +441,11 @@ struct RecordHeader<'v> {
 }
 
 impl<'v> RecordHeader<'v> {
+    /// In progress, in this version's form (whose outcomes are in the outcomes hash).
+    fn is_at_work(&self) -> bool {
+        matches!(self.state, b'1' | b'2' | b'3')
+    }
+
     fn parse(value: &'v [u8]) -> Option<Self> {
         let mut fields = value.splitn(7, |&byte| byte == b'|');
         let state = *fields.next()?.first()?;
@@ -421,9 +480,12 @@ impl IdempotencyStore for RedisIdempotencyStore {
             // A key nobody holds is created by the SET; a record that is there comes
             // back instead, with the outcomes stored for it, and is decided here if it
             // is completed or another request's, by the script below otherwise.
-            let token = first_claim_token();
-            let first = format!("n|{fingerprint}|{token}|{lease_ms}|{retention_ms}|0|");
+            self.longest_lease_ms.fetch_max(lease_ms, Ordering::Relaxed);
+            let token = first_claim_token(self.clock_offset_us);
+            let first = format!("1|{fingerprint}|{token}|{lease_ms}|{retention_ms}|0|");
+            // One MULTI, so the outcomes read belong to the record read.
             let (existing, outcomes): (Option<Vec<u8>>, HashMap<String, Vec<u8>>) = redis::pipe()
+                .atomic()
                 .cmd("SET")
                 .arg(&keys.record)
                 .arg(first)
@@ -449,7 +511,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
                         outcome: header.outcome.to_vec(),
                     });
                 }
-                if matches!(header.state, b'n' | b'p' | b'w')
+                if header.is_at_work()
                     && let Some(outcome) = outcomes.get(header.token_text)
                 {
                     return Ok(ClaimAnswer::Replay {
@@ -501,6 +563,8 @@ impl IdempotencyStore for RedisIdempotencyStore {
     ) -> BoxFuture<'a, Result<ExtendOutcome>> {
         Box::pin(async move {
             let keys = self.keys(scope, key);
+            self.longest_lease_ms
+                .fetch_max(ceil_millis(lease), Ordering::Relaxed);
             let mut connection = self.connection.clone();
             let answer: i64 = self
                 .scripts
@@ -534,8 +598,12 @@ impl IdempotencyStore for RedisIdempotencyStore {
             let retention_ms = ceil_millis(retention).max(1);
             let token_text = token.get().to_string();
             let mut connection = self.connection.clone();
-            // The outcomes outlive the record by a second, so a record that is there
-            // never names an outcome that has already expired.
+            // The outcomes outlive their record: it lives at most the longer of the
+            // retention from now and the lease of its last renewal (which this store
+            // gave), and they a second more; NX then GT never shortens their expiry.
+            let outcomes_ms = retention_ms
+                .max(self.longest_lease_ms.load(Ordering::Relaxed))
+                .saturating_add(1_000);
             let (now_named,): (Option<Vec<u8>>,) = redis::pipe()
                 .atomic()
                 .cmd("HSET")
@@ -545,7 +613,13 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .ignore()
                 .cmd("PEXPIRE")
                 .arg(&keys.outcomes)
-                .arg(retention_ms.saturating_add(1_000))
+                .arg(outcomes_ms)
+                .arg("NX")
+                .ignore()
+                .cmd("PEXPIRE")
+                .arg(&keys.outcomes)
+                .arg(outcomes_ms)
+                .arg("GT")
                 .ignore()
                 .cmd("PEXPIRE")
                 .arg(&keys.record)
@@ -558,18 +632,19 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .await
                 .map_err(|error| map_error(error, "cannot store the outcome"))?;
             match now_named.as_deref().and_then(RecordHeader::parse) {
-                Some(header)
-                    if header.token == token.get()
-                        && matches!(header.state, b'n' | b'p' | b'w') =>
-                {
-                    if header.state == b'w' {
-                        // A duplicate saw the claim at work and may be waiting.
-                        let _: i64 = redis::cmd("PUBLISH")
+                Some(header) if header.token == token.get() && header.is_at_work() => {
+                    if header.state == b'3' {
+                        // A duplicate saw the claim at work and may be waiting. The
+                        // outcome is stored whatever this answers: a duplicate that
+                        // misses it learns at the lease's end.
+                        let published: redis::RedisResult<i64> = redis::cmd("PUBLISH")
                             .arg(&keys.channel)
                             .arg("completed")
                             .query_async(&mut connection)
-                            .await
-                            .map_err(|error| map_error(error, "cannot announce the outcome"))?;
+                            .await;
+                        if let Err(error) = published {
+                            tracing::warn!(%error, "cannot announce a stored outcome to waiting duplicates");
+                        }
                     }
                     Ok(Finish::Done)
                 }
