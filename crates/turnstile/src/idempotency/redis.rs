@@ -12,8 +12,9 @@
 //! with `SET … PXAT` so that the record and its expiry change in one command. Outcomes
 //! are in the hash `P:idem:{H}:outcomes`, by the token of the claim that stored them.
 //!
-//! **The first claim of a key** is one `MULTI`: `SET record "1|FP|TOKEN|LEASE_MS|
-//! RETENTION_MS|0|" NX PX max(lease, retention) GET` and `HGETALL outcomes`. It creates
+//! **The first claim of a key** is one pipelined round trip: `HGETALL outcomes`, then
+//! `SET record "1|FP|TOKEN|LEASE_MS|RETENTION_MS|0|" NX PX max(lease, retention) GET`
+//! (the order matters: the claim's comments say why). It creates
 //! the record only if there is none; otherwise it reads the record that is there and
 //! its outcomes, so a replay (the outcome under the record's token) and a mismatch
 //! (another fingerprint) are answered at once, and only a duplicate of a claim at work
@@ -35,8 +36,7 @@
 //! script's own run as much again; a new key's claim and completion were two scripts.
 //!
 //! # Guarantees
-//! - **Atomicity**: the first claim is one `SET NX` (read with the outcomes in one
-//!   `MULTI`); every other change of a record is one script, which Redis runs alone; an
+//! - **Atomicity**: the first claim is one `SET NX`; every other change of a record is one script, which Redis runs alone; an
 //!   outcome is one `MULTI` that writes a hash field no other claim writes.
 //! - **Clock**: lease ends and retention are judged by the Redis server's clock
 //!   (`TIME`, and key expiry for a first claim); a record expires with the key, so
@@ -483,9 +483,15 @@ impl IdempotencyStore for RedisIdempotencyStore {
             self.longest_lease_ms.fetch_max(lease_ms, Ordering::Relaxed);
             let token = first_claim_token(self.clock_offset_us);
             let first = format!("1|{fingerprint}|{token}|{lease_ms}|{retention_ms}|0|");
-            // One MULTI, so the outcomes read belong to the record read.
-            let (existing, outcomes): (Option<Vec<u8>>, HashMap<String, Vec<u8>>) = redis::pipe()
-                .atomic()
+            // The outcomes are read before the record, in the same pipeline (Redis runs
+            // a connection's commands in order), and an outcome is taken only under the
+            // token the record names. An outcome read first was stored before the
+            // record was read; a record that then still names its token was that
+            // claim's own, since a key's tokens only move forward: a stale claimer's
+            // fenced outcome is never under the token a later record names.
+            let (outcomes, existing): (HashMap<String, Vec<u8>>, Option<Vec<u8>>) = redis::pipe()
+                .cmd("HGETALL")
+                .arg(&keys.outcomes)
                 .cmd("SET")
                 .arg(&keys.record)
                 .arg(first)
@@ -493,8 +499,6 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .arg("PX")
                 .arg(lease_ms.max(retention_ms).max(1))
                 .arg("GET")
-                .cmd("HGETALL")
-                .arg(&keys.outcomes)
                 .query_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot claim the idempotency key"))?;
