@@ -279,11 +279,11 @@ async fn records_from_the_script_only_version_are_still_read() {
     }
 }
 
-/// A completion's outcomes outlive their record, even when a renewal with a lease
+/// A completion's outcome outlives its record, even when a renewal with a lease
 /// longer than the retention keeps the record past the retention: a record that is
 /// there never names an outcome that has expired (which would read as a claim at work).
 #[tokio::test]
-async fn outcomes_never_expire_before_their_record() {
+async fn an_outcome_never_expires_before_its_record() {
     use std::time::Duration;
     use turnstile::idempotency::{ClaimAnswer, Fingerprint, Finish, IdempotencyKey, Scope};
     let prefix = unique_name("idemttl");
@@ -329,9 +329,9 @@ async fn outcomes_never_expire_before_their_record() {
             ttl
         }
     };
-    let (record, outcomes) = (ttl("record").await, ttl("outcomes").await);
+    let (record, outcome) = (ttl("record").await, ttl("outcome").await);
     assert!(
-        record > 0 && outcomes > record,
-        "record {record} ms, outcomes {outcomes} ms"
+        record > 0 && outcome > record,
+        "record {record} ms, outcome {outcome} ms"
     );
 }

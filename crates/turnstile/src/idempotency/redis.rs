@@ -1,7 +1,7 @@
 //! Idempotency records in Redis: one round trip of plain commands for the first claim
 //! of a key, for a replay and for a completion; a Lua script for everything else
-//! (duplicates of a claim at work, reclaims, heartbeats, give-backs). Needs Redis 7.0
-//! or newer (`SET … NX … GET`, `PEXPIRE … NX | GT`).
+//! (duplicates of a claim at work, reclaims, heartbeats, give-backs, a contested
+//! completion). Needs Redis 7.0 or newer (`SET … NX … GET`, `PEXPIRE … GT`).
 //!
 //! A record is one string value at `P:idem:{H}:record`, where `P` is the prefix
 //! (`turnstile`, or the URL's `turnstile_prefix`) and `H` the first 32 hex digits of the
@@ -9,35 +9,38 @@
 //! and the `{H}` hash tag keeps every key of a record in one Cluster slot. The value is
 //! `STATE|FINGERPRINT|TOKEN|LEASE_UNTIL_MS|EXPIRES_MS|CREATED_MS|` (state `2` in
 //! progress, `3` in progress with a duplicate seen, `4` released), written by scripts
-//! with `SET … PXAT` so that the record and its expiry change in one command. Outcomes
-//! are in the hash `P:idem:{H}:outcomes`, by the token of the claim that stored them.
+//! with `SET … PXAT` so that the record and its expiry change in one command. The
+//! outcome is in its own slot, `P:idem:{H}:outcome`, as `TOKEN|OUTCOME`: the record is
+//! completed when the slot holds the outcome of the token the record names.
 //!
-//! **The first claim of a key** is one pipelined round trip: `HGETALL outcomes`, then
-//! `SET record "1|FP|TOKEN|LEASE_MS|RETENTION_MS|0|" NX PX max(lease, retention) GET`
-//! (the order matters: the claim's comments say why). It creates
-//! the record only if there is none; otherwise it reads the record that is there and
-//! its outcomes, so a replay (the outcome under the record's token) and a mismatch
-//! (another fingerprint) are answered at once, and only a duplicate of a claim at work
-//! or a reclaim calls the claim script. A state `1` record keeps its lease and
+//! **The first claim of a key** is one pipelined round trip: `GET outcome`, then `SET
+//! record "1|FP|TOKEN|LEASE_MS|RETENTION_MS|0|" NX PX max(lease, retention) GET` (the
+//! order matters: the claim's comments say why). It creates the record only if there is
+//! none; otherwise it reads the record that is there and the slot, so a replay and a
+//! mismatch (another fingerprint) are answered at once, and only a duplicate of a claim
+//! at work or a reclaim calls the claim script. A state `1` record keeps its lease and
 //! retention as lengths; the scripts read its times off the key's own expiry (`PTTL`),
 //! so the lease is still judged by the server's clock.
 //!
-//! **A completion** is one `MULTI`: `HSET outcomes TOKEN outcome`, `PEXPIRE outcomes …
-//! NX` and `… GT` (at least the retention and the longest lease this store used, plus a
-//! second: they outlive their record), `PEXPIRE record retention GT`, `GET record`. No
-//! compare-and-set is needed: a record whose token has an outcome is completed, and a
-//! stale claimer's outcome sits under a token the record no longer names, so it is
-//! never read (it is deleted once the record read back shows it, and the completion
-//! answers [`Finish::Fenced`]). Only when that record shows a duplicate saw the claim
-//! at work (state `3`) is the completion published on `P:idem:{H}:done`.
+//! **A completion** is one pipelined round trip: `SET outcome "TOKEN|OUTCOME" NX PX`
+//! (the retention, or the longest lease this store used, plus a second: it outlives its
+//! record), `PEXPIRE record retention GT`, `GET record`. No compare-and-set is needed on
+//! the way that is nearly always taken: the slot was free (a reclaim clears it) and the
+//! record read back names this claim, so the outcome is this claim's and is read as
+//! such. Otherwise (the slot held another token's outcome, or this claim's from an
+//! earlier try; or the record names another claim) a script decides, and takes this
+//! claim's outcome back out if it is not to be read ([`Finish::Fenced`]). Only when the
+//! record shows a duplicate saw the claim at work (state `3`) is the completion
+//! published on `P:idem:{H}:done`.
 //!
 //! Why plain commands where they suffice: each `redis.call` inside a script costs a few
 //! microseconds of the server's single thread, more than the command itself, and a
 //! script's own run as much again; a new key's claim and completion were two scripts.
 //!
 //! # Guarantees
-//! - **Atomicity**: the first claim is one `SET NX`; every other change of a record is one script, which Redis runs alone; an
-//!   outcome is one `MULTI` that writes a hash field no other claim writes.
+//! - **Atomicity**: the first claim is one `SET NX`, a completion one `SET NX` of the
+//!   outcome; every other change of a record or its outcome is one script, which Redis
+//!   runs alone.
 //! - **Clock**: lease ends and retention are judged by the Redis server's clock
 //!   (`TIME`, and key expiry for a first claim); a record expires with the key, so
 //!   there is nothing to sweep. A completed record is kept for the retention from its
@@ -65,7 +68,6 @@
 //! - **Waiting**: duplicates subscribe to the record's channel and re-check at the
 //!   claim's lease end.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -125,7 +127,9 @@ local function load()
     r.lease_until, r.expires = created_ms + lease, created_ms + retention
   end
   if not r.legacy and (r.state == 'p' or r.state == 'w') then
-    local outcome = redis.call('HGET', KEYS[2], r.token)
+    local slot = redis.call('GET', KEYS[2])
+    local outcome = slot and string.sub(slot, 1, #r.token + 1) == r.token .. '|'
+      and string.sub(slot, #r.token + 2)
     if outcome then
       -- Completed: its expiry is the key's, which the completion moved.
       r.state, r.outcome, r.lease_until = 'c', outcome, now_ms
@@ -149,7 +153,7 @@ end
     };
 }
 
-/// KEYS[1] record, KEYS[2] outcomes; ARGV fingerprint, lease ms, retention ms. Run when the first claim's
+/// KEYS[1] record, KEYS[2] outcome; ARGV fingerprint, lease ms, retention ms. Run when the first claim's
 /// `SET NX` found a record. Answers
 /// `{'started', token}`, `{'replay', outcome}`, `{'in_progress', lease_left_ms}` or
 /// `{'mismatch'}`.
@@ -176,6 +180,9 @@ if r then
   if tonumber(r.token) >= tonumber(token) then
     token = string.format('%d', tonumber(r.token) + 1)
   end
+  -- Whatever the slot holds is an older token's, never read again: clear it so this
+  -- claim's completion finds it free.
+  redis.call('DEL', KEYS[2])
 else
   r = {fp = ARGV[1], expires = now_ms + tonumber(ARGV[3]), created = string.format('%d', now_ms)}
 end
@@ -185,7 +192,7 @@ return {'started', token}
 "
 );
 
-/// KEYS[1] record, KEYS[2] outcomes; ARGV token, lease ms. 1 renewed, -1 another claim holds it, 0 gone.
+/// KEYS[1] record, KEYS[2] outcome; ARGV token, lease ms. 1 renewed, -1 another claim holds it, 0 gone.
 const HEARTBEAT: &str = concat!(
     record_lua!(),
     r"
@@ -202,7 +209,36 @@ return 1
 "
 );
 
-/// KEYS[1] record, KEYS[2] outcomes; ARGV token, channel. 1 given back, 0 refused.
+/// KEYS[1] record, KEYS[2] outcome; ARGV token, outcome, outcome ms, retention ms,
+/// channel. A completion whose plain `SET NX` of the outcome found the slot taken, or
+/// whose record named another claim: 1 stored (or already stored by this claim), 0
+/// refused (and this claim's outcome, if it is in the slot, removed).
+const COMPLETE_CONTESTED: &str = concat!(
+    record_lua!(),
+    r"
+local r = load()
+if r and r.token == ARGV[1] and not r.legacy then
+  if r.state == 'c' then
+    return 1
+  end
+  if in_progress(r) then
+    redis.call('SET', KEYS[2], ARGV[1] .. '|' .. ARGV[2], 'PX', ARGV[3])
+    redis.call('PEXPIRE', KEYS[1], ARGV[4], 'GT')
+    if r.state == 'w' then
+      redis.call('PUBLISH', ARGV[5], 'completed')
+    end
+    return 1
+  end
+end
+local slot = redis.call('GET', KEYS[2])
+if slot and string.sub(slot, 1, #ARGV[1] + 1) == ARGV[1] .. '|' then
+  redis.call('DEL', KEYS[2])
+end
+return 0
+"
+);
+
+/// KEYS[1] record, KEYS[2] outcome; ARGV token, channel. 1 given back, 0 refused.
 const RELEASE: &str = concat!(
     record_lua!(),
     r"
@@ -220,7 +256,7 @@ return 1
 "
 );
 
-/// KEYS[1] record, KEYS[2] outcomes; ARGV channel. 1 forgotten (the token bumped, so a claim at work is
+/// KEYS[1] record, KEYS[2] outcome; ARGV channel. 1 forgotten (the token bumped, so a claim at work is
 /// fenced out), 0 nothing to forget.
 const FORGET: &str = concat!(
     record_lua!(),
@@ -241,7 +277,7 @@ return 1
 "
 );
 
-/// KEYS[1] record, KEYS[2] outcomes. `{state, fp, token, lease_left_ms, expires_in_ms, outcome}` or nil.
+/// KEYS[1] record, KEYS[2] outcome. `{state, fp, token, lease_left_ms, expires_in_ms, outcome}` or nil.
 const GET: &str = concat!(
     record_lua!(),
     r"
@@ -260,6 +296,7 @@ return {state, r.fp, r.token, string.format('%d', math.max(0, r.lease_until - no
 
 struct Scripts {
     claim: Script,
+    complete_contested: Script,
     heartbeat: Script,
     release: Script,
     forget: Script,
@@ -278,7 +315,7 @@ pub struct RedisIdempotencyStore {
     /// claim's token is this host's clock moved onto the server's.
     clock_offset_us: i64,
     /// The longest lease (ms) this store has claimed or renewed with: a completion keeps
-    /// the outcomes at least that long, so they never expire before their record.
+    /// the outcome at least that long, so it never expires before its record.
     longest_lease_ms: Arc<AtomicU64>,
 }
 
@@ -320,6 +357,7 @@ impl RedisIdempotencyStore {
             prefix,
             scripts: Arc::new(Scripts {
                 claim: Script::new(CLAIM),
+                complete_contested: Script::new(COMPLETE_CONTESTED),
                 heartbeat: Script::new(HEARTBEAT),
                 release: Script::new(RELEASE),
                 forget: Script::new(FORGET),
@@ -352,7 +390,7 @@ impl RedisIdempotencyStore {
         };
         RecordKeys {
             record: with("record"),
-            outcomes: with("outcomes"),
+            outcome: with("outcome"),
             channel: with("done"),
         }
     }
@@ -362,8 +400,9 @@ impl RedisIdempotencyStore {
 struct RecordKeys {
     /// The record (`STATE|FP|TOKEN|…`).
     record: String,
-    /// A hash of outcomes by the token of the claim that stored them.
-    outcomes: String,
+    /// The completed claim's outcome, `TOKEN|OUTCOME`: read only under the token the
+    /// record names.
+    outcome: String,
     /// Where completions and give-backs are published to waiting duplicates.
     channel: String,
 }
@@ -440,8 +479,14 @@ struct RecordHeader<'v> {
     outcome: &'v [u8],
 }
 
+/// The outcome in a slot (`TOKEN|OUTCOME`) if it is the claim with `token`'s.
+fn outcome_of<'s>(slot: &'s [u8], token: &str) -> Option<&'s [u8]> {
+    let rest = slot.strip_prefix(token.as_bytes())?;
+    rest.strip_prefix(b"|")
+}
+
 impl<'v> RecordHeader<'v> {
-    /// In progress, in this version's form (whose outcomes are in the outcomes hash).
+    /// In progress, in this version's form (whose outcome goes to the outcome slot).
     fn is_at_work(&self) -> bool {
         matches!(self.state, b'1' | b'2' | b'3')
     }
@@ -478,20 +523,20 @@ impl IdempotencyStore for RedisIdempotencyStore {
             let fingerprint = fingerprint_hex(fingerprint);
             let (lease_ms, retention_ms) = (ceil_millis(lease), ceil_millis(retention));
             // A key nobody holds is created by the SET; a record that is there comes
-            // back instead, with the outcomes stored for it, and is decided here if it
-            // is completed or another request's, by the script below otherwise.
+            // back instead, with the outcome slot, and is decided here if it is
+            // completed or another request's, by the script below otherwise.
             self.longest_lease_ms.fetch_max(lease_ms, Ordering::Relaxed);
             let token = first_claim_token(self.clock_offset_us);
             let first = format!("1|{fingerprint}|{token}|{lease_ms}|{retention_ms}|0|");
-            // The outcomes are read before the record, in the same pipeline (Redis runs
-            // a connection's commands in order), and an outcome is taken only under the
+            // The slot is read before the record, in the same pipeline (Redis runs a
+            // connection's commands in order), and its outcome is taken only under the
             // token the record names. An outcome read first was stored before the
             // record was read; a record that then still names its token was that
             // claim's own, since a key's tokens only move forward: a stale claimer's
             // fenced outcome is never under the token a later record names.
-            let (outcomes, existing): (HashMap<String, Vec<u8>>, Option<Vec<u8>>) = redis::pipe()
-                .cmd("HGETALL")
-                .arg(&keys.outcomes)
+            let (slot, existing): (Option<Vec<u8>>, Option<Vec<u8>>) = redis::pipe()
+                .cmd("GET")
+                .arg(&keys.outcome)
                 .cmd("SET")
                 .arg(&keys.record)
                 .arg(first)
@@ -516,10 +561,12 @@ impl IdempotencyStore for RedisIdempotencyStore {
                     });
                 }
                 if header.is_at_work()
-                    && let Some(outcome) = outcomes.get(header.token_text)
+                    && let Some(outcome) = slot
+                        .as_deref()
+                        .and_then(|slot| outcome_of(slot, header.token_text))
                 {
                     return Ok(ClaimAnswer::Replay {
-                        outcome: outcome.clone(),
+                        outcome: outcome.to_vec(),
                     });
                 }
             }
@@ -527,7 +574,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .scripts
                 .claim
                 .key(&keys.record)
-                .key(&keys.outcomes)
+                .key(&keys.outcome)
                 .arg(fingerprint)
                 .arg(lease_ms)
                 .arg(retention_ms)
@@ -574,7 +621,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .scripts
                 .heartbeat
                 .key(&keys.record)
-                .key(&keys.outcomes)
+                .key(&keys.outcome)
                 .arg(token.get().to_string())
                 .arg(ceil_millis(lease))
                 .invoke_async(&mut connection)
@@ -602,29 +649,23 @@ impl IdempotencyStore for RedisIdempotencyStore {
             let retention_ms = ceil_millis(retention).max(1);
             let token_text = token.get().to_string();
             let mut connection = self.connection.clone();
-            // The outcomes outlive their record: it lives at most the longer of the
+            // The outcome outlives its record: that lives at most the longer of the
             // retention from now and the lease of its last renewal (which this store
-            // gave), and they a second more; NX then GT never shortens their expiry.
-            let outcomes_ms = retention_ms
+            // gave), and the outcome a second more.
+            let outcome_ms = retention_ms
                 .max(self.longest_lease_ms.load(Ordering::Relaxed))
                 .saturating_add(1_000);
-            let (now_named,): (Option<Vec<u8>>,) = redis::pipe()
-                .atomic()
-                .cmd("HSET")
-                .arg(&keys.outcomes)
-                .arg(&token_text)
-                .arg(outcome)
-                .ignore()
-                .cmd("PEXPIRE")
-                .arg(&keys.outcomes)
-                .arg(outcomes_ms)
+            let mut slot = Vec::with_capacity(token_text.len() + 1 + outcome.len());
+            slot.extend_from_slice(token_text.as_bytes());
+            slot.push(b'|');
+            slot.extend_from_slice(outcome);
+            let (stored, now_named): (Option<String>, Option<Vec<u8>>) = redis::pipe()
+                .cmd("SET")
+                .arg(&keys.outcome)
+                .arg(slot)
                 .arg("NX")
-                .ignore()
-                .cmd("PEXPIRE")
-                .arg(&keys.outcomes)
-                .arg(outcomes_ms)
-                .arg("GT")
-                .ignore()
+                .arg("PX")
+                .arg(outcome_ms)
                 .cmd("PEXPIRE")
                 .arg(&keys.record)
                 .arg(retention_ms)
@@ -635,35 +676,48 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .query_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot store the outcome"))?;
-            match now_named.as_deref().and_then(RecordHeader::parse) {
-                Some(header) if header.token == token.get() && header.is_at_work() => {
-                    if header.state == b'3' {
-                        // A duplicate saw the claim at work and may be waiting. The
-                        // outcome is stored whatever this answers: a duplicate that
-                        // misses it learns at the lease's end.
-                        let published: redis::RedisResult<i64> = redis::cmd("PUBLISH")
-                            .arg(&keys.channel)
-                            .arg("completed")
-                            .query_async(&mut connection)
-                            .await;
-                        if let Err(error) = published {
-                            tracing::warn!(%error, "cannot announce a stored outcome to waiting duplicates");
-                        }
-                    }
-                    Ok(Finish::Done)
-                }
-                _ => {
-                    // Another claim took the key over (or it was given back, forgotten
-                    // or lost): this outcome is never read; do not keep it either.
-                    let _: i64 = redis::cmd("HDEL")
-                        .arg(&keys.outcomes)
-                        .arg(&token_text)
+            let header = now_named.as_deref().and_then(RecordHeader::parse);
+            if stored.is_some()
+                && let Some(header) = header
+                && header.token == token.get()
+                && header.is_at_work()
+            {
+                if header.state == b'3' {
+                    // A duplicate saw the claim at work and may be waiting. The outcome
+                    // is stored whatever this answers: a duplicate that misses it
+                    // learns at the lease's end.
+                    let published: redis::RedisResult<i64> = redis::cmd("PUBLISH")
+                        .arg(&keys.channel)
+                        .arg("completed")
                         .query_async(&mut connection)
-                        .await
-                        .map_err(|error| map_error(error, "cannot store the outcome"))?;
-                    Ok(Finish::Fenced)
+                        .await;
+                    if let Err(error) = published {
+                        tracing::warn!(%error, "cannot announce a stored outcome to waiting duplicates");
+                    }
                 }
+                return Ok(Finish::Done);
             }
+            // The slot was taken (a stale claimer's outcome, or this claim's own from
+            // an earlier try), or the record names another claim: the script decides,
+            // and takes this claim's outcome back out if it is not to be read.
+            let answer: i64 = self
+                .scripts
+                .complete_contested
+                .key(&keys.record)
+                .key(&keys.outcome)
+                .arg(&token_text)
+                .arg(outcome)
+                .arg(outcome_ms)
+                .arg(retention_ms)
+                .arg(&keys.channel)
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot store the outcome"))?;
+            Ok(if answer == 1 {
+                Finish::Done
+            } else {
+                Finish::Fenced
+            })
         })
     }
 
@@ -680,7 +734,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .scripts
                 .release
                 .key(&keys.record)
-                .key(&keys.outcomes)
+                .key(&keys.outcome)
                 .arg(token.get().to_string())
                 .arg(&keys.channel)
                 .invoke_async(&mut connection)
@@ -706,7 +760,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .scripts
                 .get
                 .key(&keys.record)
-                .key(&keys.outcomes)
+                .key(&keys.outcome)
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot read the record"))?;
@@ -751,7 +805,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .scripts
                 .forget
                 .key(&keys.record)
-                .key(&keys.outcomes)
+                .key(&keys.outcome)
                 .arg(&keys.channel)
                 .invoke_async(&mut connection)
                 .await
