@@ -335,3 +335,102 @@ async fn an_outcome_never_expires_before_its_record() {
         "record {record} ms, outcome {outcome} ms"
     );
 }
+
+/// The outcome slot when it is contested: a completion tried again with the same token
+/// is confirmed, not refused; a slot holding a stale claimer's outcome (its SET landed
+/// before it learnt it was fenced) does not keep the current claim from completing,
+/// and it is the current claim's outcome that is replayed.
+#[tokio::test]
+async fn a_contested_outcome_slot_goes_to_the_claim_the_record_names() {
+    use std::time::Duration;
+    use turnstile::idempotency::{ClaimAnswer, Fingerprint, Finish, IdempotencyKey, Scope};
+    let prefix = unique_name("idemslot");
+    let url = format!("{}?turnstile_prefix={prefix}", shared_redis().url());
+    let backend = Idempotency::connect(&url).await.unwrap().store().clone();
+    let client = redis::Client::open(shared_redis().url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let scope = Scope::new("tenant").unwrap();
+    let fingerprint = Fingerprint::of(&[b"x"]);
+    let (lease, retention) = (Duration::from_secs(5), Duration::from_secs(60));
+
+    let again = IdempotencyKey::new("again").unwrap();
+    let ClaimAnswer::Started { token } = backend
+        .claim(&scope, &again, &fingerprint, lease, retention)
+        .await
+        .unwrap()
+    else {
+        panic!("a new key was not started");
+    };
+    for _ in 0..2 {
+        assert_eq!(
+            backend
+                .complete(&scope, &again, token, b"once", retention)
+                .await
+                .unwrap(),
+            Finish::Done
+        );
+    }
+
+    let taken = IdempotencyKey::new("taken").unwrap();
+    let ClaimAnswer::Started { token } = backend
+        .claim(&scope, &taken, &fingerprint, lease, retention)
+        .await
+        .unwrap()
+    else {
+        panic!("a new key was not started");
+    };
+    let slots: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:idem:*:outcome"))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let record_slot = {
+        // The slot of "taken" is the one not yet written ("again"'s holds its outcome).
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}:idem:*:record"))
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        keys.into_iter()
+            .map(|record| format!("{}outcome", &record[..record.len() - "record".len()]))
+            .find(|slot| !slots.contains(slot))
+            .expect("the second key's slot")
+    };
+    let stale = token.get() - 1;
+    let _: () = redis::cmd("SET")
+        .arg(&record_slot)
+        .arg(format!("{stale}|stale"))
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let duplicate = backend
+        .claim(&scope, &taken, &fingerprint, lease, retention)
+        .await
+        .unwrap();
+    assert!(
+        matches!(duplicate, ClaimAnswer::InProgress { .. }),
+        "a stale claimer's outcome was read as this claim's: {duplicate:?}"
+    );
+    assert_eq!(
+        backend
+            .complete(&scope, &taken, token, b"current", retention)
+            .await
+            .unwrap(),
+        Finish::Done
+    );
+    for key in [&again, &taken] {
+        let answer = backend
+            .claim(&scope, key, &fingerprint, lease, retention)
+            .await
+            .unwrap();
+        let expected: &[u8] = if key == &again { b"once" } else { b"current" };
+        assert_eq!(
+            answer,
+            ClaimAnswer::Replay {
+                outcome: expected.to_vec()
+            }
+        );
+    }
+}
