@@ -4,9 +4,15 @@ mod idempotency_conformance;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
 
 use idempotency_conformance::TestStore;
-use turnstile::idempotency::Idempotency;
+use redis::aio::MultiplexedConnection;
+use turnstile::FencingToken;
+use turnstile::idempotency::{
+    ClaimAnswer, Fingerprint, Finish, Idempotency, IdempotencyKey, IdempotencyStore, Scope,
+};
 use turnstile_test_support::{shared_redis, unique_name};
 
 /// Clients of the shared server under a key prefix of their own.
@@ -37,10 +43,8 @@ idempotency_conformance_tests!(super::shared);
 /// so a repeat gets the replay and the work never runs twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outcome_is_stored_once_the_store_is_back() {
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::Duration;
-    use turnstile::idempotency::{Fingerprint, IdempotencyKey, IdempotencyOptions, Scope};
+    use turnstile::idempotency::IdempotencyOptions;
     let proxy = Arc::new(turnstile_test_support::TcpProxy::start(
         shared_redis().port(),
     ));
@@ -81,20 +85,95 @@ async fn an_outcome_is_stored_once_the_store_is_back() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
 }
 
-/// How many scripts (`EVAL`, `EVALSHA`) the server has run, from `INFO commandstats`.
-async fn scripts_run(connection: &mut redis::aio::MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(connection)
-        .await
-        .unwrap();
-    info.lines()
-        .filter(|line| line.starts_with("cmdstat_eval:") || line.starts_with("cmdstat_evalsha:"))
-        .map(|line| {
-            let calls = line.split("calls=").nth(1).unwrap();
-            calls[..calls.find(',').unwrap()].parse::<u64>().unwrap()
-        })
-        .sum()
+/// A store over a Redis server, with a plain connection beside it to read and write
+/// what the store keeps there, and the lease and retention the tests claim with.
+struct Raw {
+    prefix: String,
+    backend: Arc<dyn IdempotencyStore>,
+    connection: MultiplexedConnection,
+    scope: Scope,
+    fingerprint: Fingerprint,
+}
+
+const LEASE: Duration = Duration::from_secs(5);
+const RETENTION: Duration = Duration::from_secs(60);
+
+impl Raw {
+    /// On the shared server, under a prefix of its own made from `label`.
+    async fn shared(label: &str) -> Raw {
+        let prefix = unique_name(label);
+        let url = format!("{}?turnstile_prefix={prefix}", shared_redis().url());
+        Raw::on(&url, &shared_redis().url(), prefix).await
+    }
+
+    async fn on(store_url: &str, server_url: &str, prefix: String) -> Raw {
+        let backend = Idempotency::connect(store_url)
+            .await
+            .unwrap()
+            .store()
+            .clone();
+        let client = redis::Client::open(server_url).unwrap();
+        Raw {
+            prefix,
+            backend,
+            connection: client.get_multiplexed_async_connection().await.unwrap(),
+            scope: Scope::new("tenant").unwrap(),
+            fingerprint: Fingerprint::of(&[b"x"]),
+        }
+    }
+
+    async fn claim(&self, key: &IdempotencyKey, lease: Duration) -> ClaimAnswer {
+        self.backend
+            .claim(&self.scope, key, &self.fingerprint, lease, RETENTION)
+            .await
+            .unwrap()
+    }
+
+    /// Claims a key nobody holds.
+    async fn start(&self, key: &IdempotencyKey, lease: Duration) -> FencingToken {
+        match self.claim(key, lease).await {
+            ClaimAnswer::Started { token } => token,
+            other => panic!("a new key was not started: {other:?}"),
+        }
+    }
+
+    async fn complete(&self, key: &IdempotencyKey, token: FencingToken, outcome: &[u8]) -> Finish {
+        self.backend
+            .complete(&self.scope, key, token, outcome, RETENTION)
+            .await
+            .unwrap()
+    }
+
+    /// The store's keys that end with `suffix` (`record`, `outcome`).
+    async fn keys(&mut self, suffix: &str) -> Vec<String> {
+        redis::cmd("KEYS")
+            .arg(format!("{}:idem:*:{suffix}", self.prefix))
+            .query_async(&mut self.connection)
+            .await
+            .unwrap()
+    }
+
+    async fn command<T: redis::FromRedisValue>(&mut self, command: &mut redis::Cmd) -> T {
+        command.query_async(&mut self.connection).await.unwrap()
+    }
+
+    /// How many scripts (`EVAL`, `EVALSHA`) the server has run, from `INFO commandstats`.
+    async fn scripts_run(&mut self) -> u64 {
+        let info: String = self.command(redis::cmd("INFO").arg("commandstats")).await;
+        info.lines()
+            .filter(|line| {
+                line.starts_with("cmdstat_eval:") || line.starts_with("cmdstat_evalsha:")
+            })
+            .map(|line| {
+                let calls = line.split("calls=").nth(1).unwrap();
+                calls[..calls.find(',').unwrap()].parse::<u64>().unwrap()
+            })
+            .sum()
+    }
+}
+
+fn key(name: &str) -> IdempotencyKey {
+    IdempotencyKey::new(name).unwrap()
 }
 
 /// A key nobody has claimed is claimed and completed with plain commands (no script
@@ -102,82 +181,51 @@ async fn scripts_run(connection: &mut redis::aio::MultiplexedConnection) -> u64 
 /// script runs only for a duplicate of a claim still at work.
 #[tokio::test]
 async fn a_new_keys_claim_and_completion_run_no_script() {
-    use std::time::Duration;
-    use turnstile::idempotency::{ClaimAnswer, Fingerprint, Finish, IdempotencyKey, Scope};
+    // A server of its own, so that only this test's commands are counted.
     let server = turnstile_test_support::RedisServer::spawn();
-    let client = redis::Client::open(server.url()).unwrap();
-    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
-    let backend = Idempotency::connect(&server.url())
-        .await
-        .unwrap()
-        .store()
-        .clone();
-    let (scope, fingerprint) = (Scope::new("tenant").unwrap(), Fingerprint::of(&[b"x"]));
-    let (lease, retention) = (Duration::from_secs(5), Duration::from_secs(60));
-    let before = scripts_run(&mut connection).await;
+    let mut raw = Raw::on(&server.url(), &server.url(), "turnstile".to_owned()).await;
+    let before = raw.scripts_run().await;
     for n in 0..20 {
-        let key = IdempotencyKey::new(format!("new-{n}")).unwrap();
-        let ClaimAnswer::Started { token } = backend
-            .claim(&scope, &key, &fingerprint, lease, retention)
-            .await
-            .unwrap()
-        else {
-            panic!("a new key was not started");
-        };
-        assert_eq!(
-            backend
-                .complete(&scope, &key, token, b"paid", retention)
-                .await
-                .unwrap(),
-            Finish::Done
-        );
+        let new = key(&format!("new-{n}"));
+        let token = raw.start(&new, LEASE).await;
+        assert_eq!(raw.complete(&new, token, b"paid").await, Finish::Done);
     }
     assert_eq!(
-        scripts_run(&mut connection).await,
+        raw.scripts_run().await,
         before,
         "a new key's claim or completion ran a script"
     );
-    let key = IdempotencyKey::new("new-0").unwrap();
     assert_eq!(
-        backend
-            .claim(&scope, &key, &fingerprint, lease, retention)
-            .await
-            .unwrap(),
+        raw.claim(&key("new-0"), LEASE).await,
         ClaimAnswer::Replay {
             outcome: b"paid".to_vec()
         }
     );
+    let other_body = raw
+        .backend
+        .claim(
+            &raw.scope,
+            &key("new-0"),
+            &Fingerprint::of(&[b"y"]),
+            LEASE,
+            RETENTION,
+        )
+        .await
+        .unwrap();
+    assert_eq!(other_body, ClaimAnswer::Mismatch);
     assert_eq!(
-        backend
-            .claim(&scope, &key, &Fingerprint::of(&[b"y"]), lease, retention)
-            .await
-            .unwrap(),
-        ClaimAnswer::Mismatch
-    );
-    assert_eq!(
-        scripts_run(&mut connection).await,
+        raw.scripts_run().await,
         before,
         "a replay or a mismatch ran a script"
     );
-    let busy = IdempotencyKey::new("busy").unwrap();
-    let started = backend
-        .claim(&scope, &busy, &fingerprint, lease, retention)
-        .await
-        .unwrap();
-    assert!(
-        matches!(started, ClaimAnswer::Started { .. }),
-        "{started:?}"
-    );
-    let duplicate = backend
-        .claim(&scope, &busy, &fingerprint, lease, retention)
-        .await
-        .unwrap();
+    raw.start(&key("busy"), LEASE).await;
+    let duplicate = raw.claim(&key("busy"), LEASE).await;
     assert!(
         matches!(duplicate, ClaimAnswer::InProgress { .. }),
         "{duplicate:?}"
     );
     assert!(
-        scripts_run(&mut connection).await > before,
+        raw.scripts_run().await > before,
         "a duplicate of a claim at work is decided by the claim script"
     );
 }
@@ -187,147 +235,74 @@ async fn a_new_keys_claim_and_completion_run_no_script() {
 /// gets the replay, and one in progress is still in progress and keeps its form.
 #[tokio::test]
 async fn records_from_the_script_only_version_are_still_read() {
-    use std::time::Duration;
-    use turnstile::idempotency::{ClaimAnswer, Fingerprint, IdempotencyKey, Scope};
-    let prefix = unique_name("idemold");
-    let url = format!("{}?turnstile_prefix={prefix}", shared_redis().url());
-    let backend = Idempotency::connect(&url).await.unwrap().store().clone();
-    let client = redis::Client::open(shared_redis().url()).unwrap();
-    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
-    let (scope, fingerprint) = (Scope::new("tenant").unwrap(), Fingerprint::of(&[b"x"]));
-    let (lease, retention) = (Duration::from_secs(5), Duration::from_secs(60));
+    let mut raw = Raw::shared("idemold").await;
     for (name, state, outcome) in [("done", "c", "paid"), ("busy", "p", "")] {
-        let key = IdempotencyKey::new(name).unwrap();
-        // A first claim names the record's key and its fingerprint's form; the record is
-        // then overwritten as the script-only version wrote it.
-        let started = backend
-            .claim(&scope, &key, &fingerprint, lease, retention)
+        // A first claim makes the record's key and its fingerprint's form; the record
+        // is then overwritten as the script-only version wrote it.
+        raw.start(&key(name), LEASE).await;
+        let record = raw
+            .keys("record")
             .await
-            .unwrap();
-        assert!(
-            matches!(started, ClaimAnswer::Started { .. }),
-            "{started:?}"
-        );
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{prefix}:idem:*:record"))
-            .query_async(&mut connection)
-            .await
-            .unwrap();
-        let mut record = None;
-        for candidate in keys {
-            let value: String = redis::cmd("GET")
-                .arg(&candidate)
-                .query_async(&mut connection)
-                .await
-                .unwrap();
-            if value.starts_with("1|") {
-                record = Some((candidate, value));
-            }
-        }
-        let (record, value) = record.expect("the first claim's record");
+            .pop()
+            .expect("the first claim's record");
+        let value: String = raw.command(redis::cmd("GET").arg(&record)).await;
+        assert!(value.starts_with("1|"), "{value}");
         let fingerprint_hex = value.split('|').nth(1).unwrap().to_owned();
-        let time: (String, String) = redis::cmd("TIME")
-            .query_async(&mut connection)
-            .await
-            .unwrap();
-        let now_ms = time.0.parse::<u64>().unwrap() * 1000 + time.1.parse::<u64>().unwrap() / 1000;
+        let (seconds, micros): (u64, u64) = raw.command(&mut redis::cmd("TIME")).await;
+        let now_ms = seconds * 1000 + micros / 1000;
         let old = format!(
             "{state}|{fingerprint_hex}|{}|{}|{}|{now_ms}|{outcome}",
             now_ms * 1000,
             now_ms + 5_000,
             now_ms + 60_000,
         );
-        let _: () = redis::cmd("SET")
-            .arg(&record)
-            .arg(old)
-            .arg("PX")
-            .arg(60_000)
-            .query_async(&mut connection)
-            .await
-            .unwrap();
-        let answer = backend
-            .claim(&scope, &key, &fingerprint, lease, retention)
-            .await
-            .unwrap();
-        match state {
-            "c" => assert_eq!(
+        let () = raw
+            .command(
+                redis::cmd("SET")
+                    .arg(&record)
+                    .arg(old)
+                    .arg("PX")
+                    .arg(60_000),
+            )
+            .await;
+        let answer = raw.claim(&key(name), LEASE).await;
+        if state == "c" {
+            assert_eq!(
                 answer,
                 ClaimAnswer::Replay {
                     outcome: b"paid".to_vec()
                 }
-            ),
-            _ => {
-                assert!(
-                    matches!(answer, ClaimAnswer::InProgress { .. }),
-                    "{answer:?}"
-                );
-                // The duplicate is noted in the old form, so the old version's
-                // completion script still finds (and publishes) it.
-                let value: String = redis::cmd("GET")
-                    .arg(&record)
-                    .query_async(&mut connection)
-                    .await
-                    .unwrap();
-                assert!(value.starts_with("w|"), "{value}");
-            }
+            );
+        } else {
+            assert!(
+                matches!(answer, ClaimAnswer::InProgress { .. }),
+                "{answer:?}"
+            );
+            // The duplicate is noted in the old form, so the old version's completion
+            // script still finds (and publishes) it.
+            let value: String = raw.command(redis::cmd("GET").arg(&record)).await;
+            assert!(value.starts_with("w|"), "{value}");
         }
-        let _: () = redis::cmd("DEL")
-            .arg(&record)
-            .query_async(&mut connection)
-            .await
-            .unwrap();
+        let () = raw.command(redis::cmd("DEL").arg(&record)).await;
     }
 }
 
-/// A completion's outcome outlives its record, even when a renewal with a lease
-/// longer than the retention keeps the record past the retention: a record that is
-/// there never names an outcome that has expired (which would read as a claim at work).
+/// A completion's outcome outlives its record, even when a renewal with a lease longer
+/// than the retention keeps the record past the retention: a record that is there never
+/// names an outcome that has expired (which would read as a claim at work).
 #[tokio::test]
 async fn an_outcome_never_expires_before_its_record() {
-    use std::time::Duration;
-    use turnstile::idempotency::{ClaimAnswer, Fingerprint, Finish, IdempotencyKey, Scope};
-    let prefix = unique_name("idemttl");
-    let url = format!("{}?turnstile_prefix={prefix}", shared_redis().url());
-    let backend = Idempotency::connect(&url).await.unwrap().store().clone();
-    let client = redis::Client::open(shared_redis().url()).unwrap();
-    let (scope, key) = (
-        Scope::new("tenant").unwrap(),
-        IdempotencyKey::new("k").unwrap(),
-    );
-    let fingerprint = Fingerprint::of(&[b"x"]);
-    let (lease, retention) = (Duration::from_secs(30), Duration::from_secs(2));
-    let ClaimAnswer::Started { token } = backend
-        .claim(&scope, &key, &fingerprint, lease, retention)
+    let mut raw = Raw::shared("idemttl").await;
+    let lease = RETENTION * 2;
+    let token = raw.start(&key("k"), lease).await;
+    raw.backend
+        .heartbeat(&raw.scope, &key("k"), token, lease)
         .await
-        .unwrap()
-    else {
-        panic!("a new key was not started");
-    };
-    backend.heartbeat(&scope, &key, token, lease).await.unwrap();
-    assert_eq!(
-        backend
-            .complete(&scope, &key, token, b"paid", retention)
-            .await
-            .unwrap(),
-        Finish::Done
-    );
-    let ttl = |suffix: &'static str| {
-        let pattern = format!("{prefix}:idem:*:{suffix}");
-        let client = client.clone();
-        async move {
-            let mut connection = client.get_multiplexed_async_connection().await.unwrap();
-            let keys: Vec<String> = redis::cmd("KEYS")
-                .arg(pattern)
-                .query_async(&mut connection)
-                .await
-                .unwrap();
-            let ttl: i64 = redis::cmd("PTTL")
-                .arg(&keys[0])
-                .query_async(&mut connection)
-                .await
-                .unwrap();
-            ttl
-        }
+        .unwrap();
+    assert_eq!(raw.complete(&key("k"), token, b"paid").await, Finish::Done);
+    let mut ttl = async |suffix: &str| -> i64 {
+        let found = raw.keys(suffix).await;
+        raw.command(redis::cmd("PTTL").arg(&found[0])).await
     };
     let (record, outcome) = (ttl("record").await, ttl("outcome").await);
     assert!(
@@ -342,92 +317,46 @@ async fn an_outcome_never_expires_before_its_record() {
 /// and it is the current claim's outcome that is replayed.
 #[tokio::test]
 async fn a_contested_outcome_slot_goes_to_the_claim_the_record_names() {
-    use std::time::Duration;
-    use turnstile::idempotency::{ClaimAnswer, Fingerprint, Finish, IdempotencyKey, Scope};
-    let prefix = unique_name("idemslot");
-    let url = format!("{}?turnstile_prefix={prefix}", shared_redis().url());
-    let backend = Idempotency::connect(&url).await.unwrap().store().clone();
-    let client = redis::Client::open(shared_redis().url()).unwrap();
-    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
-    let scope = Scope::new("tenant").unwrap();
-    let fingerprint = Fingerprint::of(&[b"x"]);
-    let (lease, retention) = (Duration::from_secs(5), Duration::from_secs(60));
-
-    let again = IdempotencyKey::new("again").unwrap();
-    let ClaimAnswer::Started { token } = backend
-        .claim(&scope, &again, &fingerprint, lease, retention)
-        .await
-        .unwrap()
-    else {
-        panic!("a new key was not started");
-    };
+    let mut raw = Raw::shared("idemslot").await;
+    let token = raw.start(&key("again"), LEASE).await;
     for _ in 0..2 {
         assert_eq!(
-            backend
-                .complete(&scope, &again, token, b"once", retention)
-                .await
-                .unwrap(),
+            raw.complete(&key("again"), token, b"once").await,
             Finish::Done
         );
     }
-
-    let taken = IdempotencyKey::new("taken").unwrap();
-    let ClaimAnswer::Started { token } = backend
-        .claim(&scope, &taken, &fingerprint, lease, retention)
+    let written = raw.keys("outcome").await;
+    let token = raw.start(&key("taken"), LEASE).await;
+    // The slot of "taken" is the one not written yet ("again"'s holds its outcome).
+    let slot = raw
+        .keys("record")
         .await
-        .unwrap()
-    else {
-        panic!("a new key was not started");
-    };
-    let slots: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}:idem:*:outcome"))
-        .query_async(&mut connection)
-        .await
-        .unwrap();
-    let record_slot = {
-        // The slot of "taken" is the one not yet written ("again"'s holds its outcome).
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{prefix}:idem:*:record"))
-            .query_async(&mut connection)
-            .await
-            .unwrap();
-        keys.into_iter()
-            .map(|record| format!("{}outcome", &record[..record.len() - "record".len()]))
-            .find(|slot| !slots.contains(slot))
-            .expect("the second key's slot")
-    };
+        .into_iter()
+        .map(|record| format!("{}outcome", &record[..record.len() - "record".len()]))
+        .find(|slot| !written.contains(slot))
+        .expect("the second key's slot");
     let stale = token.get() - 1;
-    let _: () = redis::cmd("SET")
-        .arg(&record_slot)
-        .arg(format!("{stale}|stale"))
-        .arg("PX")
-        .arg(60_000)
-        .query_async(&mut connection)
-        .await
-        .unwrap();
-    let duplicate = backend
-        .claim(&scope, &taken, &fingerprint, lease, retention)
-        .await
-        .unwrap();
+    let () = raw
+        .command(
+            redis::cmd("SET")
+                .arg(&slot)
+                .arg(format!("{stale}|stale"))
+                .arg("PX")
+                .arg(60_000),
+        )
+        .await;
+    let duplicate = raw.claim(&key("taken"), LEASE).await;
     assert!(
         matches!(duplicate, ClaimAnswer::InProgress { .. }),
         "a stale claimer's outcome was read as this claim's: {duplicate:?}"
     );
     assert_eq!(
-        backend
-            .complete(&scope, &taken, token, b"current", retention)
-            .await
-            .unwrap(),
+        raw.complete(&key("taken"), token, b"current").await,
         Finish::Done
     );
-    for key in [&again, &taken] {
-        let answer = backend
-            .claim(&scope, key, &fingerprint, lease, retention)
-            .await
-            .unwrap();
-        let expected: &[u8] = if key == &again { b"once" } else { b"current" };
+    for (name, expected) in [("again", &b"once"[..]), ("taken", &b"current"[..])] {
         assert_eq!(
-            answer,
+            raw.claim(&key(name), LEASE).await,
             ClaimAnswer::Replay {
                 outcome: expected.to_vec()
             }
