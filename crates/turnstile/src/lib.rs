@@ -58,6 +58,8 @@
 //! lock service can make a paused process notice in time that its lease ran out; the
 //! lost signal narrows the window and fencing tokens close it on the protected side.
 
+#[cfg(any(feature = "sqlite", feature = "redis"))]
+mod clock;
 mod engine;
 pub mod error;
 pub mod fence;

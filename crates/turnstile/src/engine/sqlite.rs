@@ -146,18 +146,6 @@ fn is_transient_open_error(error: &sqlx::Error) -> bool {
         .is_some_and(|code| matches!(code.as_ref(), "5" | "14" | "517"))
 }
 
-/// Milliseconds and microseconds since the Unix epoch on the host's wall clock: the
-/// clock every process on the host shares, and so the store's clock.
-pub(crate) fn wall_clock() -> (i64, i64) {
-    let since_epoch = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    (
-        i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX),
-        i64::try_from(since_epoch.as_micros()).unwrap_or(i64::MAX),
-    )
-}
-
 /// A duration in whole milliseconds (rounded up), for the SQLite engines' arithmetic.
 pub(crate) fn millis_i64(duration: Duration) -> i64 {
     i64::try_from(crate::lock::ceil_millis(duration)).unwrap_or(i64::MAX)

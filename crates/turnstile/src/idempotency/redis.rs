@@ -103,6 +103,13 @@ end
 -- and its scripts refuse the digits (their pattern wants a letter) instead of
 -- misreading a record this version completed.
 local decode = {['1'] = 'n', ['2'] = 'p', ['3'] = 'w', ['4'] = 'r'}
+-- The outcome in an outcome slot (`TOKEN|OUTCOME`) if it is the claim with `token`'s.
+local function outcome_in(slot, token)
+  if slot and string.sub(slot, 1, #token + 1) == token .. '|' then
+    return string.sub(slot, #token + 2)
+  end
+  return nil
+end
 local encode = {p = '2', w = '3', r = '4'}
 local function load()
   local value = redis.call('GET', KEYS[1])
@@ -127,9 +134,7 @@ local function load()
     r.lease_until, r.expires = created_ms + lease, created_ms + retention
   end
   if not r.legacy and (r.state == 'p' or r.state == 'w') then
-    local slot = redis.call('GET', KEYS[2])
-    local outcome = slot and string.sub(slot, 1, #r.token + 1) == r.token .. '|'
-      and string.sub(slot, #r.token + 2)
+    local outcome = outcome_in(redis.call('GET', KEYS[2]), r.token)
     if outcome then
       -- Completed: its expiry is the key's, which the completion moved.
       r.state, r.outcome, r.lease_until = 'c', outcome, now_ms
@@ -230,8 +235,7 @@ if r and r.token == ARGV[1] and not r.legacy then
     return 1
   end
 end
-local slot = redis.call('GET', KEYS[2])
-if slot and string.sub(slot, 1, #ARGV[1] + 1) == ARGV[1] .. '|' then
+if outcome_in(redis.call('GET', KEYS[2]), ARGV[1]) then
   redis.call('DEL', KEYS[2])
 end
 return 0
@@ -382,16 +386,13 @@ impl RedisIdempotencyStore {
         base.push_str(":idem:{");
         crate::hex::push_hex(&mut base, &digest[..16]);
         base.push_str("}:");
-        let with = |suffix: &str| {
-            let mut key = String::with_capacity(base.len() + suffix.len());
-            key.push_str(&base);
-            key.push_str(suffix);
-            key
-        };
+        let mut outcome = String::with_capacity(base.len() + "outcome".len());
+        outcome.push_str(&base);
+        outcome.push_str("outcome");
+        base.push_str("record");
         RecordKeys {
-            record: with("record"),
-            outcome: with("outcome"),
-            channel: with("done"),
+            record: base,
+            outcome,
         }
     }
 }
@@ -403,8 +404,14 @@ struct RecordKeys {
     /// The completed claim's outcome, `TOKEN|OUTCOME`: read only under the token the
     /// record names.
     outcome: String,
-    /// Where completions and give-backs are published to waiting duplicates.
-    channel: String,
+}
+
+impl RecordKeys {
+    /// Where completions and give-backs are published to waiting duplicates: made only
+    /// where it is used, off the claim's path.
+    fn channel(&self) -> String {
+        format!("{}done", &self.record[..self.record.len() - "record".len()])
+    }
 }
 
 fn text(value: &Value) -> Option<String> {
@@ -431,24 +438,15 @@ fn fingerprint_hex(fingerprint: &Fingerprint) -> String {
     crate::hex::hex(fingerprint.as_bytes())
 }
 
-/// This host's clock in µs since the epoch.
-fn local_clock_us() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |since| {
-            i64::try_from(since.as_micros()).unwrap_or(i64::MAX)
-        })
-}
-
 /// The server's clock minus this host's, in µs: one `TIME`, taken against the middle of
 /// its round trip.
 async fn server_clock_offset(connection: &mut ConnectionManager) -> Result<i64> {
-    let sent = local_clock_us();
+    let sent = crate::clock::wall_clock().1;
     let (seconds, micros): (i64, i64) = redis::cmd("TIME")
         .query_async(connection)
         .await
         .map_err(|error| map_error(error, "cannot read the Redis server's clock"))?;
-    let answered = local_clock_us();
+    let answered = crate::clock::wall_clock().1;
     let server = seconds.saturating_mul(1_000_000).saturating_add(micros);
     Ok(server - (sent / 2 + answered / 2))
 }
@@ -460,7 +458,8 @@ async fn server_clock_offset(connection: &mut ConnectionManager) -> Result<i64> 
 /// server TIME)`, above whatever a first claim took.)
 fn first_claim_token(clock_offset_us: i64) -> FencingToken {
     static LAST: AtomicU64 = AtomicU64::new(0);
-    let now = u64::try_from(local_clock_us().saturating_add(clock_offset_us)).unwrap_or(0);
+    let now =
+        u64::try_from(crate::clock::wall_clock().1.saturating_add(clock_offset_us)).unwrap_or(0);
     let previous = LAST
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
             Some(now.max(last + 1))
@@ -687,7 +686,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
                     // is stored whatever this answers: a duplicate that misses it
                     // learns at the lease's end.
                     let published: redis::RedisResult<i64> = redis::cmd("PUBLISH")
-                        .arg(&keys.channel)
+                        .arg(keys.channel())
                         .arg("completed")
                         .query_async(&mut connection)
                         .await;
@@ -709,7 +708,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .arg(outcome)
                 .arg(outcome_ms)
                 .arg(retention_ms)
-                .arg(&keys.channel)
+                .arg(keys.channel())
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot store the outcome"))?;
@@ -736,7 +735,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .key(&keys.record)
                 .key(&keys.outcome)
                 .arg(token.get().to_string())
-                .arg(&keys.channel)
+                .arg(keys.channel())
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot give the key back"))?;
@@ -806,7 +805,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
                 .forget
                 .key(&keys.record)
                 .key(&keys.outcome)
-                .arg(&keys.channel)
+                .arg(keys.channel())
                 .invoke_async(&mut connection)
                 .await
                 .map_err(|error| map_error(error, "cannot forget the record"))?;
@@ -824,7 +823,7 @@ impl IdempotencyStore for RedisIdempotencyStore {
         scope: &'a Scope,
         key: &'a IdempotencyKey,
     ) -> BoxFuture<'a, Result<ReleaseWatch>> {
-        Box::pin(async move { self.notifier.watch(self.keys(scope, key).channel).await })
+        Box::pin(async move { self.notifier.watch(self.keys(scope, key).channel()).await })
     }
 
     fn describe(&self) -> String {

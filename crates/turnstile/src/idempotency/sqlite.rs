@@ -27,7 +27,8 @@ use super::{
     IdempotencyStore, Record, RecordState, Scope, StaleClaim, TransactionalIdempotency,
     check_outcome,
 };
-use crate::engine::sqlite::{millis_i64, open_pool, parse_url, wall_clock};
+use crate::clock::wall_clock;
+use crate::engine::sqlite::{millis_i64, open_pool, parse_url};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::lock::{BoxFuture, ExtendOutcome, ReleaseSignals, ReleaseWatch};

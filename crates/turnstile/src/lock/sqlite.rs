@@ -33,7 +33,8 @@ use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
     ReleaseSignals, ReleaseWatch, TryAcquire,
 };
-use crate::engine::sqlite::{millis_i64, wall_clock};
+use crate::clock::wall_clock;
+use crate::engine::sqlite::millis_i64;
 use crate::error::Result;
 use crate::fence::FencingToken;
 pub(crate) use crate::sql::map_error;

@@ -28,7 +28,8 @@ use super::{
     Backoff, LaggingKey, LeasedKey, Message, OutboxStore, ParkedKey, Settled, Settlement, Status,
     Stored,
 };
-use crate::engine::sqlite::{millis_i64, open_pool, parse_url, wall_clock};
+use crate::clock::wall_clock;
+use crate::engine::sqlite::{millis_i64, open_pool, parse_url};
 use crate::error::{Error, Result};
 use crate::lock::BoxFuture;
 use crate::sql::map_error;
