@@ -194,6 +194,23 @@ fn the_outbox_passes_under_relay_kills_and_broker_outages() {
         run["faults"]["broker-outage"].as_u64().unwrap() >= 1,
         "{run}"
     );
+    let delivery = &run["delivery_ms"];
+    assert!(
+        delivery["p50"].as_f64().unwrap() <= delivery["p99"].as_f64().unwrap()
+            && delivery["p99"].as_f64().unwrap() <= delivery["max"].as_f64().unwrap(),
+        "{run}"
+    );
+    // The page: the verdicts, the delivery chart with both faults shaded, no scripts.
+    let page = std::fs::read_to_string(dir.path().join("report.html")).unwrap();
+    for shown in [
+        "every committed message handled",
+        "<polyline",
+        "broker outage",
+        "kill relay",
+    ] {
+        assert!(page.contains(shown), "the report shows {shown:?}");
+    }
+    assert!(!page.contains("<script"), "the report runs no scripts");
 }
 
 /// Idempotency keys in the transaction mode on SQLite: three service instances, one
@@ -235,6 +252,18 @@ fn idempotency_on_sqlite_passes_under_kills_and_pauses() {
     assert!(run["replays"].as_u64().unwrap() > 0, "{run}");
     assert_eq!(run["faults"]["kill-instance"], 1, "{run}");
     assert_eq!(run["faults"]["pause"], 1, "{run}");
+    // The page: the verdicts, a row per instance with the faults shaded, no scripts.
+    let page = std::fs::read_to_string(dir.path().join("report.html")).unwrap();
+    for shown in [
+        "one effect per request",
+        "instance 2",
+        "kill-instance",
+        "pause",
+        "<svg",
+    ] {
+        assert!(page.contains(shown), "the report shows {shown:?}");
+    }
+    assert!(!page.contains("<script"), "the report runs no scripts");
     // Bad input: a clear error, exit 64.
     for (args, says) in [
         (&["--store", "etcd"][..], "neither a URL"),

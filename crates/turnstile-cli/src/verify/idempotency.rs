@@ -14,6 +14,10 @@
 //! store, the only one on Redis: the effect is written outside, so a handler killed or
 //! frozen after its effect and before its response was stored runs again on a retry
 //! once its lease is over — the documented cost of the mode, counted as *explained*).
+//!
+//! The report (`report.html` beside `summary.json`) draws each run as a row per
+//! instance with a tick per effect (green a request's first, amber a second one a fault
+//! explains, red one nothing explains) and the faults shaded where they hit.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -36,8 +40,14 @@ use tokio::process::{Child, ChildStdout, Command};
 use turnstile::idempotency::http::{IdempotencyLayer, IdempotentTransaction, types};
 use turnstile::idempotency::{Idempotency, IdempotencyOptions, Scope};
 
-use super::check::Verdict;
+use std::fmt::Write as _;
+
+use svg::Document;
+use svg::node::element::{Group, Line, Title};
+
+use super::check::{self as lock_check, Verdict};
 use super::history::monotonic_ns;
+use super::report;
 use super::{Store, between, signal};
 
 /// The tenants requests come from; the last is the global scope (keys of no tenant).
@@ -710,6 +720,9 @@ struct IdempotencyCheck {
     claims_lost: u64,
     faults: BTreeMap<String, usize>,
     verdicts: Vec<Verdict>,
+    /// Each second effect (its id) and whether a fault explains it, for the report.
+    #[serde(skip)]
+    second_effects: HashMap<i64, bool>,
 }
 
 /// Decides a run from what the clients were answered and the effects that happened;
@@ -739,13 +752,16 @@ fn check(
 
     let (mut duplicates, mut explained) = (0, 0);
     let mut unexplained = Vec::new();
+    let mut second_effects = HashMap::new();
     for ((scope, key), list) in &mut by_request {
         list.sort_by_key(|effect| effect.at_ns);
         for pair in list.windows(2) {
             let (earlier, later) = (pair[0], pair[1]);
             duplicates += 1;
             let explains = |window: &&FaultWindow| explaining.explains(window, earlier, later);
-            match faults.iter().find(explains) {
+            let explained_by = faults.iter().find(explains);
+            second_effects.insert(later.effect, explained_by.is_some());
+            match explained_by {
                 Some(_) => explained += 1,
                 None => unexplained.push(format!(
                     "{scope}/{key}: effects {} (instance {}) and {} (instance {}) {:.0} ms apart",
@@ -877,6 +893,7 @@ fn check(
         claims_lost: total(|r| r.claim_lost),
         faults: fault_counts,
         verdicts,
+        second_effects,
     }
 }
 
@@ -890,6 +907,150 @@ struct IdempotencyRun {
     passed: bool,
     #[serde(flatten)]
     check: IdempotencyCheck,
+    /// What the report draws.
+    #[serde(skip)]
+    chart: EffectChart,
+}
+
+/// One run's effects and faults, for the report.
+#[derive(Debug, Default)]
+struct EffectChart {
+    effects: Vec<Effect>,
+    faults: Vec<FaultWindow>,
+}
+
+impl EffectChart {
+    /// A row per instance, a tick per effect, the faults shaded where they hit (the
+    /// store: every row).
+    fn svg(&self, check: &IdempotencyCheck, instances: usize) -> Document {
+        let Some(axis) = report::TimeAxis::spanning(
+            self.effects
+                .iter()
+                .map(|effect| u64::try_from(effect.at_ns).unwrap_or(0))
+                .chain(self.faults.iter().flat_map(|f| [f.start_ns, f.end_ns])),
+        ) else {
+            return Document::new().set("width", 10).set("height", 10);
+        };
+        let labels: Vec<String> = (0..instances).map(|i| format!("instance {i}")).collect();
+        let (document, height) = report::timeline_frame(&labels);
+        let bands: Vec<lock_check::FaultWindow> = self
+            .faults
+            .iter()
+            .map(|window| lock_check::FaultWindow {
+                fault: window.fault.name().to_owned(),
+                target: window.instance,
+                start: window.start_ns,
+                end: window.end_ns,
+            })
+            .collect();
+        let mut ticks = Group::new();
+        // Seconds first, so that a first effect never hides one.
+        let mut effects: Vec<(&Effect, Option<bool>)> = self
+            .effects
+            .iter()
+            .map(|effect| (effect, check.second_effects.get(&effect.effect).copied()))
+            .collect();
+        effects.sort_by_key(|(_, second)| second.is_some());
+        for (effect, second) in effects {
+            let Ok(row) = usize::try_from(effect.instance) else {
+                continue;
+            };
+            let (colour, width, what) = match second {
+                None => ("#3ebd93", 1, ""),
+                Some(true) => ("#f0b429", 3, "second effect, explained by a fault"),
+                Some(false) => ("#d64545", 3, "second effect, NOT explained"),
+            };
+            let top = 20.0 + report::ROW * row as f64 + 2.0;
+            let at = axis.x(u64::try_from(effect.at_ns).unwrap_or(0));
+            let tick = Line::new()
+                .set("x1", at)
+                .set("x2", at)
+                .set("y1", top)
+                .set("y2", top + report::ROW - 4.0)
+                .set("stroke", colour)
+                .set("stroke-width", width);
+            // Only the few second effects carry a tool tip: thousands of first ones
+            // would make the page heavy for nothing.
+            ticks = ticks.add(match second {
+                Some(_) => tick.add(Title::new(format!(
+                    "{}/{}: {what}",
+                    effect.scope, effect.key
+                ))),
+                None => tick,
+            });
+        }
+        document
+            .add(report::fault_bands(
+                &axis,
+                &bands,
+                20.0,
+                report::ROW,
+                instances,
+            ))
+            .add(ticks)
+            .add(axis.length_label(height))
+    }
+}
+
+/// The page: what the campaign was, and each run's verdicts and effects.
+fn html(summary: &IdempotencySummary) -> String {
+    let mut page = report::page_head(
+        &format!(
+            "turnstile verify idempotency — {} ({} mode)",
+            summary.store,
+            match summary.mode {
+                Mode::Transaction => "transaction",
+                Mode::Lease => "lease",
+            }
+        ),
+        summary.passed,
+    );
+    let faults: Vec<&str> = summary.faults.iter().map(|fault| fault.name()).collect();
+    let _ = write!(
+        page,
+        "<p>{} runs of {} ms; {} service instances; {} clients; lease {} ms; faults {}. \
+         Faults that explain a second effect in this mode: {}.</p>\
+         <p>Timelines: a row per instance, a tick per effect: green a request's first, amber a second \
+         one a fault explains, red one nothing explains; grey, faults (over every row: the store).</p>",
+        summary.runs.len(),
+        summary.duration_ms,
+        summary.instances,
+        summary.clients,
+        summary.lease_ms,
+        report::escape(&faults.join(", ")),
+        if summary.explaining.faults.is_empty() {
+            "none".to_owned()
+        } else {
+            summary
+                .explaining
+                .faults
+                .iter()
+                .map(|fault| fault.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
+    );
+    for run in &summary.runs {
+        let check = &run.check;
+        page.push_str(&report::run_verdicts(run.run, &check.verdicts));
+        let _ = write!(
+            page,
+            "<p>{} requests, {} answered, {} effects, {} second effects ({} explained), {} replays, \
+             {} dropped responses, {} answered 409 in flight, {} answered 503.</p>{}",
+            check.requests,
+            check.answered,
+            check.effects,
+            check.duplicates,
+            check.explained,
+            check.replays,
+            check.dropped_responses,
+            check.in_flight_answers,
+            check.unavailable_answers,
+            run.chart.svg(check, summary.instances),
+        );
+    }
+    page.push_str("</body></html>\n");
+    page
 }
 
 /// The whole campaign.
@@ -1016,7 +1177,7 @@ async fn verify(args: VerifyIdempotencyArgs) -> anyhow::Result<bool> {
         std::fs::create_dir_all(&run_dir)?;
         // Faults are injected in turn across runs, so short runs together cover every kind.
         let first_fault = (run as usize - 1) % faults.len();
-        let check = one_run(
+        let (check, chart) = one_run(
             &args,
             &store,
             mode,
@@ -1044,10 +1205,16 @@ async fn verify(args: VerifyIdempotencyArgs) -> anyhow::Result<bool> {
             eprintln!("  {}: {}", verdict.check, verdict.detail);
         }
         summary.passed &= passed;
-        summary.runs.push(IdempotencyRun { run, passed, check });
+        summary.runs.push(IdempotencyRun {
+            run,
+            passed,
+            check,
+            chart,
+        });
     }
     let json = serde_json::to_string_pretty(&summary)?;
     std::fs::write(args.report.join("summary.json"), &json)?;
+    std::fs::write(args.report.join("report.html"), html(&summary))?;
     if args.json {
         println!("{json}");
     }
@@ -1055,7 +1222,7 @@ async fn verify(args: VerifyIdempotencyArgs) -> anyhow::Result<bool> {
         "turnstile verify idempotency: {} ({} runs); report: {}",
         if summary.passed { "passed" } else { "FAILED" },
         summary.runs.len(),
-        args.report.display()
+        args.report.join("report.html").display()
     );
     Ok(summary.passed)
 }
@@ -1140,7 +1307,7 @@ async fn one_run(
     explaining: &Explaining,
     run: u32,
     run_dir: &Path,
-) -> anyhow::Result<IdempotencyCheck> {
+) -> anyhow::Result<(IdempotencyCheck, EffectChart)> {
     let url = store.url();
     // Keys of this run only: runs against one store never share a key.
     let run_id = format!(
@@ -1239,7 +1406,13 @@ async fn one_run(
         run_dir.join("check.json"),
         serde_json::to_vec_pretty(&check)?,
     )?;
-    Ok(check)
+    Ok((
+        check,
+        EffectChart {
+            effects,
+            faults: windows,
+        },
+    ))
 }
 
 /// How long clients run before the first fault.

@@ -6,8 +6,13 @@
 //! committed and what the consumer's handler did, and decides: every committed message
 //! handled exactly once, nothing handled that was rolled back, each key's messages
 //! handled in order.
+//!
+//! The report (`report.html` beside `summary.json`) shows, per run, how many messages
+//! had been committed and how many handled at each moment, with the faults shaded, and
+//! the delivery time (commit to handling) of every message over all runs.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -24,8 +29,12 @@ use turnstile::outbox::nats::{JetStreamConsumer, JetStreamPublisher};
 use turnstile::outbox::sqlite::SqliteOutbox;
 use turnstile_test_support::NatsServer;
 
-use super::check::Verdict;
-use super::history::{Event, EventKind, HistoryWriter};
+use svg::Document;
+use svg::node::element::{Polyline, Text};
+
+use super::check::{FaultWindow, Verdict, percentile};
+use super::history::{Event, EventKind, HistoryWriter, monotonic_ns};
+use super::report;
 
 /// The relays' lease: with the backoff below, the window in which the broker must keep
 /// duplicates out (the stream's duplicate window is set to exactly that).
@@ -74,7 +83,32 @@ struct OutboxRun {
     /// Deliveries the inbox recognised as copies and skipped.
     duplicates_skipped: u64,
     faults: BTreeMap<String, usize>,
+    /// Commit to first handling, in milliseconds, over the run's handled messages.
+    delivery_ms: Option<DeliveryPercentiles>,
     verdicts: Vec<Verdict>,
+    /// What the report draws.
+    #[serde(skip)]
+    chart: DeliveryChart,
+}
+
+/// How long messages took from their commit to their handling.
+#[derive(Debug, Serialize)]
+struct DeliveryPercentiles {
+    p50: f64,
+    p99: f64,
+    max: f64,
+}
+
+/// One run's moments on the host's monotonic clock, for the report.
+#[derive(Debug, Default)]
+struct DeliveryChart {
+    /// When each committed message was committed, in order.
+    committed_ns: Vec<u64>,
+    /// When each committed message was first handled, in order.
+    handled_ns: Vec<u64>,
+    faults: Vec<FaultWindow>,
+    /// Commit to first handling, per handled message.
+    delivery_ms: Vec<f64>,
 }
 
 pub(crate) async fn run(args: VerifyOutboxArgs) -> ExitCode {
@@ -135,6 +169,7 @@ async fn verify(args: VerifyOutboxArgs) -> anyhow::Result<bool> {
         args.report.join("summary.json"),
         serde_json::to_vec_pretty(&summary)?,
     )?;
+    std::fs::write(args.report.join("report.html"), html(&args, &runs))?;
     if args.json {
         println!("{summary}");
     }
@@ -142,7 +177,7 @@ async fn verify(args: VerifyOutboxArgs) -> anyhow::Result<bool> {
         "turnstile verify outbox: {} ({} runs); report: {}",
         if passed { "passed" } else { "FAILED" },
         runs.len(),
-        args.report.join("summary.json").display()
+        args.report.join("report.html").display()
     );
     Ok(passed)
 }
@@ -203,7 +238,7 @@ async fn one_run(
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS effects (
             n INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL, key TEXT NOT NULL,
-            seq INTEGER NOT NULL)",
+            seq INTEGER NOT NULL, at_ns INTEGER NOT NULL)",
     )
     .execute(inbox_store.pool())
     .await?;
@@ -218,7 +253,9 @@ async fn one_run(
         // The application: enqueues at a steady pace over the first two thirds of the
         // run, one transaction in seven rolled back.
         let mut committed = HashSet::new();
+        let mut committed_at = HashMap::new();
         let mut rolled_back = HashSet::new();
+        let mut windows = Vec::new();
         let enqueue_for = args.duration * 2 / 3;
         let pace = enqueue_for / u32::try_from(args.messages).unwrap_or(u32::MAX).max(1);
         let started = tokio::time::Instant::now();
@@ -239,6 +276,7 @@ async fn one_run(
             } else {
                 outbox.commit(transaction).await?;
                 committed.insert(message.id().to_owned());
+                committed_at.insert(message.id().to_owned(), monotonic_ns());
             }
             // A relay that ended (it found the broker down when it started) is
             // started again, as a supervisor would.
@@ -252,6 +290,7 @@ async fn one_run(
                 // Relay kills and broker outages in turn.
                 if fault_turn % 2 == 0 {
                     let index = fault_turn % relays.len();
+                    let start = monotonic_ns();
                     nemesis_log.record(
                         &Event::now(EventKind::FaultStart, Some(index)).fault("kill-relay"),
                     );
@@ -259,11 +298,18 @@ async fn one_run(
                     relays[index] = relay(index)?;
                     nemesis_log
                         .record(&Event::now(EventKind::FaultEnd, Some(index)).fault("kill-relay"));
+                    windows.push(FaultWindow {
+                        fault: format!("kill relay {index}"),
+                        target: None,
+                        start,
+                        end: monotonic_ns(),
+                    });
                     *faults.entry("kill-relay".to_owned()).or_insert(0) += 1;
                 } else {
                     // Longer than the duplicate window, with the relays killed as it goes
                     // down: what they had published and not recorded goes out again after
                     // the window, past the broker's duplicate detection.
+                    let start = monotonic_ns();
                     nemesis_log
                         .record(&Event::now(EventKind::FaultStart, None).fault("broker-outage"));
                     for running in relays.iter_mut() {
@@ -278,6 +324,12 @@ async fn one_run(
                     }
                     nemesis_log
                         .record(&Event::now(EventKind::FaultEnd, None).fault("broker-outage"));
+                    windows.push(FaultWindow {
+                        fault: "broker outage".to_owned(),
+                        target: None,
+                        start,
+                        end: monotonic_ns(),
+                    });
                     *faults.entry("broker-outage".to_owned()).or_insert(0) += 1;
                 }
                 fault_turn += 1;
@@ -305,7 +357,7 @@ async fn one_run(
         }
         // Late copies still in flight get a moment to arrive.
         tokio::time::sleep(Duration::from_secs(1)).await;
-        Ok::<_, anyhow::Error>((committed, rolled_back, faults))
+        Ok::<_, anyhow::Error>((committed, committed_at, rolled_back, faults, windows))
     };
     let producing = async {
         let produced = producing.await;
@@ -313,20 +365,30 @@ async fn one_run(
         produced
     };
     let (skipped, produced) = tokio::join!(consuming, producing);
-    let (committed, rolled_back, faults) = produced?;
+    let (committed, committed_at, rolled_back, faults, windows) = produced?;
     let duplicates_skipped = skipped?;
     for relay in &mut relays {
         let _ = relay.kill().await;
     }
-    let effects = sqlx::query("SELECT id, key, seq FROM effects ORDER BY n")
+    let rows = sqlx::query("SELECT id, key, seq, at_ns FROM effects ORDER BY n")
         .fetch_all(inbox_store.pool())
-        .await?
-        .iter()
-        .map(|row| -> anyhow::Result<(String, String, i64)> {
-            Ok((row.try_get("id")?, row.try_get("key")?, row.try_get("seq")?))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+        .await?;
+    let mut effects = Vec::with_capacity(rows.len());
+    let mut handled_at: HashMap<String, u64> = HashMap::new();
+    for row in &rows {
+        let (id, key, seq): (String, String, i64) =
+            (row.try_get("id")?, row.try_get("key")?, row.try_get("seq")?);
+        let at = u64::try_from(row.try_get::<i64, _>("at_ns")?).unwrap_or(0);
+        handled_at.entry(id.clone()).or_insert(at);
+        effects.push((id, key, seq));
+    }
     let verdicts = check(&committed, &rolled_back, &effects);
+    let chart = DeliveryChart::of(&committed_at, &handled_at, windows);
+    let show = |p| percentile(&chart.delivery_ms, p);
+    let delivery_ms = match (show(50.0), show(99.0), show(100.0)) {
+        (Some(p50), Some(p99), Some(max)) => Some(DeliveryPercentiles { p50, p99, max }),
+        _ => None,
+    };
     Ok(OutboxRun {
         run,
         passed: verdicts.iter().all(|v| v.passed),
@@ -335,8 +397,148 @@ async fn one_run(
         handled: effects.len(),
         duplicates_skipped,
         faults,
+        delivery_ms,
         verdicts,
+        chart,
     })
+}
+
+impl DeliveryChart {
+    fn of(
+        committed_at: &HashMap<String, u64>,
+        handled_at: &HashMap<String, u64>,
+        faults: Vec<FaultWindow>,
+    ) -> DeliveryChart {
+        let mut committed_ns: Vec<u64> = committed_at.values().copied().collect();
+        committed_ns.sort_unstable();
+        let mut handled_ns = Vec::new();
+        let mut delivery_ms = Vec::new();
+        for (id, &committed) in committed_at {
+            if let Some(&handled) = handled_at.get(id) {
+                handled_ns.push(handled);
+                delivery_ms.push(handled.saturating_sub(committed) as f64 / 1e6);
+            }
+        }
+        handled_ns.sort_unstable();
+        DeliveryChart {
+            committed_ns,
+            handled_ns,
+            faults,
+            delivery_ms,
+        }
+    }
+
+    /// Messages committed (grey) and handled (green) so far at each moment, with the
+    /// faults shaded behind.
+    fn svg(&self) -> Document {
+        const TOP: f64 = 20.0;
+        const HEIGHT: f64 = 160.0;
+        let Some(axis) = report::TimeAxis::spanning(
+            self.committed_ns
+                .iter()
+                .chain(&self.handled_ns)
+                .copied()
+                .chain(self.faults.iter().flat_map(|f| [f.start, f.end])),
+        ) else {
+            return Document::new().set("width", 10).set("height", 10);
+        };
+        let total = self.committed_ns.len().max(1) as f64;
+        let y = |count: usize| TOP + HEIGHT - count as f64 / total * HEIGHT;
+        // A step line: one point per message, as the count went up.
+        let steps = |moments: &[u64]| -> String {
+            let mut points = format!("{:.1},{:.1}", report::LEFT, y(0));
+            for (i, &at) in moments.iter().enumerate() {
+                let _ = write!(points, " {:.1},{:.1}", axis.x(at), y(i + 1));
+            }
+            points
+        };
+        let height = TOP + HEIGHT + 24.0;
+        Document::new()
+            .set("width", report::WIDTH)
+            .set("height", height)
+            .set("viewBox", (0, 0, report::WIDTH, height))
+            .set("font-family", "sans-serif")
+            .set("font-size", 10)
+            .add(report::fault_bands(&axis, &self.faults, TOP, HEIGHT, 1))
+            .add(
+                Polyline::new()
+                    .set("points", steps(&self.committed_ns))
+                    .set("fill", "none")
+                    .set("stroke", "#829ab1")
+                    .set("stroke-width", 2),
+            )
+            .add(
+                Polyline::new()
+                    .set("points", steps(&self.handled_ns))
+                    .set("fill", "none")
+                    .set("stroke", "#27ab83")
+                    .set("stroke-width", 2),
+            )
+            .add(
+                Text::new(format!("{} committed", self.committed_ns.len()))
+                    .set("x", 4)
+                    .set("y", TOP + 10.0),
+            )
+            .add(Text::new("0").set("x", 4).set("y", TOP + HEIGHT))
+            .add(axis.length_label(height))
+    }
+}
+
+/// Buckets of delivery times (commit to handling), in milliseconds.
+const DELIVERY_BUCKETS: [f64; 11] = [
+    10.0,
+    20.0,
+    50.0,
+    100.0,
+    200.0,
+    500.0,
+    1000.0,
+    2000.0,
+    5000.0,
+    10000.0,
+    f64::INFINITY,
+];
+
+/// The page: the verdicts and the delivery chart of every run, and the delivery times
+/// over all runs.
+fn html(args: &VerifyOutboxArgs, runs: &[OutboxRun]) -> String {
+    let passed = runs.iter().all(|run| run.passed);
+    let mut page = report::page_head("turnstile verify outbox — SQLite to NATS JetStream", passed);
+    let _ = write!(
+        page,
+        "<p>{} runs; {} relay processes; {} messages over {} keys per run, one transaction in seven \
+         rolled back; the stream's duplicate window {} s, each broker outage longer.</p>",
+        runs.len(),
+        args.relays,
+        args.messages,
+        args.keys,
+        DUPLICATE_WINDOW.as_secs(),
+    );
+    let delivery: Vec<f64> = runs
+        .iter()
+        .flat_map(|run| run.chart.delivery_ms.iter().copied())
+        .collect();
+    let _ = write!(
+        page,
+        "<h2>Delivery time (ms, commit to handling), all runs</h2>{}\
+         <p>Charts: messages committed (grey) and handled through the inbox (green) so far; grey \
+         bands, faults (hover for which).</p>",
+        report::histogram(&DELIVERY_BUCKETS, &delivery, "messages"),
+    );
+    for run in runs {
+        page.push_str(&report::run_verdicts(run.run, &run.verdicts));
+        let _ = write!(
+            page,
+            "<p>{} committed, {} rolled back, {} handled, {} copies skipped by the inbox.</p>{}",
+            run.committed,
+            run.rolled_back,
+            run.handled,
+            run.duplicates_skipped,
+            run.chart.svg(),
+        );
+    }
+    page.push_str("</body></html>\n");
+    page
 }
 
 /// A database error in the consumer's handler, as the handler reports it.
@@ -404,11 +606,12 @@ async fn consume(
                             position,
                             async |connection| {
                                 sqlx::query(
-                                    "INSERT INTO effects (id, key, seq) VALUES (?1, ?2, ?3)",
+                                    "INSERT INTO effects (id, key, seq, at_ns) VALUES (?1, ?2, ?3, ?4)",
                                 )
                                 .bind(&id)
                                 .bind(&key)
                                 .bind(seq)
+                                .bind(i64::try_from(monotonic_ns()).unwrap_or(i64::MAX))
                                 .execute(&mut *connection)
                                 .await
                                 .map_err(handler_error)?;
