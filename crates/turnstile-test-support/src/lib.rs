@@ -16,6 +16,7 @@ use std::sync::mpsc;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+mod clock;
 mod etcd;
 mod mariadb;
 mod nats;
@@ -27,10 +28,11 @@ mod redis_cluster;
 mod redis_sentinel;
 mod zookeeper;
 
+pub use clock::ServerClock;
 pub use etcd::{EtcdCluster, EtcdServer, shared_etcd};
-pub use mariadb::{MariaDbServer, shared_mariadb};
+pub use mariadb::{MariaDbServer, shared_mariadb, shared_mariadb_on};
 pub use nats::NatsServer;
-pub use postgres::{PostgresServer, shared_postgres};
+pub use postgres::{PostgresServer, shared_postgres, shared_postgres_on};
 pub use proxy::TcpProxy;
 pub use rabbitmq::{RabbitMqServer, shared_rabbitmq};
 pub use redis::{RedisServer, shared_redis};

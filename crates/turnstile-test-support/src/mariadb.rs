@@ -6,7 +6,9 @@ use std::process::{Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use crate::{Process, find_binary, free_port, read_log, spawn_tied_to_process, wait_until_ready};
+use crate::{
+    Process, ServerClock, find_binary, free_port, read_log, spawn_tied_to_process, wait_until_ready,
+};
 
 const SBIN: &[&str] = &["/usr/sbin", "/usr/local/sbin", "/usr/local/mysql/bin"];
 
@@ -20,13 +22,20 @@ pub struct MariaDbServer {
     process: Process,
     /// `innodb_flush_log_at_trx_commit = 1` (every commit flushed and synced).
     durable: bool,
+    clock: ServerClock,
 }
 
 impl MariaDbServer {
     /// Installs a data directory and starts the server; waits until it accepts
     /// connections.
     pub fn spawn() -> MariaDbServer {
-        MariaDbServer::spawn_with(false)
+        MariaDbServer::spawn_with(false, ServerClock::Host)
+    }
+
+    /// A server whose wall clock (`NOW()`, `SYSDATE()`, `UNIX_TIMESTAMP()`) is `clock`,
+    /// not the host's: see [`ServerClock`].
+    pub fn spawn_on(clock: ServerClock) -> MariaDbServer {
+        MariaDbServer::spawn_with(false, clock)
     }
 
     /// A server with a production's durability settings: every commit's log flushed and
@@ -34,16 +43,17 @@ impl MariaDbServer {
     /// A server crash (`kill -9`) keeps every commit with either setting; this one is
     /// for the tests that claim durability, so they run as a user's server would.
     pub fn spawn_durable() -> MariaDbServer {
-        MariaDbServer::spawn_with(true)
+        MariaDbServer::spawn_with(true, ServerClock::Host)
     }
 
-    fn spawn_with(durable: bool) -> MariaDbServer {
+    fn spawn_with(durable: bool, clock: ServerClock) -> MariaDbServer {
         let dir = crate::server_dir("mariadb");
         let server = MariaDbServer {
             dir,
             port: Mutex::new(0),
             process: Process::default(),
             durable,
+            clock,
         };
         let install = find_binary(
             "mariadb-install-db",
@@ -120,7 +130,9 @@ impl MariaDbServer {
                 } else {
                     "--innodb-flush-log-at-trx-commit=2"
                 })
-                .arg("--max-connections=300")
+                .arg("--max-connections=300");
+            self.clock.apply(&mut command);
+            command
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null());
@@ -206,6 +218,23 @@ impl Drop for MariaDbServer {
         crate::show_log_if_panicking("mariadb", &self.log_path());
         self.process.kill();
     }
+}
+
+/// One MariaDB server per test binary and clock, started on first use, gone with the
+/// process: [`shared_mariadb`] on a wall clock that is not the host's.
+pub fn shared_mariadb_on(clock: ServerClock) -> &'static MariaDbServer {
+    static AHEAD: OnceLock<MariaDbServer> = OnceLock::new();
+    static BEHIND: OnceLock<MariaDbServer> = OnceLock::new();
+    let shared = match clock {
+        ServerClock::Host => return shared_mariadb(),
+        ServerClock::HourAhead => &AHEAD,
+        ServerClock::HourBehind => &BEHIND,
+    };
+    shared.get_or_init(|| {
+        let server = MariaDbServer::spawn_on(clock);
+        crate::show_log_on_panic("mariadb", server.log_path());
+        server
+    })
 }
 
 /// One MariaDB server per test binary, started on first use, gone with the process.

@@ -7,7 +7,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::{
-    Process, free_port, read_log, running_as_root, spawn_tied_to_process_as, user_ids,
+    Process, ServerClock, free_port, read_log, running_as_root, spawn_tied_to_process_as, user_ids,
     wait_until_ready,
 };
 
@@ -38,12 +38,19 @@ pub struct PostgresServer {
     run_as: Option<(u32, u32)>,
     process: Process,
     durable: bool,
+    clock: ServerClock,
 }
 
 impl PostgresServer {
     /// Initialises a cluster and starts it; waits until it accepts connections.
     pub fn spawn() -> PostgresServer {
-        PostgresServer::spawn_with(false)
+        PostgresServer::spawn_with(false, ServerClock::Host)
+    }
+
+    /// A server whose wall clock (`now()`, `clock_timestamp()`) is `clock`, not the
+    /// host's: see [`ServerClock`].
+    pub fn spawn_on(clock: ServerClock) -> PostgresServer {
+        PostgresServer::spawn_with(false, clock)
     }
 
     /// A server that writes to disk as a production one does (`fsync` and full page
@@ -51,10 +58,10 @@ impl PostgresServer {
     /// ask to wait for the disk is lost by a crash within that time, every time, so a
     /// test can tell a durable commit from a lucky one.
     pub fn spawn_durable() -> PostgresServer {
-        PostgresServer::spawn_with(true)
+        PostgresServer::spawn_with(true, ServerClock::Host)
     }
 
-    fn spawn_with(durable: bool) -> PostgresServer {
+    fn spawn_with(durable: bool, clock: ServerClock) -> PostgresServer {
         let dir = crate::server_dir("postgres");
         let run_as = if running_as_root() {
             Some(
@@ -79,6 +86,7 @@ impl PostgresServer {
             run_as,
             process: Process::default(),
             durable,
+            clock,
         };
         let log = File::create(server.log_path()).expect("cannot create the log");
         let mut initdb = Command::new(postgres_binary("initdb"));
@@ -131,6 +139,7 @@ impl PostgresServer {
             } else {
                 command.args(["-c", "fsync=off", "-c", "full_page_writes=off"]);
             }
+            self.clock.apply(&mut command);
             command
                 .args(["-c", "max_connections=200", "-c", "shared_buffers=32MB"])
                 .stdin(Stdio::null())
@@ -236,6 +245,23 @@ impl Drop for PostgresServer {
         self.process
             .stop_with(libc::SIGQUIT, Duration::from_secs(5));
     }
+}
+
+/// One PostgreSQL server per test binary and clock, started on first use, gone with the
+/// process: [`shared_postgres`] on a wall clock that is not the host's.
+pub fn shared_postgres_on(clock: ServerClock) -> &'static PostgresServer {
+    static AHEAD: OnceLock<PostgresServer> = OnceLock::new();
+    static BEHIND: OnceLock<PostgresServer> = OnceLock::new();
+    let shared = match clock {
+        ServerClock::Host => return shared_postgres(),
+        ServerClock::HourAhead => &AHEAD,
+        ServerClock::HourBehind => &BEHIND,
+    };
+    shared.get_or_init(|| {
+        let server = PostgresServer::spawn_on(clock);
+        crate::show_log_on_panic("postgres", server.log_path());
+        server
+    })
 }
 
 /// One PostgreSQL server per test binary, started on first use, gone with the process.

@@ -34,6 +34,40 @@ async fn fresh_database() -> MysqlDatabase {
 
 idempotency_conformance_tests!(super::fresh_database);
 
+mod server_clock_ahead {
+    //! The whole suite on a server whose wall clock is an hour ahead of the host's:
+    //! leases and retention go by the database server's clock alone. A deadline written
+    //! by one clock and read by the other would end every lease at once here or keep a
+    //! dead worker's key for an hour on the server behind
+    //! (`a_dead_workers_key_is_claimable_after_its_lease` fails).
+    use super::*;
+    use turnstile_test_support::ServerClock;
+
+    async fn fresh_database() -> MysqlDatabase {
+        MysqlDatabase {
+            url: turnstile_test_support::shared_mariadb_on(ServerClock::HourAhead)
+                .fresh_database("ahead"),
+        }
+    }
+
+    idempotency_conformance_tests!(super::fresh_database);
+}
+
+mod server_clock_behind {
+    //! The whole suite on a server whose wall clock is an hour behind the host's.
+    use super::*;
+    use turnstile_test_support::ServerClock;
+
+    async fn fresh_database() -> MysqlDatabase {
+        MysqlDatabase {
+            url: turnstile_test_support::shared_mariadb_on(ServerClock::HourBehind)
+                .fresh_database("behind"),
+        }
+    }
+
+    idempotency_conformance_tests!(super::fresh_database);
+}
+
 /// Stores are opened from URLs like the lock stores; unknown options are refused.
 #[tokio::test]
 async fn urls_open_the_store() {

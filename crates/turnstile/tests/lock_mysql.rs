@@ -39,6 +39,57 @@ async fn fresh_database() -> MysqlDatabase {
 
 conformance_tests!(super::fresh_database);
 
+mod server_clock_ahead {
+    //! The whole suite on a server whose wall clock is an hour ahead of the host's: tokens
+    //! come from the database server's clock, and expiry is the session's
+    //! `wait_timeout`, which no wall clock moves.
+    use super::*;
+    use turnstile_test_support::ServerClock;
+
+    async fn fresh_database() -> MysqlDatabase {
+        database_on(ServerClock::HourAhead).await
+    }
+
+    conformance_tests!(super::fresh_database);
+}
+
+mod server_clock_behind {
+    //! The whole suite on a server whose wall clock is an hour behind the host's.
+    use super::*;
+    use turnstile_test_support::ServerClock;
+
+    async fn fresh_database() -> MysqlDatabase {
+        database_on(ServerClock::HourBehind).await
+    }
+
+    conformance_tests!(super::fresh_database);
+}
+
+/// A database of the shared server on `clock`.
+async fn database_on(clock: turnstile_test_support::ServerClock) -> MysqlDatabase {
+    MysqlDatabase {
+        url: turnstile_test_support::shared_mariadb_on(clock).fresh_database("clock"),
+    }
+}
+
+/// Tokens are floored by the database server's clock, not the host's: on a server an
+/// hour ahead and on one an hour behind, a new name's first token is that server's
+/// clock in microseconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_follow_the_database_servers_clock() {
+    use turnstile_test_support::ServerClock;
+    for clock in [ServerClock::HourAhead, ServerClock::HourBehind] {
+        let store = database_on(clock).await;
+        let locker = store.locker().await;
+        let guard = locker
+            .acquire(&unique_name("clocktok"), &LockOptions::new())
+            .await
+            .unwrap();
+        conformance::assert_token_follows_the_servers_clock(guard.fencing_token(), clock);
+        guard.release().await.unwrap();
+    }
+}
+
 fn options() -> LockOptions {
     LockOptions::new()
         .ttl(Duration::from_secs(3))

@@ -77,6 +77,27 @@ pub fn assert_returned_by_the_wait_bound(waited: Duration, wait: Duration) {
 
 /// Many tasks in several clients run a read-modify-write that loses updates whenever
 /// two of them are inside at once.
+/// A new name's first token on an engine that floors tokens by its server's clock, on
+/// a server whose wall clock is `clock`: within a minute of that server's clock in
+/// microseconds, so more than 59 minutes from the host's.
+pub fn assert_token_follows_the_servers_clock(
+    token: turnstile::fence::FencingToken,
+    clock: turnstile_test_support::ServerClock,
+) {
+    let host_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as i128;
+    let server_us = host_us + i128::from(clock.offset_seconds()) * 1_000_000;
+    let token = i128::from(token.get());
+    assert!(
+        (token - server_us).abs() < 60_000_000,
+        "token {token} is {:.0} s from the server's clock ({clock:?}), {:.0} s from the host's",
+        (token - server_us) as f64 / 1e6,
+        (token - host_us) as f64 / 1e6,
+    );
+}
+
 /// After a crash of the store's server: the first token issued is above every token
 /// issued before the crash (the crash may have lost some of their commits).
 pub fn assert_above_every_earlier_token(
