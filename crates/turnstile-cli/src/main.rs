@@ -2,20 +2,6 @@
 //! locks, benchmark a store.
 
 mod bench;
-#[cfg(feature = "redis")]
-mod bench_blocking;
-#[cfg(feature = "etcd")]
-mod bench_etcd;
-mod bench_http;
-#[cfg(all(feature = "postgres", feature = "nats"))]
-mod bench_outbox;
-#[cfg(feature = "rslock")]
-mod bench_rslock;
-mod bench_service;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-mod bench_sql;
-#[cfg(feature = "zookeeper")]
-mod bench_zookeeper;
 mod exec;
 mod idempotency;
 mod outbox;
@@ -146,13 +132,13 @@ enum BenchCommand {
     /// The lock workload (v1): uncontended cycles, then contended critical sections.
     Lock(bench::BenchArgs),
     /// Serve the idempotency layer's HTTP workload for `wrk` (see BENCHMARKS.md).
-    IdempotencyServer(bench_http::ServerArgs),
+    IdempotencyServer(bench::http::ServerArgs),
     /// Send many requests with one new key at once to a running idempotency-server and
     /// report what they got.
-    IdempotencyDuplicates(bench_http::DuplicatesArgs),
+    IdempotencyDuplicates(bench::http::DuplicatesArgs),
     /// The outbox on PostgreSQL relayed to NATS JetStream, or the bare relay (`--raw`).
     #[cfg(all(feature = "postgres", feature = "nats"))]
-    Outbox(bench_outbox::OutboxBenchArgs),
+    Outbox(bench::outbox::OutboxBenchArgs),
 }
 
 /// Where the locks live.
@@ -562,12 +548,12 @@ fn main() -> ExitCode {
             Command::Lock(LockCommand::Break(args)) => status(args, true).await,
             Command::Lock(LockCommand::Prune(args)) => prune(args).await,
             Command::Bench(BenchCommand::Lock(args)) => bench::run(args).await,
-            Command::Bench(BenchCommand::IdempotencyServer(args)) => bench_http::serve(args).await,
+            Command::Bench(BenchCommand::IdempotencyServer(args)) => bench::http::serve(args).await,
             Command::Bench(BenchCommand::IdempotencyDuplicates(args)) => {
-                bench_http::duplicates(args).await
+                bench::http::duplicates(args).await
             }
             #[cfg(all(feature = "postgres", feature = "nats"))]
-            Command::Bench(BenchCommand::Outbox(args)) => bench_outbox::run(args).await,
+            Command::Bench(BenchCommand::Outbox(args)) => bench::outbox::run(args).await,
             Command::Migrate(args) => migrate(args).await,
             Command::Idempotency(command) => idempotency::run(command).await,
             Command::Outbox(command) => outbox::run(command).await,

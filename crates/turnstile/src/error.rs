@@ -3,8 +3,6 @@
 use std::error::Error as StdError;
 use std::fmt;
 
-use crate::lock::LossReason;
-
 /// What went wrong, in terms a caller can act on.
 ///
 /// Match on [`Error::kind`] to decide what to do; the driver's own error, when
@@ -183,5 +181,35 @@ impl StdError for Error {
         self.source
             .as_deref()
             .map(|source| source as &(dyn StdError + 'static))
+    }
+}
+
+/// Why a held lock can no longer be assumed to be held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// A renewal found the lock held by another acquisition.
+    TakenOver,
+    /// A renewal found no lock at all: the lease had expired in the store or an
+    /// operator broke it.
+    Expired,
+    /// Renewals kept failing (store unreachable or too slow) until the local validity
+    /// deadline passed.
+    RenewalFailed,
+    /// The watchdog is off and the lease's local validity deadline passed.
+    LeaseElapsed,
+    /// The cap on total hold time was reached.
+    MaxHoldReached,
+}
+
+impl fmt::Display for LossReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LossReason::TakenOver => "another owner holds the lock",
+            LossReason::Expired => "the lease expired in the store (or was broken)",
+            LossReason::RenewalFailed => "renewals failed until the local validity deadline passed",
+            LossReason::LeaseElapsed => "the lease ran out (watchdog off)",
+            LossReason::MaxHoldReached => "the cap on hold time was reached",
+        })
     }
 }

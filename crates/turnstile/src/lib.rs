@@ -58,11 +58,11 @@
 //! lock service can make a paused process notice in time that its lease ran out; the
 //! lost signal narrows the window and fencing tokens close it on the protected side.
 
-#[cfg(any(feature = "sqlite", feature = "redis"))]
 mod clock;
 mod engine;
 pub mod error;
 pub mod fence;
+mod future;
 #[cfg_attr(
     not(any(feature = "redis", feature = "mysql", feature = "axum")),
     allow(dead_code)
@@ -70,11 +70,14 @@ pub mod fence;
 mod hex;
 pub mod idempotency;
 pub mod lock;
+mod name;
+mod notify;
 pub mod optimistic;
 pub mod outbox;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod sql;
 pub mod store;
+mod url;
 
 pub use error::{Error, ErrorKind, Result};
 

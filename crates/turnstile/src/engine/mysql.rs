@@ -29,7 +29,7 @@ pub(crate) fn connect_options(url: &str) -> Result<MySqlConnectOptions> {
             ErrorKind::InvalidUrl,
             format!(
                 "{} is not a valid MySQL URL (mysql://user[:password]@host[:port]/database)",
-                crate::store::redact(url)
+                crate::url::redact(url)
             ),
         )
         .with_source(error)

@@ -10,7 +10,7 @@ use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 use tokio::sync::OnceCell;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::ReleaseSignals;
+use crate::notify::ReleaseSignals;
 
 /// The database clock in microseconds since the Unix epoch: the floor of new tokens.
 pub(crate) const CLOCK_US: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000000)::int8";
@@ -23,7 +23,7 @@ pub(crate) fn connect_options(url: &str) -> Result<PgConnectOptions> {
             ErrorKind::InvalidUrl,
             format!(
                 "{} is not a valid PostgreSQL URL (postgres://user[:password]@host[:port]/database)",
-                crate::store::redact(url)
+                crate::url::redact(url)
             ),
         )
         .with_source(error)

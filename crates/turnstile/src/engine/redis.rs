@@ -10,7 +10,7 @@ use redis::Client;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::{ReleaseSignals, ReleaseWatch};
+use crate::notify::{ReleaseSignals, ReleaseWatch};
 
 /// Maps a driver error: connection trouble is [`ErrorKind::StoreUnavailable`]; a
 /// refused password or a missing ACL permission is [`ErrorKind::Configuration`].
@@ -40,7 +40,7 @@ pub(crate) fn open_client(url: &str, tls_root_certificate: Option<&[u8]>) -> Res
             ErrorKind::InvalidUrl,
             format!(
                 "{} is not a valid Redis URL (expected redis://[user:password@]host[:port][/db])",
-                crate::store::redact(url)
+                crate::url::redact(url)
             ),
         )
         .with_source(error)
@@ -66,7 +66,7 @@ pub(crate) fn open_client(url: &str, tls_root_certificate: Option<&[u8]>) -> Res
                 ErrorKind::UnsupportedStore,
                 format!(
                     "{} needs TLS: build turnstile with the `redis-tls` feature",
-                    crate::store::redact(url)
+                    crate::url::redact(url)
                 ),
             ));
         }
@@ -91,7 +91,7 @@ pub(crate) async fn connect_manager(
             ErrorKind::StoreUnavailable,
             format!(
                 "cannot reach Redis at {} within {connect_timeout:?}; is it running?",
-                crate::store::redact(url)
+                crate::url::redact(url)
             ),
         )
     };
@@ -108,7 +108,7 @@ pub(crate) async fn connect_manager(
             format!(
                 "Redis at {} presented a TLS certificate this client does not trust; give the \
                  CA with SSL_CERT_FILE or RedisLockConfig::tls_root_certificate",
-                crate::store::redact(url)
+                crate::url::redact(url)
             ),
         )
         .with_source(error)),
@@ -119,7 +119,7 @@ pub(crate) async fn connect_manager(
         }
         Ok(Err(error)) => Err(map_error(
             error,
-            &format!("cannot connect to Redis at {}", crate::store::redact(url)),
+            &format!("cannot connect to Redis at {}", crate::url::redact(url)),
         )),
         Err(_) => Err(unavailable()),
     }
@@ -666,5 +666,111 @@ impl ClusterNotifier {
         }
         let _ =
             tokio::time::timeout(self.response_timeout, connection.sunsubscribe(&channel)).await;
+    }
+}
+
+/// Settings of a [`RedisLockStore`](crate::lock::redis::RedisLockStore), and of every
+/// other store on Redis (the idempotency store and the fence share its key prefix and
+/// timeouts).
+#[derive(Debug, Clone)]
+pub struct RedisLockConfig {
+    pub(crate) prefix: String,
+    pub(crate) fence_retention: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) response_timeout: Duration,
+    pub(crate) tls_root_certificate: Option<Vec<u8>>,
+}
+
+impl Default for RedisLockConfig {
+    fn default() -> Self {
+        RedisLockConfig {
+            prefix: "turnstile".to_owned(),
+            fence_retention: Duration::from_secs(7 * 24 * 3600),
+            connect_timeout: Duration::from_secs(3),
+            response_timeout: Duration::from_secs(3),
+            tls_root_certificate: None,
+        }
+    }
+}
+
+impl RedisLockConfig {
+    /// Defaults: prefix `turnstile`, fence retention 7 days, 3 s connect and response
+    /// timeouts.
+    pub fn new() -> Self {
+        RedisLockConfig::default()
+    }
+
+    /// The first part of every key; lets several applications share one Redis.
+    /// Must be non-empty, printable, and free of `{` and `}` (they would break the
+    /// hash tag).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The key prefix.
+    pub fn get_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// How long the last issued fencing token is kept after the last acquisition of a
+    /// name. After that, new tokens rely on the server clock alone (see the module docs).
+    pub fn fence_retention(mut self, retention: Duration) -> Self {
+        self.fence_retention = retention;
+        self
+    }
+
+    /// How long to wait for a connection.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long to wait for each reply.
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// For `rediss://`: trust this CA certificate (PEM) instead of the system's trust
+    /// store. Without it the system store is used, and the `SSL_CERT_FILE` environment
+    /// variable can name a PEM bundle to trust instead.
+    pub fn tls_root_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_root_certificate = Some(pem.into());
+        self
+    }
+
+    /// Applies a URL's `turnstile_*` options: `turnstile_prefix=P`.
+    pub(crate) fn apply_url_options(mut self, options: &[(String, String)]) -> Result<Self> {
+        for (key, value) in options {
+            self = match key.as_str() {
+                "prefix" => self.prefix(value.clone()),
+                _ => return Err(crate::url::unknown_option(key, value, "turnstile_prefix")),
+            };
+        }
+        Ok(self)
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        let prefix = &self.prefix;
+        if prefix.is_empty()
+            || prefix.len() > 128
+            || prefix.contains(['{', '}'])
+            || prefix.chars().any(char::is_control)
+        {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "the Redis key prefix {prefix:?} must be 1 to 128 printable characters without '{{' or '}}'"
+                ),
+            ));
+        }
+        if self.fence_retention < Duration::from_secs(1) {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                "the fence retention must be at least one second",
+            ));
+        }
+        Ok(())
     }
 }

@@ -33,7 +33,7 @@ pub(crate) fn parse_url(url: &str) -> Result<SqliteUrl> {
                 format!("{url:?} is not a sqlite:// URL"),
             )
         })?;
-    let (path, options) = crate::store::split_url_options(rest);
+    let (path, options) = crate::url::split_url_options(rest);
     let mut create = true;
     let mut synchronous = None;
     for (key, value) in &options {
@@ -43,7 +43,7 @@ pub(crate) fn parse_url(url: &str) -> Result<SqliteUrl> {
             ("synchronous", "full") => synchronous = Some(SqliteSynchronous::Full),
             ("synchronous", "normal") => synchronous = Some(SqliteSynchronous::Normal),
             _ => {
-                return Err(crate::store::unknown_option(
+                return Err(crate::url::unknown_option(
                     key,
                     value,
                     "turnstile_migrate=on|off, turnstile_synchronous=full|normal",
@@ -148,7 +148,7 @@ fn is_transient_open_error(error: &sqlx::Error) -> bool {
 
 /// A duration in whole milliseconds (rounded up), for the SQLite engines' arithmetic.
 pub(crate) fn millis_i64(duration: Duration) -> i64 {
-    i64::try_from(crate::lock::ceil_millis(duration)).unwrap_or(i64::MAX)
+    i64::try_from(crate::clock::ceil_millis(duration)).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]

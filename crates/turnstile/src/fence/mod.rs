@@ -112,10 +112,10 @@ impl FenceOutcome {
     allow(dead_code)
 )]
 pub(crate) fn validate_resource(resource: &str) -> Result<()> {
-    crate::lock::LockName::new(resource).map(|_| ()).map_err(|error| {
+    crate::name::LockName::new(resource).map(|_| ()).map_err(|error| {
         Error::new(
             ErrorKind::InvalidName,
-            format!("invalid fenced resource name {resource:?}: 1 to {} bytes of text without control characters", crate::lock::MAX_NAME_LEN),
+            format!("invalid fenced resource name {resource:?}: 1 to {} bytes of text without control characters", crate::name::MAX_NAME_LEN),
         )
         .with_source(error)
     })

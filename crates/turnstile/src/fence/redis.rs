@@ -20,9 +20,9 @@ use redis::Script;
 use redis::aio::ConnectionManager;
 
 use super::{FenceOutcome, FencingToken, validate_resource};
+use crate::engine::redis::RedisLockConfig;
 use crate::engine::redis::{connect_manager, map_error, open_client};
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::redis::RedisLockConfig;
 
 // Tokens are compared as decimal strings (length first), so every u64 compares
 // exactly; Lua numbers are doubles and would not.
@@ -59,7 +59,7 @@ impl RedisFencedStore {
     /// Connects with the key prefix in the URL's `turnstile_prefix` option (the same
     /// option the lock store takes), `turnstile` by default.
     pub async fn connect(url: &str) -> Result<Self> {
-        let (driver_url, options) = crate::store::split_url_options(url);
+        let (driver_url, options) = crate::url::split_url_options(url);
         let config = RedisLockConfig::default().apply_url_options(&options)?;
         let client = open_client(&driver_url, None)?;
         let connection = connect_manager(

@@ -30,7 +30,7 @@ use sqlx::{Executor, Sqlite};
 use super::{FenceOutcome, FencingToken, validate_resource};
 use crate::error::Result;
 use crate::error::{Error, ErrorKind};
-use crate::lock::sqlite::map_error;
+use crate::sql::map_error;
 
 const CREATE_FENCES: &str = "CREATE TABLE IF NOT EXISTS turnstile_fences (
     resource TEXT PRIMARY KEY NOT NULL,

@@ -539,14 +539,6 @@ impl Idempotency {
         }
     }
 
-    /// Opens the store a URL names (the same URLs as the locks: `sqlite://PATH`,
-    /// `postgres://…`).
-    pub async fn connect(url: &str) -> Result<Self> {
-        crate::store::connect_idempotency(url)
-            .await
-            .map(Idempotency::from_arc)
-    }
-
     /// The same store with other options.
     pub fn with_options(mut self, options: IdempotencyOptions) -> Result<Self> {
         options.validate()?;

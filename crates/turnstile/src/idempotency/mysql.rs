@@ -39,7 +39,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
 use crate::lock::{BoxFuture, ExtendOutcome, ReleaseSignals, ReleaseWatch};
 use crate::sql::{Statement, map_error, statement, validate_identifier};
-use crate::store::{split_url_options, unknown_option};
+use crate::url::{split_url_options, unknown_option};
 
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
@@ -292,7 +292,7 @@ impl MysqlIdempotencyStore {
             }
         }
         validate_identifier("table prefix", &prefix)?;
-        let redacted = crate::store::redact(&driver_url);
+        let redacted = crate::url::redact(&driver_url);
         let options = connect_options(&driver_url)?;
         let timeout = Duration::from_secs(3);
         // Its statements never wait long for a row an application's transaction holds

@@ -342,8 +342,9 @@ fn unexpected(what: &str) -> Error {
 impl RedisIdempotencyStore {
     /// Connects with the URL's `turnstile_prefix` option (default `turnstile`).
     pub async fn connect(url: &str) -> Result<Self> {
-        let (driver_url, options) = crate::store::split_url_options(url);
-        let config = crate::lock::redis::RedisLockConfig::default().apply_url_options(&options)?;
+        let (driver_url, options) = crate::url::split_url_options(url);
+        let config =
+            crate::engine::redis::RedisLockConfig::default().apply_url_options(&options)?;
         let prefix = config.get_prefix().to_owned();
         if prefix.is_empty() || prefix.contains(['{', '}']) || prefix.chars().any(char::is_control)
         {
@@ -368,7 +369,7 @@ impl RedisIdempotencyStore {
                 get: Script::new(GET),
             }),
             notifier: Notifier::new(client, timeout, timeout),
-            url: crate::store::redact(&driver_url),
+            url: crate::url::redact(&driver_url),
             clock_offset_us,
             longest_lease_ms: Arc::new(AtomicU64::new(0)),
         })

@@ -1,19 +1,13 @@
 //! The storage-engine trait: only the atomic primitives.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::time::Duration;
-
-use tokio::sync::watch;
 
 use super::{LockName, LossReason, OwnerId};
 use crate::error::Result;
 use crate::fence::FencingToken;
-
-/// A boxed, sendable future: what [`LockBackend`] methods return, so the trait stays
-/// object-safe and a store can be chosen at run time from a URL.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+use crate::future::BoxFuture;
+use crate::notify::ReleaseWatch;
 
 /// A storage engine for locks.
 ///
@@ -295,160 +289,4 @@ pub struct LockInfo {
     pub fencing_token: Option<FencingToken>,
     /// How long the lease has left, by the store's clock.
     pub remaining_ttl: Option<Duration>,
-}
-
-/// A subscription to release notifications for one lock name.
-///
-/// Dropping it unsubscribes. An engine without cross-process notifications sets a poll
-/// backoff: waiters then re-check at growing intervals between `min` and `max`.
-pub struct ReleaseWatch {
-    receiver: Option<watch::Receiver<u64>>,
-    poll: Option<(Duration, Duration)>,
-    next_poll: Duration,
-    _subscription: Option<Box<dyn Send + Sync>>,
-}
-
-impl fmt::Debug for ReleaseWatch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ReleaseWatch")
-            .field("notified", &self.receiver.is_some())
-            .field("poll", &self.poll)
-            .finish()
-    }
-}
-
-impl ReleaseWatch {
-    /// A watch fed by `receiver` (each change is a release); `subscription` is dropped
-    /// with the watch and should unsubscribe.
-    pub fn new(receiver: watch::Receiver<u64>, subscription: impl Send + Sync + 'static) -> Self {
-        ReleaseWatch {
-            receiver: Some(receiver),
-            poll: None,
-            next_poll: Duration::ZERO,
-            _subscription: Some(Box::new(subscription)),
-        }
-    }
-
-    /// A watch with no notifications at all: waiters only poll.
-    pub fn polling(min: Duration, max: Duration) -> Self {
-        ReleaseWatch {
-            receiver: None,
-            poll: Some((min, max)),
-            next_poll: min,
-            _subscription: None,
-        }
-    }
-
-    /// Adds polling between `min` and `max` (doubling) for releases the notifications
-    /// cannot see, such as those by other processes.
-    pub fn with_poll(mut self, min: Duration, max: Duration) -> Self {
-        self.poll = Some((min, max));
-        self.next_poll = min;
-        self
-    }
-
-    /// The longest interval between re-checks, for a watch that polls.
-    pub(crate) fn poll_max(&self) -> Option<Duration> {
-        self.poll.map(|(_, max)| max)
-    }
-
-    /// Whether the notification source is gone (the connection carrying it dropped);
-    /// the waiter should subscribe again.
-    pub fn is_closed(&self) -> bool {
-        self.receiver
-            .as_ref()
-            .is_some_and(|receiver| receiver.has_changed().is_err())
-    }
-
-    /// Waits until a release is announced or `limit` passes, whichever is first, and
-    /// (with `poll`) no longer than the poll interval. Returns `true` if a release was
-    /// announced.
-    pub(crate) async fn wait(&mut self, limit: Duration, poll: bool) -> bool {
-        let limit = match self.poll {
-            Some((_, max)) if poll => {
-                let interval = self.next_poll.min(limit);
-                self.next_poll = (self.next_poll * 2).min(max);
-                interval
-            }
-            _ => limit,
-        };
-        let notified = async {
-            match self.receiver.as_mut() {
-                // A closed source (the connection carrying notifications dropped, say on
-                // a server restart) wakes the waiter too: it re-checks at once and
-                // subscribes again, instead of sleeping out the holder's whole TTL.
-                Some(receiver) => {
-                    let _ = receiver.changed().await;
-                }
-                None => std::future::pending::<()>().await,
-            }
-        };
-        let announced = tokio::select! {
-            () = notified => true,
-            () = tokio::time::sleep(limit) => false,
-        };
-        if announced && let Some((min, _)) = self.poll {
-            self.next_poll = min;
-        }
-        announced
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use tokio::time::Instant;
-
-    fn millis(values: &[u64]) -> Vec<Duration> {
-        values.iter().map(|&ms| Duration::from_millis(ms)).collect()
-    }
-
-    /// The waiters' backoff the engines without cross-process notifications state
-    /// (SQLite from 2 ms doubling to 50 ms; MySQL, PostgreSQL session mode and
-    /// `turnstile_notify=off` from 5 ms to 100 ms): a waiter re-checks after the
-    /// minimum, then twice as long each time up to the maximum, never later than the
-    /// caller's limit, and starts again from the minimum once a release was announced.
-    /// While a task of the same process holds the lock (`poll` false) it does not poll
-    /// at all: it waits for the announcement or the limit.
-    #[tokio::test(start_paused = true)]
-    async fn polling_backs_off_from_its_minimum_doubling_to_its_maximum() {
-        let limit = Duration::from_secs(10);
-        for (min, max, intervals) in [
-            (2, 50, millis(&[2, 4, 8, 16, 32, 50, 50])),
-            (5, 100, millis(&[5, 10, 20, 40, 80, 100, 100])),
-        ] {
-            let (announce, receiver) = watch::channel(0u64);
-            let mut watch = ReleaseWatch::new(receiver, ())
-                .with_poll(Duration::from_millis(min), Duration::from_millis(max));
-            let mut waited = Vec::new();
-            for _ in 0..intervals.len() {
-                let started = Instant::now();
-                assert!(!watch.wait(limit, true).await);
-                waited.push(started.elapsed());
-            }
-            assert_eq!(waited, intervals, "from {min} ms to {max} ms");
-
-            // A release announced: the waiter wakes at once, and backs off from the
-            // minimum again.
-            announce.send(1).unwrap();
-            let started = Instant::now();
-            assert!(watch.wait(limit, true).await);
-            assert_eq!(started.elapsed(), Duration::ZERO);
-            let started = Instant::now();
-            assert!(!watch.wait(limit, true).await);
-            assert_eq!(started.elapsed(), Duration::from_millis(min));
-
-            // The caller's limit, when shorter, comes first.
-            // (Whole milliseconds: tokio's timers have no finer resolution.)
-            let short = Duration::from_millis(min - 1);
-            let started = Instant::now();
-            assert!(!watch.wait(short, true).await);
-            assert_eq!(started.elapsed(), short);
-
-            // No polling: only the limit ends the wait.
-            let started = Instant::now();
-            assert!(!watch.wait(limit, false).await);
-            assert_eq!(started.elapsed(), limit);
-        }
-    }
 }

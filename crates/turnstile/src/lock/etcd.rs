@@ -314,12 +314,12 @@ impl EtcdLockStore {
     /// Connects to the endpoints of `etcd://host:port[,host:port…]` (`turnstile_prefix`
     /// in the query sets the key prefix, `turnstile` by default).
     pub async fn connect(url: &str) -> Result<Self> {
-        let (base, options) = crate::store::split_url_options(url);
+        let (base, options) = crate::url::split_url_options(url);
         let mut prefix = "turnstile".to_owned();
         for (key, value) in &options {
             match key.as_str() {
                 "prefix" => prefix = value.clone(),
-                _ => return Err(crate::store::unknown_option(key, value, "turnstile_prefix")),
+                _ => return Err(crate::url::unknown_option(key, value, "turnstile_prefix")),
             }
         }
         let hosts = base

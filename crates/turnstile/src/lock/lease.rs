@@ -14,6 +14,7 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
+pub(crate) use super::telemetry::LeaseKind;
 use super::{BoxFuture, ExtendOutcome, LossReason, telemetry};
 use crate::error::{Error, ErrorKind, Result};
 
@@ -21,13 +22,6 @@ use crate::error::{Error, ErrorKind, Result};
 pub(crate) trait Renew: Send + Sync + 'static {
     /// Resets the lease to `ttl` from now if it is still ours.
     fn renew(&self, ttl: Duration) -> BoxFuture<'_, Result<ExtendOutcome>>;
-}
-
-/// What kind of lease this is, for what it reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum LeaseKind {
-    Lock,
-    Claim,
 }
 
 /// The state of one lease, shared by its holder and its keeper task.

@@ -218,12 +218,6 @@ impl Locker {
         }
     }
 
-    /// Opens the store a URL names (`sqlite://PATH`, `redis://…`, `rediss://…`); see
-    /// [`crate::store::connect`].
-    pub async fn connect(url: &str) -> Result<Self> {
-        crate::store::connect(url).await.map(Locker::from_arc)
-    }
-
     /// The store.
     pub fn backend(&self) -> &Arc<dyn LockBackend> {
         &self.inner.backend

@@ -17,7 +17,6 @@ mod locker;
 mod queue;
 #[cfg(any(feature = "mysql", feature = "postgres"))]
 mod session;
-mod signals;
 #[cfg(test)]
 mod simulation;
 pub mod telemetry;
@@ -39,89 +38,22 @@ pub mod sqlite;
 #[cfg(feature = "zookeeper")]
 pub mod zookeeper;
 
+pub(crate) use crate::clock::ceil_millis;
+pub use crate::error::LossReason;
+pub use crate::future::BoxFuture;
+pub use crate::name::{LockName, MAX_NAME_LEN};
+pub use crate::notify::{ReleaseSignals, ReleaseWatch};
 pub use backend::{
-    BoxFuture, ExtendOutcome, LockBackend, LockInfo, ReleaseOutcome, ReleaseWatch, TryAcquire,
-    TryAcquireUnfenced,
+    ExtendOutcome, LockBackend, LockInfo, ReleaseOutcome, TryAcquire, TryAcquireUnfenced,
 };
 pub use guard::{DetachedLock, LockGuard, UnfencedGuard};
 pub use lease::LostSignal;
 pub(crate) use locker::describe_wait;
 pub use locker::{Locker, MIN_ATTEMPT_TIME};
-pub use signals::ReleaseSignals;
 
 /// The longest wait bound or hold cap accepted: 100 years. Longer ones are refused
 /// rather than overflow a clock; use [`LockOptions::wait_forever`] for no bound.
 pub const MAX_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
-/// The longest lock name accepted, in bytes.
-pub const MAX_NAME_LEN: usize = 512;
-
-/// A validated lock name: 1 to [`MAX_NAME_LEN`] bytes of UTF-8 without control characters.
-///
-/// Names are what operators see in `turnstile lock status`, so anything printable is
-/// allowed (`order:123`, `reports/daily`, `日次集計`).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct LockName(String);
-
-impl LockName {
-    /// Validates `name`.
-    ///
-    /// ```
-    /// use turnstile::lock::LockName;
-    /// assert!(LockName::new("order:123").is_ok());
-    /// assert!(LockName::new("").is_err());
-    /// ```
-    pub fn new(name: impl Into<String>) -> Result<Self> {
-        let name = name.into();
-        if name.is_empty() {
-            return Err(Error::new(
-                ErrorKind::InvalidName,
-                "a lock name must not be empty",
-            ));
-        }
-        if name.len() > MAX_NAME_LEN {
-            return Err(Error::new(
-                ErrorKind::InvalidName,
-                format!(
-                    "a lock name is at most {MAX_NAME_LEN} bytes; this one has {} (hash long identifiers first)",
-                    name.len()
-                ),
-            ));
-        }
-        if let Some(bad) = name.chars().find(|c| c.is_control()) {
-            return Err(Error::new(
-                ErrorKind::InvalidName,
-                format!("a lock name must not contain control characters; found {bad:?}"),
-            ));
-        }
-        Ok(LockName(name))
-    }
-
-    /// The name as text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Display for LockName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl TryFrom<&str> for LockName {
-    type Error = Error;
-    fn try_from(name: &str) -> Result<Self> {
-        LockName::new(name)
-    }
-}
-
-impl TryFrom<String> for LockName {
-    type Error = Error;
-    fn try_from(name: String) -> Result<Self> {
-        LockName::new(name)
-    }
-}
 
 /// Anything that names a lock: `&str`, `String`, or an already validated [`LockName`].
 /// Text is validated when the lock is used, with an [`ErrorKind::InvalidName`] error.
@@ -390,53 +322,6 @@ impl LockOptions {
         }
         Ok(())
     }
-}
-
-/// Why a held lock can no longer be assumed to be held.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum LossReason {
-    /// A renewal found the lock held by another acquisition.
-    TakenOver,
-    /// A renewal found no lock at all: the lease had expired in the store or an
-    /// operator broke it.
-    Expired,
-    /// Renewals kept failing (store unreachable or too slow) until the local validity
-    /// deadline passed.
-    RenewalFailed,
-    /// The watchdog is off and the lease's local validity deadline passed.
-    LeaseElapsed,
-    /// The cap on total hold time was reached.
-    MaxHoldReached,
-}
-
-impl fmt::Display for LossReason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            LossReason::TakenOver => "another owner holds the lock",
-            LossReason::Expired => "the lease expired in the store (or was broken)",
-            LossReason::RenewalFailed => "renewals failed until the local validity deadline passed",
-            LossReason::LeaseElapsed => "the lease ran out (watchdog off)",
-            LossReason::MaxHoldReached => "the cap on hold time was reached",
-        })
-    }
-}
-
-/// Duration as whole milliseconds for a store, rounded up so a lease is never shorter
-/// than asked.
-// Unused in a build with only the MySQL engine, whose leases are whole seconds.
-#[cfg_attr(
-    not(any(feature = "redis", feature = "sqlite", feature = "postgres")),
-    allow(dead_code)
-)]
-pub(crate) fn ceil_millis(duration: Duration) -> u64 {
-    let millis = duration.as_millis();
-    let rounded = if duration.as_nanos().is_multiple_of(1_000_000) {
-        millis
-    } else {
-        millis + 1
-    };
-    u64::try_from(rounded).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

@@ -101,7 +101,7 @@ use crate::sql::{
     KeptConnections, SessionFacts, Statement, map_error, sent_again_if_gone, statement,
     validate_identifier,
 };
-use crate::store::split_url_options;
+use crate::url::split_url_options;
 
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
@@ -283,7 +283,7 @@ impl MysqlLockStore {
     /// reachable.
     pub async fn connect_with(url: &str, config: MysqlLockConfig) -> Result<Self> {
         validate_identifier("table prefix", &config.prefix)?;
-        let redacted = crate::store::redact(url);
+        let redacted = crate::url::redact(url);
         let options = connect_options(url)?;
         let pool = open_pool(
             &options,

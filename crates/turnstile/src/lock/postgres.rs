@@ -78,7 +78,7 @@ use crate::fence::FencingToken;
 use crate::sql::{
     KeptConnections, Statement, map_error, sent_again_if_gone, statement, validate_identifier,
 };
-use crate::store::split_url_options;
+use crate::url::split_url_options;
 use sqlx::AssertSqlSafe;
 
 pub(crate) use crate::engine::postgres::CLOCK_US;
@@ -431,7 +431,7 @@ impl PostgresLockStore {
     /// reachable.
     pub async fn connect_with(url: &str, config: PostgresLockConfig) -> Result<Self> {
         config.validate()?;
-        let redacted = crate::store::redact(url);
+        let redacted = crate::url::redact(url);
         let options = crate::engine::postgres::connect_options(url)?;
         let app_pool = crate::engine::postgres::lazy_pool(
             options.clone(),

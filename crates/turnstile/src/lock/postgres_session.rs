@@ -147,7 +147,7 @@ impl PostgresSessionLockStore {
     /// Connects with the URL's `turnstile_*` options: those of lease mode, plus
     /// `turnstile_max_held=N` (default 64).
     pub async fn connect(url: &str) -> Result<Self> {
-        let (driver_url, mut options) = crate::store::split_url_options(url);
+        let (driver_url, mut options) = crate::url::split_url_options(url);
         let mut max_held = 64;
         options.retain(|(key, value)| match key.as_str() {
             "mode" => value != "session",

@@ -189,109 +189,7 @@ redis.call(ARGV[2], ARGV[1], 'broken')
 return {value, pttl}
 ";
 
-/// Settings of a [`RedisLockStore`].
-#[derive(Debug, Clone)]
-pub struct RedisLockConfig {
-    prefix: String,
-    fence_retention: Duration,
-    connect_timeout: Duration,
-    response_timeout: Duration,
-    tls_root_certificate: Option<Vec<u8>>,
-}
-
-impl Default for RedisLockConfig {
-    fn default() -> Self {
-        RedisLockConfig {
-            prefix: "turnstile".to_owned(),
-            fence_retention: Duration::from_secs(7 * 24 * 3600),
-            connect_timeout: Duration::from_secs(3),
-            response_timeout: Duration::from_secs(3),
-            tls_root_certificate: None,
-        }
-    }
-}
-
-impl RedisLockConfig {
-    /// Defaults: prefix `turnstile`, fence retention 7 days, 3 s connect and response
-    /// timeouts.
-    pub fn new() -> Self {
-        RedisLockConfig::default()
-    }
-
-    /// The first part of every key; lets several applications share one Redis.
-    /// Must be non-empty, printable, and free of `{` and `}` (they would break the
-    /// hash tag).
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
-
-    /// The key prefix.
-    pub fn get_prefix(&self) -> &str {
-        &self.prefix
-    }
-
-    /// How long the last issued fencing token is kept after the last acquisition of a
-    /// name. After that, new tokens rely on the server clock alone (see the module docs).
-    pub fn fence_retention(mut self, retention: Duration) -> Self {
-        self.fence_retention = retention;
-        self
-    }
-
-    /// How long to wait for a connection.
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self
-    }
-
-    /// How long to wait for each reply.
-    pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
-        self
-    }
-
-    /// For `rediss://`: trust this CA certificate (PEM) instead of the system's trust
-    /// store. Without it the system store is used, and the `SSL_CERT_FILE` environment
-    /// variable can name a PEM bundle to trust instead.
-    pub fn tls_root_certificate(mut self, pem: impl Into<Vec<u8>>) -> Self {
-        self.tls_root_certificate = Some(pem.into());
-        self
-    }
-
-    /// Applies a URL's `turnstile_*` options: `turnstile_prefix=P`.
-    pub(crate) fn apply_url_options(mut self, options: &[(String, String)]) -> Result<Self> {
-        for (key, value) in options {
-            self = match key.as_str() {
-                "prefix" => self.prefix(value.clone()),
-                _ => return Err(crate::store::unknown_option(key, value, "turnstile_prefix")),
-            };
-        }
-        Ok(self)
-    }
-
-    fn validate(&self) -> Result<()> {
-        let prefix = &self.prefix;
-        if prefix.is_empty()
-            || prefix.len() > 128
-            || prefix.contains(['{', '}'])
-            || prefix.chars().any(char::is_control)
-        {
-            return Err(Error::new(
-                ErrorKind::InvalidOptions,
-                format!(
-                    "the Redis key prefix {prefix:?} must be 1 to 128 printable characters without '{{' or '}}'"
-                ),
-            ));
-        }
-        if self.fence_retention < Duration::from_secs(1) {
-            return Err(Error::new(
-                ErrorKind::InvalidOptions,
-                "the fence retention must be at least one second",
-            ));
-        }
-        Ok(())
-    }
-}
+pub use crate::engine::redis::RedisLockConfig;
 
 /// Locks in Redis (single node; the key layout is Cluster-ready).
 #[derive(Clone)]
@@ -351,7 +249,7 @@ impl RedisLockStore {
     /// Connects with the settings in the URL's `turnstile_*` options
     /// (`redis://host/0?turnstile_prefix=app`), or the defaults.
     pub async fn connect(url: &str) -> Result<Self> {
-        let (driver_url, options) = crate::store::split_url_options(url);
+        let (driver_url, options) = crate::url::split_url_options(url);
         let config = RedisLockConfig::default().apply_url_options(&options)?;
         RedisLockStore::connect_with(&driver_url, config).await
     }
@@ -383,7 +281,7 @@ impl RedisLockStore {
             )),
             config,
             scripts: Arc::new(scripts()),
-            url: crate::store::redact(url),
+            url: crate::url::redact(url),
         };
         store.load_scripts().await?;
         Ok(store)
@@ -545,7 +443,7 @@ fn cluster_hosts(url: &str) -> Result<Option<Vec<String>>> {
             ErrorKind::InvalidUrl,
             format!(
                 "{} is not a Redis Cluster URL (redis+cluster://host:port[,host:port…])",
-                crate::store::redact(url)
+                crate::url::redact(url)
             ),
         ));
     }
@@ -563,7 +461,7 @@ fn sentinel_target(url: &str) -> Result<Option<(Vec<String>, String)>> {
             ErrorKind::InvalidUrl,
             format!(
                 "{} is not a Redis Sentinel URL (redis+sentinel://host:port[,host:port…]/MASTER)",
-                crate::store::redact(url)
+                crate::url::redact(url)
             ),
         )
     };

@@ -79,7 +79,7 @@ fn node_urls(url: &str) -> Result<Vec<String>> {
             format!(
                 "{} is not a RedLock URL; expected redlock://[user:password@]host:port,host:port,…[/db] \
                  with an odd number of nodes (3 or more)",
-                crate::store::redact(url)
+                crate::url::redact(url)
             ),
         )
     };
@@ -142,7 +142,7 @@ impl RedLockStore {
         }
         let store = RedLockStore {
             nodes: Arc::new(nodes),
-            url: crate::store::redact(url),
+            url: crate::url::redact(url),
         };
         store.reconnect_missing();
         Ok(store)

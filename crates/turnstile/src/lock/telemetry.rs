@@ -17,8 +17,15 @@
 
 use std::time::Duration;
 
-use super::lease::LeaseKind;
 use super::{ExtendOutcome, LockName, LossReason, ReleaseOutcome};
+
+/// What kind of lease a report is about: a lock's, or an idempotency claim's (which
+/// runs on the same lease keeper).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LeaseKind {
+    Lock,
+    Claim,
+}
 use crate::error::Error;
 
 pub(crate) fn acquired(name: &LockName, token: Option<u64>, waited: Duration, handed_over: bool) {

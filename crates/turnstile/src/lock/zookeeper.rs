@@ -288,9 +288,9 @@ impl ZooKeeperLockStore {
     /// Connects to the servers of `zk://host:port[,host:port…][/path]`; lock nodes live
     /// under `/path` (`/turnstile` by default), which is created as needed.
     pub async fn connect(url: &str) -> Result<Self> {
-        let (base_url, options) = crate::store::split_url_options(url);
+        let (base_url, options) = crate::url::split_url_options(url);
         if let Some((key, value)) = options.first() {
-            return Err(crate::store::unknown_option(key, value, "none"));
+            return Err(crate::url::unknown_option(key, value, "none"));
         }
         let invalid = || {
             Error::new(

@@ -26,7 +26,7 @@ use super::relay::Publisher;
 use super::telemetry;
 use super::{DEFAULT_MAX_DELIVERIES, DeadLetterNote, Failure, Incoming, Message, Processed};
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::BoxFuture;
+use crate::future::BoxFuture;
 
 /// How long a publish may wait in the producer's queue and for its acknowledgement
 /// (`message.timeout.ms`). librdkafka may still deliver a message up to this long after

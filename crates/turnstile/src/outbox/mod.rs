@@ -45,7 +45,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::BoxFuture;
+use crate::future::BoxFuture;
 
 #[cfg(feature = "kafka")]
 pub mod kafka;

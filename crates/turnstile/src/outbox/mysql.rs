@@ -30,9 +30,9 @@ use super::{
 };
 use crate::engine::mysql::{CLOCK_US, connect_options, open_pool};
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::BoxFuture;
+use crate::future::BoxFuture;
 use crate::sql::{Statement, map_error, statement, validate_identifier};
-use crate::store::{split_url_options, unknown_option};
+use crate::url::{split_url_options, unknown_option};
 
 struct Sql {
     create: [Statement; 5],
@@ -298,7 +298,7 @@ impl MysqlOutbox {
             }
         }
         validate_identifier("table prefix", &prefix)?;
-        let redacted = crate::store::redact(&driver_url);
+        let redacted = crate::url::redact(&driver_url);
         let options = connect_options(&driver_url)?;
         // READ COMMITTED: a settlement's DELETE then locks the rows it deletes and no
         // gaps, so it cannot deadlock with an application's enqueue inserting the next

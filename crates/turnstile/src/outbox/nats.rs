@@ -19,7 +19,7 @@ use super::relay::Publisher;
 use super::telemetry;
 use super::{DEFAULT_MAX_DELIVERIES, DeadLetterNote, Failure, Incoming, Message, Processed};
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::BoxFuture;
+use crate::future::BoxFuture;
 
 /// A JetStream publisher.
 #[derive(Clone)]
@@ -40,7 +40,7 @@ impl JetStreamPublisher {
     /// Connects to the NATS server at `url` (`nats://host:port`); fails if it does not
     /// answer within `timeout`.
     pub async fn connect(url: &str, timeout: Duration) -> Result<Self> {
-        let redacted = crate::store::redact(url);
+        let redacted = crate::url::redact(url);
         let options = async_nats::ConnectOptions::new()
             .connection_timeout(timeout)
             .request_timeout(Some(timeout));

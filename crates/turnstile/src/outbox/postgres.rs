@@ -38,9 +38,10 @@ use super::{
 };
 use crate::engine::postgres::{Listener, connect_options, open_bounded_pool};
 use crate::error::{Error, Result};
-use crate::lock::{BoxFuture, ReleaseSignals, ReleaseWatch};
+use crate::future::BoxFuture;
+use crate::notify::{ReleaseSignals, ReleaseWatch};
 use crate::sql::{Statement, map_error, statement, validate_identifier};
-use crate::store::{split_url_options, unknown_option};
+use crate::url::{split_url_options, unknown_option};
 
 struct Sql {
     create: Vec<String>,
@@ -452,7 +453,7 @@ impl PostgresOutbox {
         }
         validate_identifier("schema", &schema)?;
         validate_identifier("table prefix", &prefix)?;
-        let redacted = crate::store::redact(&driver_url);
+        let redacted = crate::url::redact(&driver_url);
         let options = connect_options(&driver_url)?;
         let timeout = Duration::from_secs(3);
         let pool =

@@ -26,7 +26,7 @@ use super::relay::Publisher;
 use super::telemetry;
 use super::{DEFAULT_MAX_DELIVERIES, DeadLetterNote, Failure, Incoming, Message, Processed};
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::BoxFuture;
+use crate::future::BoxFuture;
 
 /// How long a publish may wait for its confirm.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
@@ -112,7 +112,7 @@ impl RabbitMqPublisher {
     pub async fn connect(url: &str, exchange: &str) -> Result<Self> {
         let publisher = RabbitMqPublisher {
             url: url.to_owned(),
-            redacted: crate::store::redact(url),
+            redacted: crate::url::redact(url),
             exchange: exchange.to_owned(),
             connection: Mutex::new(Link::default()),
             idle: std::sync::Mutex::new(Vec::new()),
@@ -480,7 +480,7 @@ impl RabbitMqConsumer {
         consumer_tag: &str,
         prefetch: u16,
     ) -> Result<Self> {
-        let redacted = crate::store::redact(url);
+        let redacted = crate::url::redact(url);
         let (connection, channel) = open_channel(url, &redacted).await?;
         let failed = |error: lapin::Error| {
             Error::new(

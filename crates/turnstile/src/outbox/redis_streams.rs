@@ -18,7 +18,7 @@ use super::telemetry;
 use super::{DEFAULT_MAX_DELIVERIES, DeadLetterNote, Failure, Incoming, Message, Processed};
 use crate::engine::redis::{connect_manager, map_error, open_client};
 use crate::error::Result;
-use crate::lock::BoxFuture;
+use crate::future::BoxFuture;
 
 /// A Redis Streams publisher.
 #[derive(Clone)]
@@ -44,7 +44,7 @@ impl RedisStreamsPublisher {
         Ok(RedisStreamsPublisher {
             connection: connect_manager(client, url, timeout, timeout).await?,
             max_len: None,
-            url: crate::store::redact(url),
+            url: crate::url::redact(url),
         })
     }
 
@@ -254,7 +254,7 @@ impl RedisStreamsConsumer {
             .map_err(|error| {
                 map_error(
                     error,
-                    &format!("cannot connect to Redis at {}", crate::store::redact(url)),
+                    &format!("cannot connect to Redis at {}", crate::url::redact(url)),
                 )
             })?;
         let created = redis::cmd("XGROUP")

@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{Backoff, Failure, LeasedKey, Message, OutboxStore, Settled, Settlement, telemetry};
 use crate::error::{Error, ErrorKind, Result};
-use crate::lock::BoxFuture;
+use crate::future::BoxFuture;
 
 /// How often a running relay sets the pending and lag gauges.
 const STATUS_EVERY: Duration = Duration::from_secs(5);

@@ -31,7 +31,7 @@ use super::{
 use crate::clock::wall_clock;
 use crate::engine::sqlite::{millis_i64, open_pool, parse_url};
 use crate::error::{Error, Result};
-use crate::lock::BoxFuture;
+use crate::future::BoxFuture;
 use crate::sql::map_error;
 
 const CREATE: [&str; 7] = [

@@ -89,7 +89,7 @@ pub use transaction::{IdempotentTransaction, TransactionRejection};
 
 use super::{Begun, Fingerprint, Idempotency, IdempotencyKey, Scope};
 use crate::error::{Error, ErrorKind};
-use crate::lock::BoxFuture;
+use crate::future::BoxFuture;
 
 /// The largest response body the layer stores for replay (8 MiB): with its status and
 /// headers it fits every store's outcome limit

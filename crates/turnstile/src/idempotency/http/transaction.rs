@@ -22,8 +22,8 @@ use super::problem::{problem, types};
 use super::replay;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
+use crate::future::BoxFuture;
 use crate::idempotency::{RunningClaim, TransactionalIdempotency};
-use crate::lock::BoxFuture;
 
 /// Where a request's transaction lives while the handler runs: opened by the extractor
 /// on first use, taken back by the layer after the handler.

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use crate::bench::{CoreClock, RAW_RELEASE, Uncontended, WorkerReport, Workload, report_json};
+use super::workload::{CoreClock, RAW_RELEASE, Uncontended, WorkerReport, Workload, report_json};
 use crate::exit;
 
 /// One blocking connection and the workload's commands on it.

@@ -8,6 +8,22 @@
 //! cycle, from `/proc/stat`, so that a pinned server's and client's costs can be told
 //! apart).
 
+#[cfg(feature = "redis")]
+mod blocking;
+#[cfg(feature = "etcd")]
+mod etcd;
+pub(crate) mod http;
+#[cfg(all(feature = "postgres", feature = "nats"))]
+pub(crate) mod outbox;
+#[cfg(feature = "rslock")]
+mod rslock;
+mod service;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sql;
+mod workload;
+#[cfg(feature = "zookeeper")]
+mod zookeeper;
+
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::time::Duration;
@@ -18,6 +34,11 @@ use turnstile::lock::{LockGuard, LockOptions, Locker};
 use turnstile::{Error, ErrorKind};
 
 use crate::{exit, exit_code_for};
+#[cfg(feature = "redis")]
+use workload::RAW_RELEASE;
+use workload::{
+    CoreClock, Uncontended, WorkerReport, Workload, env_number, report_first_error, report_json,
+};
 
 /// Options of `turnstile bench lock`.
 #[derive(Args, Debug)]
@@ -49,55 +70,24 @@ pub(crate) struct BenchArgs {
     unfenced: bool,
 }
 
-pub(crate) struct Workload {
-    pub(crate) secs: u64,
-    pub(crate) workers: usize,
-    pub(crate) ttl_ms: u64,
-    pub(crate) acquire_timeout_ms: u64,
-}
-
-fn env_number(name: &str, default: u64) -> Result<u64, Error> {
-    match std::env::var(name) {
-        Err(_) => Ok(default),
-        Ok(text) => match text.trim().parse::<u64>() {
-            Ok(value) if value > 0 => Ok(value),
-            _ => Err(Error::new(
-                ErrorKind::InvalidOptions,
-                format!("{name}={text:?} must be a positive whole number"),
-            )),
-        },
-    }
-}
-
-impl Workload {
-    pub(crate) fn from_env() -> Result<Workload, Error> {
-        Ok(Workload {
-            secs: env_number("BENCH_SECS", 5)?,
-            workers: usize::try_from(env_number("WORKERS", 8)?).unwrap_or(8),
-            ttl_ms: env_number("LOCK_TTL_MS", 10_000)?,
-            acquire_timeout_ms: env_number("ACQUIRE_TIMEOUT_MS", 5_000)?,
-        })
-    }
-}
-
 /// One held lock, whichever peer took it.
 enum Held {
     Library(LockGuard),
     LibraryUnfenced(turnstile::lock::UnfencedGuard),
-    Service(crate::bench_service::ServiceHeld),
+    Service(service::ServiceHeld),
     #[cfg(feature = "redis")]
     Raw {
         key: String,
         token: String,
     },
     #[cfg(any(feature = "postgres", feature = "mysql"))]
-    RawSql(crate::bench_sql::RawSqlHeld),
+    RawSql(sql::RawSqlHeld),
     #[cfg(feature = "etcd")]
-    RawEtcd(crate::bench_etcd::RawEtcdHeld),
+    RawEtcd(etcd::RawEtcdHeld),
     #[cfg(feature = "zookeeper")]
-    RawZooKeeper(crate::bench_zookeeper::RawZooKeeperHeld),
+    RawZooKeeper(zookeeper::RawZooKeeperHeld),
     #[cfg(feature = "rslock")]
-    Rslock(crate::bench_rslock::RslockHeld),
+    Rslock(rslock::RslockHeld),
 }
 
 enum AcquireError {
@@ -109,8 +99,8 @@ enum AcquireError {
 enum Peer {
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     RawSql {
-        raw: crate::bench_sql::RawSql,
-        counter: crate::bench_sql::SqlCounter,
+        raw: sql::RawSql,
+        counter: sql::SqlCounter,
     },
     Library {
         locker: Locker,
@@ -123,19 +113,19 @@ enum Peer {
     },
     /// `turnstile serve`, over HTTP.
     Service {
-        client: crate::bench_service::ServiceClient,
+        client: service::ServiceClient,
         counter: Counter,
     },
     /// etcd's own lock RPC.
     #[cfg(feature = "etcd")]
     RawEtcd {
         client: Box<etcd_client::Client>,
-        counter: Box<crate::bench_etcd::EtcdCounter>,
+        counter: Box<etcd::EtcdCounter>,
     },
     /// The zookeeper-client crate's lock recipe.
     #[cfg(feature = "zookeeper")]
     RawZooKeeper {
-        counter: Box<crate::bench_zookeeper::ZooKeeperCounter>,
+        counter: Box<zookeeper::ZooKeeperCounter>,
     },
     #[cfg(feature = "redis")]
     Raw {
@@ -146,7 +136,7 @@ enum Peer {
     /// The rslock crate.
     #[cfg(feature = "rslock")]
     Rslock {
-        rslock: Box<crate::bench_rslock::Rslock>,
+        rslock: Box<rslock::Rslock>,
         counter_key: String,
     },
 }
@@ -154,7 +144,7 @@ enum Peer {
 /// The shared counter the contended phase increments with two separate round trips.
 enum Counter {
     #[cfg(any(feature = "postgres", feature = "mysql"))]
-    Sql(crate::bench_sql::SqlCounter),
+    Sql(sql::SqlCounter),
     #[cfg(feature = "redis")]
     Redis {
         connection: turnstile::lock::redis::RedisConnection,
@@ -166,18 +156,10 @@ enum Counter {
         name: String,
     },
     #[cfg(feature = "etcd")]
-    Etcd(Box<crate::bench_etcd::EtcdCounter>),
+    Etcd(Box<etcd::EtcdCounter>),
     #[cfg(feature = "zookeeper")]
-    ZooKeeper(Box<crate::bench_zookeeper::ZooKeeperCounter>),
+    ZooKeeper(Box<zookeeper::ZooKeeperCounter>),
 }
-
-#[cfg(feature = "redis")]
-pub(crate) const RAW_RELEASE: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-";
 
 /// Reads the Redis counter: one `GET` round trip, on whichever connection the peer uses.
 #[cfg(feature = "redis")]
@@ -333,25 +315,21 @@ impl Peer {
             }
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { client, .. } => {
-                match crate::bench_etcd::raw_acquire(client, name, ttl, wait).await {
+                match etcd::raw_acquire(client, name, ttl, wait).await {
                     Ok(Some(held)) => Ok(Held::RawEtcd(held)),
                     Ok(None) => Err(AcquireError::Timeout),
                     Err(error) => Err(AcquireError::Failed(error)),
                 }
             }
             #[cfg(feature = "zookeeper")]
-            Peer::RawZooKeeper { counter } => match crate::bench_zookeeper::raw_acquire(
-                &counter.client,
-                &counter.directory,
-                name,
-                wait,
-            )
-            .await
-            {
-                Ok(Some(held)) => Ok(Held::RawZooKeeper(held)),
-                Ok(None) => Err(AcquireError::Timeout),
-                Err(error) => Err(AcquireError::Failed(error)),
-            },
+            Peer::RawZooKeeper { counter } => {
+                match zookeeper::raw_acquire(&counter.client, &counter.directory, name, wait).await
+                {
+                    Ok(Some(held)) => Ok(Held::RawZooKeeper(held)),
+                    Ok(None) => Err(AcquireError::Timeout),
+                    Err(error) => Err(AcquireError::Failed(error)),
+                }
+            }
             #[cfg(feature = "rslock")]
             Peer::Rslock { rslock, .. } => match rslock.acquire(name, ttl, wait).await {
                 Ok(Some(held)) => Ok(Held::Rslock(held)),
@@ -398,11 +376,11 @@ impl Peer {
             (Peer::Service { client, .. }, Held::Service(held)) => client.release(held).await,
             #[cfg(feature = "etcd")]
             (Peer::RawEtcd { client, .. }, Held::RawEtcd(held)) => {
-                crate::bench_etcd::raw_release(client, held).await
+                etcd::raw_release(client, held).await
             }
             #[cfg(feature = "zookeeper")]
             (Peer::RawZooKeeper { .. }, Held::RawZooKeeper(held)) => {
-                crate::bench_zookeeper::raw_release(held).await
+                zookeeper::raw_release(held).await
             }
             #[cfg(feature = "rslock")]
             (Peer::Rslock { rslock, .. }, Held::Rslock(held)) => {
@@ -483,7 +461,7 @@ impl Peer {
 /// The service at `service` as the peer, with the counter the library peer would use
 /// on `store`.
 async fn open_service_peer(service: &str, store: &str, run: &str) -> Result<Peer, Error> {
-    let client = crate::bench_service::ServiceClient::new(service)?;
+    let client = service::ServiceClient::new(service)?;
     match open_peer(store, false, run).await? {
         Peer::Library { counter, .. } => Ok(Peer::Service { client, counter }),
         _ => Err(Error::new(
@@ -497,7 +475,7 @@ async fn open_service_peer(service: &str, store: &str, run: &str) -> Result<Peer
 async fn open_rslock_peer(url: &str, run: &str) -> Result<Peer, Error> {
     #[cfg(feature = "rslock")]
     {
-        let rslock = crate::bench_rslock::Rslock::open(url)
+        let rslock = rslock::Rslock::open(url)
             .await
             .map_err(|error| Error::new(ErrorKind::StoreUnavailable, error))?;
         Ok(Peer::Rslock {
@@ -563,10 +541,10 @@ async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
         }
         #[cfg(feature = "etcd")]
         ("etcd", raw) => {
-            let client = crate::bench_etcd::connect(url)
+            let client = etcd::connect(url)
                 .await
                 .map_err(|e| Error::new(ErrorKind::StoreUnavailable, e))?;
-            let counter = crate::bench_etcd::EtcdCounter {
+            let counter = etcd::EtcdCounter {
                 client: client.clone(),
                 key: format!("{run}:counter"),
             };
@@ -584,10 +562,10 @@ async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
         }
         #[cfg(feature = "zookeeper")]
         ("zk" | "zookeeper", raw) => {
-            let (client, directory) = crate::bench_zookeeper::connect(url)
+            let (client, directory) = zookeeper::connect(url)
                 .await
                 .map_err(|e| Error::new(ErrorKind::StoreUnavailable, e))?;
-            let counter = Box::new(crate::bench_zookeeper::ZooKeeperCounter {
+            let counter = Box::new(zookeeper::ZooKeeperCounter {
                 path: format!("{directory}/{run}-counter"),
                 client,
                 directory,
@@ -640,14 +618,14 @@ async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
         }
         #[cfg(any(feature = "postgres", feature = "mysql"))]
         ("postgres" | "postgresql" | "mysql" | "mariadb", true) => {
-            let raw = crate::bench_sql::RawSql::open(url).await?;
-            let counter = crate::bench_sql::SqlCounter::open(url, run).await?;
+            let raw = sql::RawSql::open(url).await?;
+            let counter = sql::SqlCounter::open(url, run).await?;
             Ok(Peer::RawSql { raw, counter })
         }
         #[cfg(any(feature = "postgres", feature = "mysql"))]
         ("postgres" | "postgresql" | "mysql" | "mariadb", false) => {
             let locker = Locker::connect(url).await?;
-            let counter = Counter::Sql(crate::bench_sql::SqlCounter::open(url, run).await?);
+            let counter = Counter::Sql(sql::SqlCounter::open(url, run).await?);
             Ok(Peer::Library { locker, counter })
         }
         (_, true) => Err(Error::new(
@@ -663,167 +641,6 @@ async fn open_peer(url: &str, raw: bool, run: &str) -> Result<Peer, Error> {
             ))
         }
     }
-}
-
-/// Prints the first failure of a run to stderr; later ones only count.
-fn report_first_error(error: &str) {
-    static REPORTED: std::sync::Once = std::sync::Once::new();
-    REPORTED.call_once(|| eprintln!("turnstile: bench: first error: {error}"));
-}
-
-/// Nearest-rank percentile of sorted samples.
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
-    sorted[rank.min(sorted.len()) - 1]
-}
-
-fn round(value: f64, places: i32) -> f64 {
-    let scale = 10f64.powi(places);
-    (value * scale).round() / scale
-}
-
-pub(crate) struct WorkerReport {
-    pub(crate) sections: u64,
-    pub(crate) waits_ms: Vec<f64>,
-    pub(crate) timeouts: u64,
-    pub(crate) errors: u64,
-}
-
-/// What phase A (one worker, a new lock each cycle) measured.
-pub(crate) struct Uncontended {
-    /// Acquire latencies in µs, sorted.
-    pub(crate) acquire_us: Vec<f64>,
-    pub(crate) elapsed: f64,
-    pub(crate) errors: u64,
-    /// How busy each core of `BENCH_CPU_CORES` was during the phase.
-    pub(crate) cores: Vec<CoreBusy>,
-}
-
-/// A core's busy share over a phase, from `/proc/stat`: with the server pinned to one
-/// core and the client to another, what each side spends on a cycle, which latency
-/// alone cannot tell (a loopback round trip here is mostly waiting).
-pub(crate) struct CoreBusy {
-    pub(crate) core: usize,
-    /// Busy ticks / all ticks of that core over the phase.
-    pub(crate) share: f64,
-}
-
-/// Counts the ticks of the cores in `BENCH_CPU_CORES` from `start` to `finish`.
-pub(crate) struct CoreClock {
-    started: Vec<(usize, u64, u64)>,
-}
-
-impl CoreClock {
-    /// Starts counting; counts nothing where `/proc/stat` or the variable is missing.
-    pub(crate) fn start() -> CoreClock {
-        let cores: Vec<usize> = std::env::var("BENCH_CPU_CORES")
-            .unwrap_or_default()
-            .split(',')
-            .filter_map(|core| core.trim().parse().ok())
-            .collect();
-        let ticks = core_ticks();
-        CoreClock {
-            started: cores
-                .into_iter()
-                .filter_map(|core| ticks.iter().find(|(c, ..)| *c == core).copied())
-                .collect(),
-        }
-    }
-
-    /// The busy share of each counted core since `start`.
-    pub(crate) fn finish(&self) -> Vec<CoreBusy> {
-        let now = core_ticks();
-        self.started
-            .iter()
-            .filter_map(|&(core, busy, total)| {
-                let &(_, busy_now, total_now) = now.iter().find(|(c, ..)| *c == core)?;
-                let all = total_now.checked_sub(total).filter(|all| *all > 0)?;
-                Some(CoreBusy {
-                    core,
-                    share: busy_now.saturating_sub(busy) as f64 / all as f64,
-                })
-            })
-            .collect()
-    }
-}
-
-/// (core, busy ticks, all ticks) of every core in `/proc/stat`. Busy is user, nice,
-/// system, irq and softirq; idle, iowait and steal (the hypervisor's) are not.
-fn core_ticks() -> Vec<(usize, u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    stat.lines()
-        .filter_map(|line| {
-            let mut fields = line.split_whitespace();
-            let core = fields.next()?.strip_prefix("cpu")?.parse().ok()?;
-            let ticks: Vec<u64> = fields.take(8).filter_map(|f| f.parse().ok()).collect();
-            let &[user, nice, system, idle, iowait, irq, softirq, steal] = ticks.as_slice() else {
-                return None;
-            };
-            let busy = user + nice + system + irq + softirq;
-            Some((core, busy, busy + idle + iowait + steal))
-        })
-        .collect()
-}
-
-/// The workload's JSON report (one line), the same for every peer.
-pub(crate) fn report_json(
-    peer: &str,
-    wait_strategy: &str,
-    work: &Workload,
-    uncontended: Uncontended,
-    reports: &[WorkerReport],
-    contended_elapsed: f64,
-    counter_value: i64,
-) -> serde_json::Value {
-    let Uncontended {
-        acquire_us,
-        elapsed: uncontended_elapsed,
-        errors: uncontended_errors,
-        cores,
-    } = uncontended;
-    let uncontended_cycles = acquire_us.len() as u64;
-    let contended_sections: u64 = reports.iter().map(|r| r.sections).sum();
-    let mut waits: Vec<f64> = reports
-        .iter()
-        .flat_map(|r| r.waits_ms.iter().copied())
-        .collect();
-    waits.sort_by(f64::total_cmp);
-    let per_worker: Vec<u64> = reports.iter().map(|r| r.sections).collect();
-    let mut report = serde_json::json!({
-        "peer": peer,
-        "lang": "rust",
-        "version": env!("CARGO_PKG_VERSION"),
-        "workers": work.workers,
-        "window_s": work.secs,
-        "lock_ttl_ms": work.ttl_ms,
-        "uncontended_cycles": uncontended_cycles,
-        "uncontended_elapsed_s": round(uncontended_elapsed, 3),
-        "uncontended_cycles_per_s": round(uncontended_cycles as f64 / uncontended_elapsed, 1),
-        "acquire_p50_us": round(percentile(&acquire_us, 50.0), 1),
-        "acquire_p99_us": round(percentile(&acquire_us, 99.0), 1),
-        "uncontended_errors": uncontended_errors,
-        "contended_sections": contended_sections,
-        "contended_elapsed_s": round(contended_elapsed, 3),
-        "contended_sections_per_s": round(contended_sections as f64 / contended_elapsed.max(f64::EPSILON), 1),
-        "counter_value": counter_value,
-        "counter_ok": u64::try_from(counter_value).is_ok_and(|value| value == contended_sections),
-        "acquire_timeouts": reports.iter().map(|r| r.timeouts).sum::<u64>(),
-        "contended_errors": reports.iter().map(|r| r.errors).sum::<u64>(),
-        "per_worker_min": per_worker.iter().min().copied().unwrap_or(0),
-        "per_worker_max": per_worker.iter().max().copied().unwrap_or(0),
-        "contended_wait_p50_ms": round(percentile(&waits, 50.0), 3),
-        "contended_wait_p99_ms": round(percentile(&waits, 99.0), 3),
-        "contended_wait_max_ms": round(waits.last().copied().unwrap_or(0.0), 3),
-        "wait_strategy": wait_strategy,
-    });
-    for CoreBusy { core, share } in cores {
-        let busy_us = share * uncontended_elapsed * 1e6 / uncontended_cycles.max(1) as f64;
-        report[format!("uncontended_core{core}_busy_us_per_cycle")] = round(busy_us, 1).into();
-    }
-    report
 }
 
 pub(crate) async fn run(args: BenchArgs) -> ExitCode {
@@ -851,7 +668,7 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
     );
     if args.raw_blocking {
         #[cfg(feature = "redis")]
-        return crate::bench_blocking::run(&url, &work, &run).await;
+        return blocking::run(&url, &work, &run).await;
         #[cfg(not(feature = "redis"))]
         {
             eprintln!("turnstile: --raw-blocking needs the `redis` feature");
@@ -1011,18 +828,4 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
     );
     println!("{report}");
     ExitCode::SUCCESS
-}
-
-#[cfg(test)]
-mod tests {
-    use super::percentile;
-
-    #[test]
-    fn percentiles_use_the_nearest_rank() {
-        let samples: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&samples, 50.0), 50.0);
-        assert_eq!(percentile(&samples, 99.0), 99.0);
-        assert_eq!(percentile(&[7.0], 99.0), 7.0);
-        assert_eq!(percentile(&[], 50.0), 0.0);
-    }
 }
