@@ -63,6 +63,7 @@ mod engine;
 pub mod error;
 pub mod fence;
 mod future;
+pub mod guide;
 #[cfg_attr(
     not(any(feature = "redis", feature = "mysql", feature = "axum")),
     allow(dead_code)
