@@ -54,7 +54,7 @@
 //! # Guarantees
 //! Each engine documents what it guarantees — where its fencing tokens come from and
 //! whether they survive a restart, whose clock decides expiry, what a partition or a
-//! failover does — in its module docs and in the table in the README. In short: no
+//! failover does — in its module docs and in the table of [`guide::guarantees`]. In short: no
 //! lock service can make a paused process notice in time that its lease ran out; the
 //! lost signal narrows the window and fencing tokens close it on the protected side.
 

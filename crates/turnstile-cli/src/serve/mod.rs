@@ -51,7 +51,7 @@ pub(crate) struct ServeArgs {
     /// needs an address such as 0.0.0.0:7070, and tokens (or --no-auth).
     #[arg(long, default_value = "127.0.0.1:7070", value_name = "ADDR")]
     listen: SocketAddr,
-    /// A JSON document of bearer tokens with scopes and tenants (see the README); the
+    /// A JSON document of bearer tokens with scopes and tenants (see docs/service.md); the
     /// TURNSTILE_TOKENS environment variable may hold the document itself instead.
     #[arg(long, value_name = "FILE")]
     tokens: Option<PathBuf>,

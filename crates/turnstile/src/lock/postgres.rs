@@ -2,7 +2,7 @@
 //!
 //! Every operation is one SQL statement (common table expressions do the checking and
 //! the change together), which is what a connection pooler in transaction mode needs;
-//! working through one is not tested (see the README: PgBouncer 1.18 does not work).
+//! working through one is not tested (see docs/guarantees.md: PgBouncer 1.18 does not work).
 //!
 //! # Tables
 //! `{schema}.{prefix}_locks (name, owner, expires_at, waiting_until)`,

@@ -9,7 +9,7 @@
 //! stepping back now and then), answers each request after a seeded latency in each
 //! direction (with rare long stalls), loses requests and replies, is cut off from one
 //! process at a time (partitions), and crashes, keeping its data or losing it. A crash
-//! that loses data keeps the store down for at least one TTL, as the README tells
+//! that loses data keeps the store down for at least one TTL, as the guarantees guide (docs/guarantees.md) tells
 //! operators to do (a store back empty at once frees every lock while its holders still
 //! believe they hold it: no client can see that, and only fencing protects the work).
 //!
