@@ -2,8 +2,9 @@
 //! locks, benchmark a store.
 
 mod bench;
-mod exec;
 mod idempotency;
+mod lock;
+mod migrate;
 mod outbox;
 mod serve;
 #[cfg(feature = "sqlite")]
@@ -50,7 +51,7 @@ struct Cli {
 enum Command {
     /// Distributed locks.
     #[command(subcommand)]
-    Lock(LockCommand),
+    Lock(lock::LockCommand),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -65,7 +66,7 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Create the store's tables (locks, fences, idempotency records) if they are
     /// missing (SQL stores); harmless to repeat.
-    Migrate(StoreOnlyArgs),
+    Migrate(migrate::MigrateArgs),
     /// Fault campaigns with a checker: run workers against a store while faults are
     /// injected, and check what they saw.
     #[cfg(feature = "sqlite")]
@@ -80,51 +81,8 @@ enum Command {
     #[command(name = "verify-idempotency-instance", hide = true)]
     VerifyIdempotencyInstance(verify::idempotency::InstanceArgs),
     /// Internal to `lock exec`: runs the command between turnstile and it.
-    #[command(name = exec::SUPERVISOR, hide = true)]
-    ExecSupervisor(exec::SupervisorArgs),
-}
-
-#[derive(Args, Debug)]
-struct StoreOnlyArgs {
-    #[command(flatten)]
-    store: StoreArgs,
-}
-
-#[derive(Subcommand, Debug)]
-enum LockCommand {
-    /// Run a command while holding a lock, renewing it; stop the command if the lock is lost.
-    ///
-    /// The command gets TURNSTILE_FENCING_TOKEN and TURNSTILE_LOCK_NAME in its
-    /// environment. It runs in its own process group, so what it starts (background
-    /// jobs, pipelines) is signalled with it: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to
-    /// turnstile (Ctrl-C included) are passed on to the group, and if the lock is lost
-    /// the group gets SIGTERM, then SIGKILL after --kill-after. If renewals keep
-    /// failing (the store is unreachable), SIGTERM goes out --kill-after before the
-    /// lease runs out and SIGKILL when it does, so the command is dead by then; and the
-    /// command is not started if less than --kill-after of the lease is left once the
-    /// lock is acquired (a store slower to answer than the TTL). Outside the
-    /// terminal's foreground group, the command cannot read from the terminal, and
-    /// Ctrl-Z is refused (it would stop the renewals, not the command).
-    ///
-    /// If turnstile itself dies (kill -9, a crash), the group is ended all the same:
-    /// the command runs under a small supervisor (the turnstile binary run again) that
-    /// notices and sends the group SIGTERM, then SIGKILL after --kill-after. On Linux
-    /// it also ends what the command started and left (a double fork, a new session).
-    ///
-    /// Exit status: the command's own; 75 if the lock was not acquired in time; 76 if
-    /// the lock was lost (or was about to run out unrenewed) and the command was
-    /// terminated; 64 bad input; 69 store unavailable; 70 store error; 78 store refused
-    /// the configuration (credentials, database, permissions); 126/127 command not executable /
-    /// not found.
-    Exec(ExecArgs),
-    /// Show whether a lock is held, by whom, with which fencing token and how long is left.
-    Status(StatusArgs),
-    /// Force-release a lock whoever holds it (an operator's tool); says what it broke.
-    Break(StatusArgs),
-    /// Forget lock names nobody has held for a while (SQL stores keep a row per name
-    /// ever used). Held locks are never touched, and tokens of a name used again still
-    /// increase. Redis needs no pruning: its keys expire.
-    Prune(PruneArgs),
+    #[command(name = lock::exec::SUPERVISOR, hide = true)]
+    ExecSupervisor(lock::exec::SupervisorArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -153,68 +111,6 @@ pub(crate) struct StoreArgs {
     store: Option<String>,
 }
 
-#[derive(Args, Debug)]
-struct ExecArgs {
-    #[command(flatten)]
-    store: StoreArgs,
-    /// Lease length, at most 365 days; the lock is renewed every TTL/3 while the
-    /// command runs.
-    #[arg(long, default_value = "30s", value_parser = parse_ttl, value_name = "DURATION")]
-    ttl: Duration,
-    /// How long to wait for the lock, at most 100 years (default: as long as it takes).
-    #[arg(long, value_parser = parse_wait, value_name = "DURATION", conflicts_with = "no_wait")]
-    wait: Option<Duration>,
-    /// Fail at once (exit 75) if the lock is held.
-    #[arg(long)]
-    no_wait: bool,
-    /// Treat the lock as lost after this long in total (at most 100 years), even if
-    /// renewals succeed.
-    #[arg(long, value_parser = parse_max_hold, value_name = "DURATION")]
-    max_hold: Option<Duration>,
-    /// After SIGTERM, how long the command gets before SIGKILL when the lock is lost.
-    ///
-    /// When renewals stop succeeding, SIGTERM goes out this long before the lease runs
-    /// out, so that the SIGKILL lands before another holder can take the lock. It must
-    /// therefore be shorter than two thirds of --ttl (less a clock-drift allowance of
-    /// 1% of the TTL + 2ms): termination has to start after the next renewal is due at
-    /// TTL/3. Default: 10s, or TTL/3 if that is shorter. At most 100 years.
-    #[arg(long, value_parser = parse_kill_after, value_name = "DURATION")]
-    kill_after: Option<Duration>,
-    /// Take the lock without a fencing token, for commands whose duplicate run only
-    /// wastes work: `TURNSTILE_FENCING_TOKEN` is not set. Cheaper on Redis (a bare
-    /// `SET NX PX`); the same cost as the fenced lock on the other engines.
-    #[arg(long)]
-    unfenced: bool,
-    /// The lock's name.
-    name: String,
-    /// The command and its arguments (after `--`).
-    #[arg(last = true, value_name = "CMD")]
-    command: Vec<String>,
-}
-
-#[derive(Args, Debug)]
-struct PruneArgs {
-    #[command(flatten)]
-    store: StoreArgs,
-    /// Forget names whose lease ended at least this long ago (at least 1s), e.g. 7d.
-    #[arg(long, value_parser = parse_unused_for, value_name = "DURATION")]
-    unused_for: Duration,
-    /// Print one JSON object instead of a sentence.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Args, Debug)]
-struct StatusArgs {
-    #[command(flatten)]
-    store: StoreArgs,
-    /// Print one JSON object instead of a sentence.
-    #[arg(long)]
-    json: bool,
-    /// The lock's name.
-    name: String,
-}
-
 /// The longest lease the library accepts.
 const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
@@ -230,7 +126,7 @@ pub(crate) fn parse_ttl(text: &str) -> Result<Duration, String> {
 }
 
 /// Parses `--wait`: may be zero, at most 100 years.
-fn parse_wait(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_wait(text: &str) -> Result<Duration, String> {
     at_most(
         parse_span(text)?,
         MAX_SPAN,
@@ -239,7 +135,7 @@ fn parse_wait(text: &str) -> Result<Duration, String> {
 }
 
 /// Parses `--max-hold`: positive, at most 100 years.
-fn parse_max_hold(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_max_hold(text: &str) -> Result<Duration, String> {
     at_most(
         parse_positive(text)?,
         MAX_SPAN,
@@ -249,7 +145,7 @@ fn parse_max_hold(text: &str) -> Result<Duration, String> {
 
 /// Parses `--unused-for`: positive, at most 100 years (the library wants at least 1s
 /// and says so itself).
-fn parse_unused_for(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_unused_for(text: &str) -> Result<Duration, String> {
     at_most(
         parse_positive(text)?,
         MAX_SPAN,
@@ -258,7 +154,7 @@ fn parse_unused_for(text: &str) -> Result<Duration, String> {
 }
 
 /// Parses `--kill-after`: may be zero, at most 100 years.
-fn parse_kill_after(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_kill_after(text: &str) -> Result<Duration, String> {
     at_most(parse_span(text)?, MAX_SPAN, "too long; at most 100 years")
 }
 
@@ -330,7 +226,7 @@ impl StoreArgs {
 }
 
 /// `url` with `turnstile_migrate=off` for the SQL stores, unless it says otherwise.
-fn without_migrating(url: &str) -> String {
+pub(crate) fn without_migrating(url: &str) -> String {
     let scheme = url.split(':').next().unwrap_or("").to_ascii_lowercase();
     let sql = matches!(
         scheme.as_str(),
@@ -360,156 +256,6 @@ pub(crate) fn fail(error: &Error) -> ExitCode {
     ExitCode::from(exit_code_for(error))
 }
 
-async fn status(args: StatusArgs, breaking: bool) -> ExitCode {
-    let url = match args.store.url() {
-        Ok(url) => url,
-        Err(error) => return fail(&error),
-    };
-    // A look (or a break) creates nothing: no SQLite file, no tables.
-    #[cfg(feature = "sqlite")]
-    if url
-        .get(..7)
-        .is_some_and(|scheme| scheme.eq_ignore_ascii_case("sqlite:"))
-        && let Ok(path) = turnstile::lock::sqlite::url_path(&url)
-        && !path.exists()
-    {
-        let value = serde_json::json!({
-            "name": args.name, "held": false, "broken": false, "store": url,
-        });
-        if args.json {
-            println!("{value}");
-        } else {
-            println!(
-                "{:?} is free (there is no lock store at {} yet)",
-                args.name,
-                path.display()
-            );
-        }
-        return ExitCode::SUCCESS;
-    }
-    let locker = match Locker::connect(&without_migrating(&url)).await {
-        Ok(locker) => locker,
-        Err(error) => return fail(&error),
-    };
-    let answer = if breaking {
-        locker.force_release(args.name.as_str()).await
-    } else {
-        locker.status(args.name.as_str()).await
-    };
-    let held = match answer {
-        Ok(held) => held,
-        Err(error) => return fail(&error),
-    };
-    if args.json {
-        let value = match &held {
-            Some(info) => serde_json::json!({
-                "name": args.name,
-                "held": true,
-                "broken": breaking,
-                "owner": info.owner,
-                "fencing_token": info.fencing_token.map(|token| token.get()),
-                "remaining_ttl_ms": info.remaining_ttl.map(|ttl| u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)),
-                "store": locker.backend().describe(),
-            }),
-            None => serde_json::json!({
-                "name": args.name,
-                "held": false,
-                "broken": false,
-                "store": locker.backend().describe(),
-            }),
-        };
-        println!("{value}");
-        return ExitCode::SUCCESS;
-    }
-    // Session locks (MySQL, PostgreSQL session mode) have no lease in the store: they
-    // last while the holder's session does.
-    let lease = |info: &turnstile::lock::LockInfo| match info.remaining_ttl {
-        Some(ttl) => format!("lease ends in {:.1}s", ttl.as_secs_f64()),
-        None => "held while the holder's session lives".to_owned(),
-    };
-    let owner = |info: &turnstile::lock::LockInfo| {
-        if info.owner.is_empty() {
-            "a session that has not recorded its owner".to_owned()
-        } else {
-            format!("owner {}", info.owner)
-        }
-    };
-    let token = |info: &turnstile::lock::LockInfo| match info.fencing_token {
-        Some(token) => format!("with fencing token {token}"),
-        None => "unfenced (no token)".to_owned(),
-    };
-    match (held, breaking) {
-        (Some(info), false) => println!(
-            "{:?} is held by {} {}; {}",
-            args.name,
-            owner(&info),
-            token(&info),
-            lease(&info)
-        ),
-        (Some(info), true) => println!(
-            "broke {:?}: it was held by {} {} ({}); \
-             the holder learns of it at its next renewal",
-            args.name,
-            owner(&info),
-            token(&info),
-            lease(&info)
-        ),
-        (None, false) => println!("{:?} is free", args.name),
-        (None, true) => println!("{:?} was not held; nothing to break", args.name),
-    }
-    ExitCode::SUCCESS
-}
-
-async fn prune(args: PruneArgs) -> ExitCode {
-    let locker = match args.store.locker().await {
-        Ok(locker) => locker,
-        Err(error) => return fail(&error),
-    };
-    match locker.prune(args.unused_for).await {
-        Ok(removed) if args.json => {
-            let value = serde_json::json!({
-                "pruned": removed,
-                "unused_for_ms": u64::try_from(args.unused_for.as_millis()).unwrap_or(u64::MAX),
-                "store": locker.backend().describe(),
-            });
-            println!("{value}");
-            ExitCode::SUCCESS
-        }
-        Ok(removed) => {
-            println!(
-                "{}: forgot {removed} lock name(s) unused for {}",
-                locker.backend().describe(),
-                humantime::format_duration(args.unused_for)
-            );
-            ExitCode::SUCCESS
-        }
-        Err(error) => fail(&error),
-    }
-}
-
-async fn migrate(args: StoreOnlyArgs) -> ExitCode {
-    let locker = match args.store.locker().await {
-        Ok(locker) => locker,
-        Err(error) => return fail(&error),
-    };
-    if let Err(error) = locker.backend().migrate().await {
-        return fail(&error);
-    }
-    // The idempotency records' table too (opening the store creates it), where the
-    // engine has one.
-    let url = match args.store.url() {
-        Ok(url) => url,
-        Err(error) => return fail(&error),
-    };
-    match turnstile::store::connect_idempotency(&url).await {
-        Ok(_) => {}
-        Err(error) if error.kind() == ErrorKind::UnsupportedStore => {}
-        Err(error) => return fail(&error),
-    }
-    println!("{}: tables ready", locker.backend().describe());
-    ExitCode::SUCCESS
-}
-
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -521,7 +267,7 @@ fn main() -> ExitCode {
     };
     // The supervisor takes the pipes it inherited before the runtime opens anything.
     if let Command::ExecSupervisor(args) = cli.command {
-        return exec::supervisor(args);
+        return lock::exec::supervisor(args);
     }
     // The service uses both cores; every other command is one task at a time.
     // `bench lock` runs on the multi-thread runtime too with BENCH_RUNTIME=multi_thread,
@@ -543,10 +289,7 @@ fn main() -> ExitCode {
     };
     runtime.block_on(async move {
         match cli.command {
-            Command::Lock(LockCommand::Exec(args)) => exec::run(args).await,
-            Command::Lock(LockCommand::Status(args)) => status(args, false).await,
-            Command::Lock(LockCommand::Break(args)) => status(args, true).await,
-            Command::Lock(LockCommand::Prune(args)) => prune(args).await,
+            Command::Lock(command) => lock::run(command).await,
             Command::Bench(BenchCommand::Lock(args)) => bench::run(args).await,
             Command::Bench(BenchCommand::IdempotencyServer(args)) => bench::http::serve(args).await,
             Command::Bench(BenchCommand::IdempotencyDuplicates(args)) => {
@@ -554,7 +297,7 @@ fn main() -> ExitCode {
             }
             #[cfg(all(feature = "postgres", feature = "nats"))]
             Command::Bench(BenchCommand::Outbox(args)) => bench::outbox::run(args).await,
-            Command::Migrate(args) => migrate(args).await,
+            Command::Migrate(args) => migrate::run(args).await,
             Command::Idempotency(command) => idempotency::run(command).await,
             Command::Outbox(command) => outbox::run(command).await,
             Command::Serve(args) => serve::run(args).await,

@@ -40,7 +40,8 @@ use turnstile::lock::{
     LockGuard, LockName, LockOptions, Locker, LossReason, LostSignal, ReleaseOutcome, UnfencedGuard,
 };
 
-use crate::{ExecArgs, exit, fail};
+use super::ExecArgs;
+use crate::{exit, fail};
 
 pub(crate) async fn run(args: ExecArgs) -> ExitCode {
     let Some(program) = args.command.first() else {
