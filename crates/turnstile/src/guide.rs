@@ -24,3 +24,6 @@ pub mod store_urls {}
 
 #[doc = include_str!("../../../docs/guarantees.md")]
 pub mod guarantees {}
+
+#[doc = include_str!("../../../docs/operations.md")]
+pub mod operations {}
