@@ -338,25 +338,28 @@ impl Bench {
     /// Drains the outbox with `relays` relays at once.
     async fn drain(&self, relays: usize) -> Result<(), Error> {
         let mut tasks = tokio::task::JoinSet::new();
+        let stop = CancellationToken::new();
         for _ in 0..relays {
             if self.raw {
                 let (pool, broker) = (self.pool.clone(), Arc::clone(&self.broker));
-                tasks.spawn(async move { raw_relay(&pool, &broker).await });
+                tasks.spawn(tokio::spawn(async move { raw_relay(&pool, &broker).await }));
             } else {
-                let relay = self.relay();
-                let outbox = self.outbox.clone();
-                tasks.spawn(async move {
-                    loop {
-                        let round = relay.run_once().await?;
-                        if round.keys == 0 && outbox.status(0).await?.pending == 0 {
-                            return Ok(());
-                        }
-                    }
-                });
+                // `Relay::run`, as a deployment runs it: a relay that finds nothing
+                // waits (for a commit or its idle poll) instead of claiming again at
+                // once, and leases more keys while the last ones publish.
+                tasks.spawn(self.spawn_relay(stop.clone()));
             }
         }
+        if !self.raw {
+            // Drained when nothing is pending; the relays then finish what they have
+            // in flight and stop.
+            while self.pending().await? > 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            stop.cancel();
+        }
         while let Some(done) = tasks.join_next().await {
-            done.map_err(store_error)??;
+            done.map_err(store_error)?.map_err(store_error)??;
         }
         Ok(())
     }
