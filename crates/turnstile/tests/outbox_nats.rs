@@ -1218,8 +1218,34 @@ async fn an_idle_postgres_relay_is_woken_by_notify() {
         started.elapsed()
     );
     assert!(relay_store.notifications_received() >= 1);
+    // Idle again, the relay is marked so (enqueues would notify it); once it stops, its
+    // mark is gone, so that no enqueue sends a `NOTIFY` for a relay that is gone.
+    let pool = sqlx::PgPool::connect(&outbox.url).await.unwrap();
+    let marked =
+        "SELECT count(*) FROM turnstile_outbox_relays WHERE idle_until > clock_timestamp()";
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, i64>(marked)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+        == 0
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the idle relay never marked itself idle"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     shutdown.cancel();
     running.await.unwrap().unwrap();
+    assert_eq!(
+        sqlx::query_scalar::<_, i64>(marked)
+            .fetch_one(&pool)
+            .await
+            .unwrap(),
+        0,
+        "a stopped relay left its idle mark"
+    );
     check_delivery(&read_all(&publisher, &stream_name).await, &committed);
 }
 

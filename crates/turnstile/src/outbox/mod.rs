@@ -780,6 +780,13 @@ pub trait OutboxStore: Send + Sync + fmt::Debug + 'static {
     /// call ([`commit`](sqlite::SqliteOutbox::commit) wakes it), or after `timeout`.
     fn committed(&self, timeout: Duration) -> BoxFuture<'_, ()>;
 
+    /// Called when a [`Relay::run`](relay::Relay::run) of this store ends: a store that
+    /// marks idle relays so that enqueues wake them (PostgreSQL's `NOTIFY`) drops this
+    /// relay's mark, so that no enqueue pays for waking a relay that is gone.
+    fn relay_stopped(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
+
     /// The store, for messages (URL without password).
     fn describe(&self) -> String;
 }

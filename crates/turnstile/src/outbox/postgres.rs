@@ -62,6 +62,7 @@ struct Sql {
     parked: Statement,
     lagging: Statement,
     forget_relays: Statement,
+    forget_relay: Statement,
     channel: String,
 }
 
@@ -370,6 +371,7 @@ impl Sql {
                  WHERE k.acked_seq < k.last_seq AND NOT k.parked
                  ORDER BY m.created_at LIMIT $1"
             )),
+            forget_relay: statement(format!("DELETE FROM {relays} WHERE relay_id = $1")),
             forget_relays: statement(format!(
                 "DELETE FROM {relays} WHERE seen_at < {now} - interval '1 day'"
             )),
@@ -924,6 +926,22 @@ impl OutboxStore for PostgresOutbox {
             let mut wake = self.wake.lock().await;
             let watch = wake.get_or_insert_with(|| self.signals.watch("").0);
             watch.wait(timeout, false).await;
+        })
+    }
+
+    fn relay_stopped(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            // A stopped relay's idle mark would make every enqueue of the next minute
+            // send a `NOTIFY` nobody waits for (and take its database-wide lock).
+            // Another relay of this process sharing the id marks itself again at its
+            // next claim.
+            if let Err(error) = sqlx::query(self.sql.forget_relay.sql())
+                .bind(&self.relay_id)
+                .execute(&self.pool)
+                .await
+            {
+                tracing::debug!(%error, "cannot drop a stopped relay's idle mark");
+            }
         })
     }
 

@@ -437,6 +437,7 @@ impl Relay {
                     Err(error) if error.kind() == ErrorKind::Configuration => {
                         // Finish what is in flight before giving up.
                         self.drain(&mut tasks).await;
+                        self.store.relay_stopped().await;
                         return Err(error);
                     }
                     Err(error) => {
@@ -508,6 +509,7 @@ impl Relay {
                 }
             }
         }
+        self.store.relay_stopped().await;
         Ok(())
     }
 
