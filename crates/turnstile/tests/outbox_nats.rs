@@ -1220,12 +1220,12 @@ async fn an_idle_postgres_relay_is_woken_by_notify() {
     assert!(relay_store.notifications_received() >= 1);
     // Idle again, the relay is marked so (enqueues would notify it); once it stops, its
     // mark is gone, so that no enqueue sends a `NOTIFY` for a relay that is gone.
-    let pool = sqlx::PgPool::connect(&outbox.url).await.unwrap();
+    let pool = &outbox.pool;
     let marked =
         "SELECT count(*) FROM turnstile_outbox_relays WHERE idle_until > clock_timestamp()";
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while sqlx::query_scalar::<_, i64>(marked)
-        .fetch_one(&pool)
+        .fetch_one(pool)
         .await
         .unwrap()
         == 0
@@ -1240,7 +1240,7 @@ async fn an_idle_postgres_relay_is_woken_by_notify() {
     running.await.unwrap().unwrap();
     assert_eq!(
         sqlx::query_scalar::<_, i64>(marked)
-            .fetch_one(&pool)
+            .fetch_one(pool)
             .await
             .unwrap(),
         0,
