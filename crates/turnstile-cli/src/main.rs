@@ -3,6 +3,7 @@
 
 mod bench;
 mod idempotency;
+mod lead;
 mod lock;
 mod migrate;
 mod outbox;
@@ -52,6 +53,27 @@ enum Command {
     /// Distributed locks.
     #[command(subcommand)]
     Lock(lock::LockCommand),
+    /// Run a command while this instance leads an election, and campaign again when
+    /// its term ends.
+    ///
+    /// A campaign waits for the election's lock; the leader keeps it renewed while the
+    /// command runs, exactly as `lock exec` does, and the command is stopped the same
+    /// way if leadership is lost. The command gets TURNSTILE_ELECTION,
+    /// TURNSTILE_LEADER_EPOCH (the leader's fencing token, larger than every earlier
+    /// leader's; also as TURNSTILE_FENCING_TOKEN), TURNSTILE_LEADER_VALUE and
+    /// TURNSTILE_LOCK_NAME in its environment.
+    ///
+    /// When a term ends (the command exited, or leadership was lost and the command
+    /// terminated), turnstile waits --retry-period and campaigns again; with --once it
+    /// exits with the command's status instead (see `lock exec` for the codes). A
+    /// signal (SIGINT, SIGTERM, SIGHUP) stops it: while leading, after the command,
+    /// to which the signal is passed, has exited (with the command's status); while
+    /// campaigning, at once (status 0). While the store cannot be reached it keeps
+    /// campaigning.
+    Lead(lead::LeadArgs),
+    /// Show who leads an election: the leader's owner id, epoch, value and lease
+    /// (--watch: every change, as it happens).
+    Leader(lead::LeaderArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -156,6 +178,15 @@ pub(crate) fn parse_unused_for(text: &str) -> Result<Duration, String> {
 /// Parses `--kill-after`: may be zero, at most 100 years.
 pub(crate) fn parse_kill_after(text: &str) -> Result<Duration, String> {
     at_most(parse_span(text)?, MAX_SPAN, "too long; at most 100 years")
+}
+
+/// Parses a positive span such as `--retry-period`: at most 100 years.
+pub(crate) fn parse_positive_span(text: &str) -> Result<Duration, String> {
+    at_most(
+        parse_positive(text)?,
+        MAX_SPAN,
+        "too long; at most 100 years",
+    )
 }
 
 /// `duration`, or `too_long` if it exceeds `limit`.
@@ -290,6 +321,8 @@ fn main() -> ExitCode {
     runtime.block_on(async move {
         match cli.command {
             Command::Lock(command) => lock::run(command).await,
+            Command::Lead(args) => lead::lead(args).await,
+            Command::Leader(args) => lead::leader(args).await,
             Command::Bench(BenchCommand::Lock(args)) => bench::run(args).await,
             Command::Bench(BenchCommand::IdempotencyServer(args)) => bench::http::serve(args).await,
             Command::Bench(BenchCommand::IdempotencyDuplicates(args)) => {

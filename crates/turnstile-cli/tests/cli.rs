@@ -1160,3 +1160,212 @@ fn migrate_creates_the_idempotency_table_too() {
         "turnstile migrate did not create the idempotency table"
     );
 }
+
+/// `turnstile lead`: the leader runs the command with its epoch and value, `turnstile
+/// leader` shows it, a second candidate waits, and takes over with a larger epoch when
+/// the first is stopped by a signal; with `--once` it exits with the command's status.
+#[test]
+fn lead_runs_the_command_while_leading_and_hands_over_on_a_signal() {
+    let sandbox = Sandbox::new();
+    let first_started = sandbox.path("first");
+    let second_started = sandbox.path("second");
+    let mut first = sandbox
+        .turnstile(&[
+            "lead",
+            "--value",
+            "host-a:8080",
+            "scheduler",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "echo \"$TURNSTILE_LEADER_EPOCH $TURNSTILE_LEADER_VALUE\" > {0}.tmp; mv {0}.tmp {0}; exec sleep 60",
+                first_started.display()
+            ),
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_file(&first_started);
+    let started = std::fs::read_to_string(&first_started).unwrap();
+    let (epoch, value) = started.trim().split_once(' ').unwrap();
+    let first_epoch: u64 = epoch.parse().unwrap();
+    assert_eq!(value, "host-a:8080");
+
+    let shown = sandbox.run(&["leader", "--json", "scheduler"]);
+    assert_eq!(code(&shown), 0, "{}", stderr(&shown));
+    let shown: serde_json::Value = serde_json::from_str(stdout(&shown).trim()).unwrap();
+    assert_eq!(shown["leading"], true);
+    assert_eq!(shown["epoch"], first_epoch);
+    assert_eq!(shown["value"], "host-a:8080");
+
+    let second = sandbox
+        .turnstile(&[
+            "lead",
+            "--once",
+            "--value",
+            "host-b:8080",
+            "scheduler",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "echo \"$TURNSTILE_LEADER_EPOCH\" > {0}.tmp; mv {0}.tmp {0}; exit 3",
+                second_started.display()
+            ),
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !second_started.exists(),
+        "the second candidate ran while the first led"
+    );
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(first.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let status = exit_within(&mut first, Duration::from_secs(10)).expect("the first leader exits");
+    assert!(
+        !status.success(),
+        "the signalled command's status: {status:?}"
+    );
+    let output = second.wait_with_output().unwrap();
+    assert_eq!(code(&output), 3, "{}", stderr(&output));
+    let second_epoch: u64 = std::fs::read_to_string(&second_started)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        second_epoch > first_epoch,
+        "{second_epoch} after {first_epoch}"
+    );
+    let shown = sandbox.run(&["leader", "scheduler"]);
+    assert!(
+        stdout(&shown).contains("has no leader"),
+        "{}",
+        stdout(&shown)
+    );
+}
+
+/// Without `--once`, a term that ends is followed by a new campaign after
+/// `--retry-period`, each term with a larger epoch; a signal while campaigning or
+/// between terms stops it with status 0.
+#[test]
+fn lead_campaigns_again_after_each_term() {
+    let sandbox = Sandbox::new();
+    let terms = sandbox.path("terms");
+    let mut candidate = sandbox
+        .turnstile(&[
+            "lead",
+            "--retry-period",
+            "200ms",
+            "compactor",
+            "--",
+            "sh",
+            "-c",
+            &format!("echo \"$TURNSTILE_LEADER_EPOCH\" >> {}", terms.display()),
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let epochs = loop {
+        let epochs: Vec<u64> = std::fs::read_to_string(&terms)
+            .unwrap_or_default()
+            .lines()
+            .map(|line| line.parse().unwrap())
+            .collect();
+        if epochs.len() >= 3 {
+            break epochs;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "only {} terms in 20s",
+            epochs.len()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    for pair in epochs.windows(2) {
+        assert!(pair[1] > pair[0], "epoch {} after {}", pair[1], pair[0]);
+    }
+    // SAFETY: kill has no memory-safety preconditions.
+    unsafe {
+        libc::kill(candidate.id() as libc::pid_t, libc::SIGTERM);
+    }
+    exit_within(&mut candidate, Duration::from_secs(10)).expect("the candidate stops");
+    // Stopped, it leads no more: the election is free for the next candidate.
+    let shown = sandbox.run(&["leader", "compactor"]);
+    assert!(
+        stdout(&shown).contains("has no leader"),
+        "{}",
+        stdout(&shown)
+    );
+}
+
+/// `turnstile leader --watch --json` prints the state at once and then every change:
+/// two leaders one after the other show up in order, with growing epochs.
+#[test]
+fn leader_watch_prints_every_change() {
+    use std::io::BufRead;
+    let sandbox = Sandbox::new();
+    // The store exists before the watcher looks (a look creates nothing).
+    let first = sandbox.run(&["lead", "--once", "--value", "one", "etl", "--", "true"]);
+    assert_eq!(code(&first), 0, "{}", stderr(&first));
+    let mut watcher = sandbox
+        .turnstile(&["leader", "--watch", "--json", "etl"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (lines_sent, lines) = std::sync::mpsc::channel();
+    let stdout = watcher.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if lines_sent.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let next = |what: &str| -> serde_json::Value {
+        let line = lines
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("the watcher printed no line for {what}"));
+        serde_json::from_str(&line).unwrap()
+    };
+    assert_eq!(next("the start")["leading"], false);
+    let hold = sandbox.path("held");
+    let mut leader = sandbox
+        .turnstile(&[
+            "lead",
+            "--once",
+            "--value",
+            "two",
+            "etl",
+            "--",
+            "sh",
+            "-c",
+            &format!("touch {}; sleep 1", hold.display()),
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let seen = next("the first leader");
+    assert_eq!(seen["leading"], true);
+    assert_eq!(seen["value"], "two");
+    let first_epoch = seen["epoch"].as_u64().unwrap();
+    assert_eq!(leader.wait().unwrap().code(), Some(0));
+    assert_eq!(next("the end of the term")["leading"], false);
+    let output = sandbox.run(&[
+        "lead", "--once", "--value", "three", "etl", "--", "sleep", "1",
+    ]);
+    assert_eq!(code(&output), 0, "{}", stderr(&output));
+    let seen = next("the second leader");
+    assert_eq!(seen["value"], "three");
+    assert!(seen["epoch"].as_u64().unwrap() > first_epoch);
+    let _ = watcher.kill();
+    let _ = watcher.wait();
+}

@@ -202,6 +202,20 @@ pub enum LossReason {
     MaxHoldReached,
 }
 
+impl LossReason {
+    /// The reason as a metric label: `taken_over`, `expired`, `renewal_failed`,
+    /// `lease_elapsed`, `max_hold_reached`.
+    pub(crate) fn as_label(self) -> &'static str {
+        match self {
+            LossReason::TakenOver => "taken_over",
+            LossReason::Expired => "expired",
+            LossReason::RenewalFailed => "renewal_failed",
+            LossReason::LeaseElapsed => "lease_elapsed",
+            LossReason::MaxHoldReached => "max_hold_reached",
+        }
+    }
+}
+
 impl fmt::Display for LossReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

@@ -59,6 +59,7 @@
 //! lost signal narrows the window and fencing tokens close it on the protected side.
 
 mod clock;
+pub mod election;
 mod engine;
 pub mod error;
 pub mod fence;

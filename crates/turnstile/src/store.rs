@@ -31,6 +31,16 @@ impl crate::lock::Locker {
     }
 }
 
+impl crate::election::Election {
+    /// Opens the store a URL names (the same URLs as the locks); see
+    /// [`crate::store::connect`].
+    pub async fn connect(url: &str) -> Result<Self> {
+        crate::lock::Locker::connect(url)
+            .await
+            .map(crate::election::Election::new)
+    }
+}
+
 impl crate::idempotency::Idempotency {
     /// Opens the store a URL names (the same URLs as the locks: `sqlite://PATH`,
     /// `postgres://…`).

@@ -44,12 +44,12 @@ use super::ExecArgs;
 use crate::{exit, fail};
 
 pub(crate) async fn run(args: ExecArgs) -> ExitCode {
-    let Some(program) = args.command.first() else {
+    if args.command.is_empty() {
         eprintln!(
             "turnstile: no command given; usage: turnstile lock exec [OPTIONS] NAME -- CMD [ARGS...]"
         );
         return ExitCode::from(exit::USAGE);
-    };
+    }
     let name = match LockName::new(args.name.as_str()) {
         Ok(name) => name,
         Err(error) => return fail(&error),
@@ -92,21 +92,54 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         Ok(guard) => guard,
         Err(error) => return fail(&error),
     };
+    // An unfenced lock has no token: the variable is not set, never made up.
+    let mut environment = vec![("TURNSTILE_LOCK_NAME", name.as_str().to_owned())];
+    if let HeldLock::Fenced(guard) = &guard {
+        environment.push(("TURNSTILE_FENCING_TOKEN", guard.fencing_token().to_string()));
+    }
+    ExitCode::from(
+        run_held(guard, &args.command, &environment, kill_after)
+            .await
+            .code,
+    )
+}
 
+/// How a command run under a lock ended.
+pub(crate) struct Ended {
+    /// turnstile's exit status: the command's own, or one of [`exit`]'s.
+    pub(crate) code: u8,
+    /// Whether turnstile was asked to stop (SIGINT, SIGTERM, SIGHUP or SIGQUIT, passed
+    /// on to the command) while it ran.
+    pub(crate) signalled: bool,
+}
+
+impl Ended {
+    fn code(code: u8) -> Ended {
+        Ended {
+            code,
+            signalled: false,
+        }
+    }
+}
+
+/// Runs `command` (non-empty) under `guard` with `environment` added, as `lock exec`
+/// does once it holds the lock, and releases the lock when it ends.
+pub(crate) async fn run_held(
+    guard: HeldLock,
+    command: &[String],
+    environment: &[(&str, String)],
+    kill_after: Duration,
+) -> Ended {
+    let program = command.first().map_or("", String::as_str);
     if let Some(why) = too_late_to_start(&guard, kill_after) {
         eprintln!(
             "turnstile: lock {:?} {why}; not running the command",
             guard.name().as_str()
         );
         let _ = guard.release().await;
-        return ExitCode::from(exit::LOST);
+        return Ended::code(exit::LOST);
     }
-    // An unfenced lock has no token: the variable is not set, never made up.
-    let mut environment = vec![("TURNSTILE_LOCK_NAME", name.as_str().to_owned())];
-    if let HeldLock::Fenced(guard) = &guard {
-        environment.push(("TURNSTILE_FENCING_TOKEN", guard.fencing_token().to_string()));
-    }
-    let supervisor = match Supervisor::start(&args.command, &environment, kill_after) {
+    let supervisor = match Supervisor::start(command, environment, kill_after) {
         Ok(supervisor) => supervisor,
         Err(error) => {
             eprintln!(
@@ -114,14 +147,14 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
                  binary, run again): {error}"
             );
             let _ = guard.release().await;
-            return ExitCode::from(exit::SOFTWARE);
+            return Ended::code(exit::SOFTWARE);
         }
     };
     supervise(supervisor, program, guard, kill_after).await
 }
 
 /// The lock the command runs under: fenced (the default) or `--unfenced`.
-enum HeldLock {
+pub(crate) enum HeldLock {
     Fenced(LockGuard),
     Unfenced(UnfencedGuard),
 }
@@ -181,7 +214,7 @@ const DEFAULT_KILL_AFTER: Duration = Duration::from_secs(10);
 /// watchdog renews every TTL/3, and the lease is counted from when a renewal was sent,
 /// less the clock-drift allowance; termination must start after the next renewal is
 /// due, or it would start every time. Hence `kill_after` < 2/3 TTL - drift.
-fn kill_after_within(
+pub(crate) fn kill_after_within(
     ttl: Duration,
     drift: Duration,
     requested: Option<Duration>,
@@ -244,7 +277,7 @@ async fn supervise(
     program: &str,
     guard: HeldLock,
     kill_after: Duration,
-) -> ExitCode {
+) -> Ended {
     let (Ok(mut terminate), Ok(mut hangup), Ok(mut interrupt), Ok(mut quit), Ok(mut suspend)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::hangup()),
@@ -255,10 +288,11 @@ async fn supervise(
         eprintln!("turnstile: cannot install signal handlers");
         supervisor.kill().await;
         let _ = guard.release().await;
-        return ExitCode::from(exit::SOFTWARE);
+        return Ended::code(exit::SOFTWARE);
     };
     let lost = guard.lost();
     tokio::pin!(lost);
+    let mut signalled = false;
     // The library fires the lost signal only when the lease has run out, too late for
     // any grace; so termination starts `kill_after` earlier unless a renewal moves the
     // lease on first.
@@ -277,7 +311,7 @@ async fn supervise(
                         eprintln!("turnstile: cannot run {program:?}: {message}");
                         let _ = supervisor.process.wait().await;
                         let _ = guard.release().await;
-                        return ExitCode::from(code);
+                        return Ended { code, signalled };
                     }
                     Outcome::Silent => {
                         let status = match supervisor.process.wait().await {
@@ -303,7 +337,7 @@ async fn supervise(
                 if let Err(error) = guard.release().await {
                     eprintln!("turnstile: the command finished but the lock could not be released ({error}); it expires on its own");
                 }
-                return ExitCode::from(code);
+                return Ended { code, signalled };
             }
             reason = &mut lost => {
                 eprintln!(
@@ -314,7 +348,7 @@ async fn supervise(
                 let kill_at = (Instant::now() + kill_after).min(guard.valid_until());
                 supervisor.terminate(kill_at).await;
                 let _ = guard.release().await;
-                return ExitCode::from(exit::LOST);
+                return Ended { code: exit::LOST, signalled };
             }
             () = sleep_until(terminate_at) => {
                 let valid_until = guard.valid_until();
@@ -330,12 +364,12 @@ async fn supervise(
                 );
                 supervisor.terminate(valid_until).await;
                 let _ = guard.release().await;
-                return ExitCode::from(exit::LOST);
+                return Ended { code: exit::LOST, signalled };
             }
-            _ = terminate.recv() => supervisor.ask(Request::SigTerm),
-            _ = hangup.recv() => supervisor.ask(Request::SigHup),
-            _ = interrupt.recv() => supervisor.ask(Request::SigInt),
-            _ = quit.recv() => supervisor.ask(Request::SigQuit),
+            _ = terminate.recv() => { signalled = true; supervisor.ask(Request::SigTerm) }
+            _ = hangup.recv() => { signalled = true; supervisor.ask(Request::SigHup) }
+            _ = interrupt.recv() => { signalled = true; supervisor.ask(Request::SigInt) }
+            _ = quit.recv() => { signalled = true; supervisor.ask(Request::SigQuit) }
             _ = suspend.recv() => eprintln!(
                 "turnstile: not suspending: the command would run on while its lock went unrenewed"
             ),

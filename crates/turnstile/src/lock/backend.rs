@@ -84,6 +84,51 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     /// future completes, so a release that happens after it returns is never missed.
     fn watch_releases<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<ReleaseWatch>>;
 
+    /// Records `value` as what `owner`, the holder of `name`, advertises (an
+    /// [election](crate::election)'s leader value: an address, an instance id), and wakes
+    /// the watchers of `name` ([`watch_releases`](Self::watch_releases)), so observers
+    /// see it at once. One atomic step that applies only while `owner` holds the lock,
+    /// so a holder that lost it cannot overwrite its successor's value. Returns whether
+    /// it applied.
+    ///
+    /// A value belongs to one acquisition: a new holder starts with none. Engines that
+    /// cannot keep one say so with [`keeps_holder_values`](Self::keeps_holder_values);
+    /// the default refuses with [`ErrorKind::UnsupportedStore`](crate::ErrorKind).
+    fn proclaim<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<bool>> {
+        let _ = (name, owner, value);
+        Box::pin(async move {
+            Err(crate::error::Error::new(
+                crate::error::ErrorKind::UnsupportedStore,
+                format!(
+                    "the store {} cannot keep a leader's value (proclaim); campaign with an \
+                     empty value there, or use SQLite, Redis or PostgreSQL",
+                    self.describe()
+                ),
+            ))
+        })
+    }
+
+    /// The holder of `name`, as [`inspect`](Self::inspect) tells it, with the value it
+    /// [proclaimed](Self::proclaim) (`None` if it proclaimed none, or the engine keeps
+    /// no values). One read, so the value is the holder's own, never a predecessor's.
+    fn inspect_with_value<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, Result<Option<HolderAndValue>>> {
+        Box::pin(async move { Ok(self.inspect(name).await?.map(|info| (info, None))) })
+    }
+
+    /// Whether [`proclaim`](Self::proclaim) is supported (`false` unless the engine
+    /// overrides it).
+    fn keeps_holder_values(&self) -> bool {
+        false
+    }
+
     /// A short description of the store for messages (its URL without a password).
     fn describe(&self) -> String;
 
@@ -156,6 +201,11 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         Box::pin(release_then_acquire(self, name, from, to, ttl))
     }
 }
+
+/// A held lock with the value its holder [proclaimed](LockBackend::proclaim) (`None`:
+/// none proclaimed, or an engine that keeps no values), what
+/// [`LockBackend::inspect_with_value`] answers.
+pub type HolderAndValue = (LockInfo, Option<String>);
 
 /// The answer to [`LockBackend::try_acquire`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

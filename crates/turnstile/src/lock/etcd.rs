@@ -52,8 +52,8 @@ use etcd_client::{
 };
 
 use super::{
-    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
-    ReleaseWatch, TryAcquire,
+    BoxFuture, ExtendOutcome, HolderAndValue, LockBackend, LockInfo, LockName, LossReason, OwnerId,
+    ReleaseOutcome, ReleaseWatch, TryAcquire,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
@@ -306,6 +306,16 @@ fn mine_and_first(
     (got.next().flatten(), got.next().flatten())
 }
 
+/// A key's value: the owner id, then, once the holder proclaimed one, U+001F and its
+/// value.
+fn owner_and_value(kv: &etcd_client::KeyValue) -> (&str, Option<&str>) {
+    let stored = kv.value_str().unwrap_or_default();
+    match stored.split_once('\u{1f}') {
+        Some((owner, value)) => (owner, Some(value)),
+        None => (stored, None),
+    }
+}
+
 fn token(revision: i64) -> FencingToken {
     FencingToken::new(u64::try_from(revision).unwrap_or(0))
 }
@@ -537,7 +547,7 @@ impl EtcdLockStore {
 
     async fn info(&self, kv: &etcd_client::KeyValue) -> LockInfo {
         LockInfo {
-            owner: kv.value_str().unwrap_or_default().to_owned(),
+            owner: owner_and_value(kv).0.to_owned(),
             fencing_token: Some(token(kv.create_revision())),
             remaining_ttl: self.lease_left(kv.lease()).await,
         }
@@ -720,6 +730,60 @@ impl LockBackend for EtcdLockStore {
         })
     }
 
+    /// Rewrites the holder's own key with the value after its owner id, on the same
+    /// lease. A key first in line stays first until it is deleted, so the write is
+    /// made only if the key that was read first is still there (the same create
+    /// revision): then it still holds the lock.
+    fn proclaim<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let key = self.key(name, owner);
+            let Some(first) = self.first(name).await? else {
+                return Ok(false);
+            };
+            if first.key() != key.as_bytes() {
+                return Ok(false);
+            }
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    key.as_str(),
+                    CompareOp::Equal,
+                    first.create_revision(),
+                )])
+                .and_then([TxnOp::put(
+                    key.as_str(),
+                    format!("{owner}\u{1f}{value}"),
+                    Some(PutOptions::new().with_ignore_lease()),
+                )]);
+            let answer = self
+                .txn(txn)
+                .await
+                .map_err(failed("cannot store the holder's value"))?;
+            Ok(answer.succeeded())
+        })
+    }
+
+    fn inspect_with_value<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, Result<Option<HolderAndValue>>> {
+        Box::pin(async move {
+            let Some(kv) = self.first(name).await? else {
+                return Ok(None);
+            };
+            let value = owner_and_value(&kv).1.map(str::to_owned);
+            Ok(Some((self.info(&kv).await, value)))
+        })
+    }
+
+    fn keeps_holder_values(&self) -> bool {
+        true
+    }
+
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
         Box::pin(async move {
             let Some(kv) = self.first(name).await? else {
@@ -752,11 +816,13 @@ impl LockBackend for EtcdLockStore {
             let (sender, receiver) = tokio::sync::watch::channel(0_u64);
             let task = tokio::spawn(async move {
                 while let Ok(Some(response)) = stream.message().await {
-                    if response
-                        .events()
-                        .iter()
-                        .any(|event| event.event_type() == etcd_client::EventType::Delete)
-                    {
+                    // A deletion frees the lock; a key written again (not created: version
+                    // above 1) is a holder's new value, which observers want to see. New
+                    // keys joining the line wake nobody.
+                    if response.events().iter().any(|event| {
+                        event.event_type() == etcd_client::EventType::Delete
+                            || event.kv().is_some_and(|kv| kv.version() > 1)
+                    }) {
                         sender.send_modify(|count| *count = count.wrapping_add(1));
                     }
                 }

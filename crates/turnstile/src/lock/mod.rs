@@ -44,7 +44,8 @@ pub use crate::future::BoxFuture;
 pub use crate::name::{LockName, MAX_NAME_LEN};
 pub use crate::notify::{ReleaseSignals, ReleaseWatch};
 pub use backend::{
-    ExtendOutcome, LockBackend, LockInfo, ReleaseOutcome, TryAcquire, TryAcquireUnfenced,
+    ExtendOutcome, HolderAndValue, LockBackend, LockInfo, ReleaseOutcome, TryAcquire,
+    TryAcquireUnfenced,
 };
 pub use guard::{DetachedLock, LockGuard, UnfencedGuard};
 pub use lease::LostSignal;

@@ -6,7 +6,10 @@
 //!
 //! # Tables
 //! `{schema}.{prefix}_locks (name, owner, expires_at, waiting_until)`,
-//! `{schema}.{prefix}_tokens (name, token, holder)` (`holder`: session mode's holder) and `{schema}.{prefix}_fences (resource, token)`, schema `public` and prefix `turnstile`
+//! `{schema}.{prefix}_tokens (name, token, holder)` (`holder`: session mode's holder),
+//! `{schema}.{prefix}_fences (resource, token)` and `{schema}.{prefix}_holder_values
+//! (name, owner, value)` (what a holder [proclaims](super::LockBackend::proclaim): an
+//! election's leader value), schema `public` and prefix `turnstile`
 //! by default. [`migrate`](PostgresLockStore::migrate) creates them; it takes a
 //! transaction-scoped advisory lock first, so running it twice, or from two processes at
 //! once, is harmless. The store migrates on first use unless told not to.
@@ -70,8 +73,8 @@ use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
 
 use super::{
-    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, OwnerId, ReleaseOutcome,
-    ReleaseSignals, ReleaseWatch, TryAcquire, ceil_millis,
+    BoxFuture, ExtendOutcome, HolderAndValue, LockBackend, LockInfo, LockName, OwnerId,
+    ReleaseOutcome, ReleaseSignals, ReleaseWatch, TryAcquire, ceil_millis,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
@@ -220,8 +223,13 @@ struct Sql {
     locks: String,
     tokens: String,
     fences: String,
+    /// What each holder advertises (an election's leader value), one row per name,
+    /// read only while its owner holds the lock.
+    values: String,
     channel: String,
     acquire: Statement,
+    proclaim: Statement,
+    inspect_with_value: Statement,
     reclaim: Statement,
     hand_over: Statement,
     prune: Statement,
@@ -240,6 +248,7 @@ impl Sql {
         let locks = format!("{schema}.\"{}_locks\"", config.prefix);
         let fences = format!("{schema}.\"{}_fences\"", config.prefix);
         let tokens = format!("{schema}.\"{}_tokens\"", config.prefix);
+        let values = format!("{schema}.\"{}_holder_values\"", config.prefix);
         // A name's token row holds the last token issued for it, which is the holder's
         // while the lock is held. New tokens are `max(last + 1, database clock in µs)`,
         // so they keep increasing even if the row was pruned, and share their range with
@@ -379,8 +388,31 @@ impl Sql {
                  ON CONFLICT (name) DO UPDATE SET token = GREATEST(t.token + 1, EXCLUDED.token)
                  RETURNING token"
             )),
+            // Always announced: a value changes rarely, and observers of an election
+            // (who are not waiting for the lock, so have left no waiting mark) need to
+            // hear of it.
+            proclaim: statement(format!(
+                "WITH applied AS (
+                    INSERT INTO {values} AS v (name, owner, value)
+                    SELECT name, owner, $3 FROM {locks}
+                    WHERE name = $1 AND owner = $2 AND expires_at > clock_timestamp()
+                      AND isfinite(expires_at)
+                    ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, value = EXCLUDED.value
+                    RETURNING 1),
+                 notified AS (SELECT pg_notify($4, $1) FROM applied)
+                 SELECT (SELECT count(*) FROM applied) AS applied,
+                        (SELECT count(*) FROM notified) AS notified"
+            )),
+            inspect_with_value: statement(format!(
+                "SELECT l.owner, t.token, {remaining} AS remaining_ms, v.value
+                 FROM {locks} l JOIN {tokens} t USING (name)
+                 LEFT JOIN {values} v ON v.name = l.name AND v.owner = l.owner
+                 WHERE l.name = $1 AND l.owner IS NOT NULL AND l.expires_at > clock_timestamp()
+                   AND isfinite(l.expires_at)"
+            )),
             channel: format!("{}_released", config.prefix),
             schema,
+            values,
             locks,
             tokens,
             fences,
@@ -587,6 +619,10 @@ impl PostgresLockStore {
             format!(
                 "CREATE TABLE IF NOT EXISTS {} (resource TEXT PRIMARY KEY, token BIGINT NOT NULL)",
                 sql.fences
+            ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {} (name TEXT PRIMARY KEY, owner TEXT NOT NULL, value TEXT NOT NULL)",
+                sql.values
             ),
         ] {
             sqlx::query(AssertSqlSafe(statement))
@@ -922,6 +958,65 @@ impl LockBackend for PostgresLockStore {
             };
             row.as_ref().map(holder).transpose()
         })
+    }
+
+    fn proclaim<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            // Writing the same value twice is harmless, so a resend is too.
+            let applied: i64 = sent_again_if_gone(self.pool_size(), || {
+                sqlx::query_scalar(self.sql.proclaim.sql())
+                    .bind(name.as_str())
+                    .bind(owner.as_str())
+                    .bind(value)
+                    .bind(&self.sql.channel)
+                    .fetch_one(&self.ops)
+            })
+            .await
+            .map_err(|error| map_error(error, "cannot store the holder's value"))?;
+            if applied > 0 {
+                self.signals.notify(name.as_str());
+            }
+            Ok(applied > 0)
+        })
+    }
+
+    fn inspect_with_value<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, Result<Option<HolderAndValue>>> {
+        Box::pin(async move {
+            let row = match sent_again_if_gone(self.pool_size(), || {
+                sqlx::query(self.sql.inspect_with_value.sql())
+                    .bind(name.as_str())
+                    .fetch_optional(&self.ops)
+            })
+            .await
+            {
+                // A database migrated before values existed, opened without migrating:
+                // the holder, with no value.
+                Err(error) if crate::sql::is_missing_table(&error) => {
+                    return Ok(self.inspect(name).await?.map(|info| (info, None)));
+                }
+                other => other.map_err(|error| map_error(error, "cannot read the lock"))?,
+            };
+            row.as_ref()
+                .map(|row| {
+                    let value: Option<String> = row
+                        .try_get("value")
+                        .map_err(|e| map_error(e, "bad holder value row"))?;
+                    Ok((holder(row)?, value))
+                })
+                .transpose()
+        })
+    }
+
+    fn keeps_holder_values(&self) -> bool {
+        true
     }
 
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {

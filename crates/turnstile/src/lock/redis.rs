@@ -5,7 +5,11 @@
 //! - `P:{NAME}:lock` — a string `OWNER:TOKEN` with a millisecond expiry (the lease);
 //! - `P:{NAME}:fence` — the last fencing token issued for `NAME`, kept for the fence
 //!   retention (default 7 days) after the last acquisition;
-//! - the Pub/Sub channel `P:{NAME}:released`, announced on every release.
+//! - `P:{NAME}:value` — `OWNER:VALUE`, what the holder advertises (an election's
+//!   leader value), read only while `OWNER` holds the lock and kept as long as the
+//!   fence key;
+//! - the Pub/Sub channel `P:{NAME}:released`, announced on every release (and when a
+//!   holder proclaims a value).
 //!
 //! The `{NAME}` hash tag puts all keys of one lock in one Redis Cluster slot, so every
 //! script touches a single slot.
@@ -72,8 +76,8 @@ use std::time::Duration;
 use redis::{Script, Value};
 
 use super::{
-    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
-    ReleaseWatch, TryAcquire, TryAcquireUnfenced, ceil_millis,
+    BoxFuture, ExtendOutcome, HolderAndValue, LockBackend, LockInfo, LockName, LossReason, OwnerId,
+    ReleaseOutcome, ReleaseWatch, TryAcquire, TryAcquireUnfenced, ceil_millis,
 };
 pub use crate::engine::redis::RedisConnection;
 use crate::engine::redis::{
@@ -178,6 +182,34 @@ end
 return {value, redis.call('PTTL', KEYS[1])}
 ";
 
+/// Stores `OWNER:VALUE` in KEYS[2] while ARGV[1] holds the lock in KEYS[1], kept as
+/// long as the fence key (ARGV[3] ms), and announces it on the release channel so that
+/// observers look again.
+const PROCLAIM: &str = r"
+local held = redis.call('GET', KEYS[1])
+if not held or string.sub(held, 1, 33) ~= ARGV[1] .. ':' then
+  return 0
+end
+redis.call('SET', KEYS[2], ARGV[1] .. ':' .. ARGV[2], 'PX', ARGV[3])
+redis.call(ARGV[5], ARGV[4], 'proclaimed')
+return 1
+";
+
+/// The holder, its lease and, when the holder wrote it, its value: a value written by
+/// an earlier holder has another owner in front and is not returned.
+const INSPECT_WITH_VALUE: &str = r"
+local held = redis.call('GET', KEYS[1])
+if not held then
+  return false
+end
+local pttl = redis.call('PTTL', KEYS[1])
+local value = redis.call('GET', KEYS[2])
+if value and string.sub(value, 1, 33) == string.sub(held, 1, 33) then
+  return {held, pttl, string.sub(value, 34)}
+end
+return {held, pttl}
+";
+
 const BREAK: &str = r"
 local value = redis.call('GET', KEYS[1])
 if not value then
@@ -234,6 +266,8 @@ struct Scripts {
     release: Script,
     inspect: Script,
     force: Script,
+    proclaim: Script,
+    inspect_with_value: Script,
 }
 
 impl std::fmt::Debug for RedisLockStore {
@@ -392,6 +426,12 @@ impl RedisLockStore {
         self.key_of(name, "fence")
     }
 
+    /// The key holding the value `name`'s holder advertises (`OWNER:VALUE`; an
+    /// election's leader value).
+    pub fn value_key(&self, name: &LockName) -> String {
+        self.key_of(name, "value")
+    }
+
     /// The Pub/Sub channel announcing releases of `name`.
     pub fn release_channel(&self, name: &LockName) -> String {
         self.key_of(name, "released")
@@ -418,6 +458,8 @@ fn scripts() -> Scripts {
         release: Script::new(RELEASE),
         inspect: Script::new(INSPECT),
         force: Script::new(BREAK),
+        proclaim: Script::new(PROCLAIM),
+        inspect_with_value: Script::new(INSPECT_WITH_VALUE),
     }
 }
 
@@ -512,15 +554,28 @@ fn release_outcome(code: i64) -> ReleaseOutcome {
 }
 
 fn parse_holder(value: Value) -> Result<Option<LockInfo>> {
+    Ok(parse_holder_with_value(value)?.map(|(info, _)| info))
+}
+
+/// The inspect scripts' answer: `{OWNER:TOKEN, PTTL[, VALUE]}`, or nothing.
+fn parse_holder_with_value(value: Value) -> Result<Option<HolderAndValue>> {
     let Value::Array(items) = value else {
         return Ok(None);
     };
     let bad = || Error::new(ErrorKind::Store, "unexpected reply from the lock script");
-    let [stored, pttl] = <[Value; 2]>::try_from(items).map_err(|_| bad())?;
+    let mut items = items.into_iter();
+    let (Some(stored), Some(pttl)) = (items.next(), items.next()) else {
+        return Err(bad());
+    };
+    let proclaimed: Option<String> = items
+        .next()
+        .map(redis::from_redis_value)
+        .transpose()
+        .map_err(|e| bad().with_source(e))?;
     let stored: String = redis::from_redis_value(stored).map_err(|e| bad().with_source(e))?;
     let pttl: i64 = redis::from_redis_value(pttl).map_err(|e| bad().with_source(e))?;
     let (owner, token) = stored.split_once(':').ok_or_else(bad)?;
-    Ok(Some(LockInfo {
+    let info = LockInfo {
         owner: owner.to_owned(),
         // An unfenced holder's value has no token after the colon.
         fencing_token: if token.is_empty() {
@@ -529,7 +584,8 @@ fn parse_holder(value: Value) -> Result<Option<LockInfo>> {
             Some(token.parse()?)
         },
         remaining_ttl: u64::try_from(pttl).ok().map(Duration::from_millis),
-    }))
+    };
+    Ok(Some((info, proclaimed)))
 }
 
 impl LockBackend for RedisLockStore {
@@ -677,6 +733,53 @@ impl LockBackend for RedisLockStore {
                 .map_err(|error| map_error(error, "cannot read the lock"))?;
             parse_holder(answer)
         })
+    }
+
+    fn proclaim<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let applied: i64 = self
+                .scripts
+                .proclaim
+                .key(self.lock_key(name))
+                .key(self.value_key(name))
+                .arg(owner.as_str())
+                .arg(value)
+                .arg(ceil_millis(self.config.fence_retention))
+                .arg(self.release_channel(name))
+                .arg(self.notifier.publish_command())
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot store the holder's value"))?;
+            Ok(applied == 1)
+        })
+    }
+
+    fn inspect_with_value<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, Result<Option<HolderAndValue>>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let answer: Value = self
+                .scripts
+                .inspect_with_value
+                .key(self.lock_key(name))
+                .key(self.value_key(name))
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot read the lock"))?;
+            parse_holder_with_value(answer)
+        })
+    }
+
+    fn keeps_holder_values(&self) -> bool {
+        true
     }
 
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {

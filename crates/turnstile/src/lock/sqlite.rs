@@ -30,8 +30,8 @@ use sqlx::Row;
 use sqlx::sqlite::SqlitePool;
 
 use super::{
-    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
-    ReleaseSignals, ReleaseWatch, TryAcquire,
+    BoxFuture, ExtendOutcome, HolderAndValue, LockBackend, LockInfo, LockName, LossReason, OwnerId,
+    ReleaseOutcome, ReleaseSignals, ReleaseWatch, TryAcquire,
 };
 use crate::clock::wall_clock;
 use crate::engine::sqlite::millis_i64;
@@ -56,6 +56,20 @@ ON CONFLICT (name) DO UPDATE SET
 WHERE turnstile_locks.owner IS NULL OR turnstile_locks.expires_at_ms <= ?5
    OR turnstile_locks.owner = excluded.owner
 RETURNING token";
+
+/// What each holder advertises (an election's leader value), one row per name, keyed
+/// by the acquisition that wrote it: a row whose owner no longer holds the lock is
+/// never read, so a new holder starts with no value without anyone deleting the row.
+const CREATE_HOLDER_VALUES: &str = "CREATE TABLE IF NOT EXISTS turnstile_holder_values (
+    name TEXT PRIMARY KEY NOT NULL,
+    owner TEXT NOT NULL,
+    value TEXT NOT NULL
+) WITHOUT ROWID";
+
+/// Writes ?3 as the value of ?2's lock ?1, only while ?2 holds it (at ?4).
+const PROCLAIM: &str = "INSERT INTO turnstile_holder_values (name, owner, value)
+SELECT name, owner, ?3 FROM turnstile_locks WHERE name = ?1 AND owner = ?2 AND expires_at_ms > ?4
+ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, value = excluded.value";
 
 /// Passes a live lock from its holder (?2) straight to the next owner (?3) with a new
 /// token: the lock is never free in between.
@@ -119,6 +133,10 @@ impl SqliteLockStore {
             .execute(&self.pool)
             .await
             .map_err(|error| map_error(error, "cannot create the lock table"))?;
+        sqlx::query(CREATE_HOLDER_VALUES)
+            .execute(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot create the holder value table"))?;
         crate::fence::sqlite::create_table(&self.pool).await
     }
 
@@ -147,6 +165,37 @@ impl SqliteLockStore {
             other => other.map_err(|error| map_error(error, "cannot read the lock"))?,
         };
         row.map(|row| lock_info(&row, now_ms)).transpose()
+    }
+
+    async fn holder_with_value(
+        &self,
+        name: &LockName,
+        now_ms: i64,
+    ) -> Result<Option<HolderAndValue>> {
+        let row = sqlx::query(
+            "SELECT l.owner, l.token, l.expires_at_ms, v.value FROM turnstile_locks l
+             LEFT JOIN turnstile_holder_values v ON v.name = l.name AND v.owner = l.owner
+             WHERE l.name = ?1 AND l.owner IS NOT NULL AND l.expires_at_ms > ?2",
+        )
+        .bind(name.as_str())
+        .bind(now_ms)
+        .fetch_optional(&self.pool)
+        .await;
+        let row = match row {
+            // A store made before values existed, opened without migrating: the
+            // holder, with no value.
+            Err(error) if crate::sql::is_missing_table(&error) => {
+                return Ok(self.holder(name, now_ms).await?.map(|info| (info, None)));
+            }
+            other => other.map_err(|error| map_error(error, "cannot read the lock"))?,
+        };
+        row.map(|row| {
+            let value: Option<String> = row
+                .try_get("value")
+                .map_err(|e| map_error(e, "bad holder value row"))?;
+            Ok((lock_info(&row, now_ms)?, value))
+        })
+        .transpose()
     }
 }
 
@@ -297,6 +346,41 @@ impl LockBackend for SqliteLockStore {
         Box::pin(async move { self.holder(name, wall_clock().0).await })
     }
 
+    fn proclaim<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let applied = sqlx::query(PROCLAIM)
+                .bind(name.as_str())
+                .bind(owner.as_str())
+                .bind(value)
+                .bind(wall_clock().0)
+                .execute(&self.pool)
+                .await
+                .map_err(|error| map_error(error, "cannot store the holder's value"))?
+                .rows_affected()
+                == 1;
+            if applied {
+                self.signals.notify(name.as_str());
+            }
+            Ok(applied)
+        })
+    }
+
+    fn inspect_with_value<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, Result<Option<HolderAndValue>>> {
+        Box::pin(async move { self.holder_with_value(name, wall_clock().0).await })
+    }
+
+    fn keeps_holder_values(&self) -> bool {
+        true
+    }
+
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
         Box::pin(async move {
             let (now_ms, _) = wall_clock();
@@ -357,6 +441,15 @@ impl LockBackend for SqliteLockStore {
                 .await
                 .map_err(|error| map_error(error, "cannot prune lock rows"))?
                 .rows_affected();
+            // A value is only read while its owner holds the lock, so the rows of
+            // names just forgotten are dead.
+            sqlx::query(
+                "DELETE FROM turnstile_holder_values WHERE name NOT IN
+                 (SELECT name FROM turnstile_locks WHERE owner IS NOT NULL)",
+            )
+            .execute(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot prune holder values"))?;
             Ok(removed)
         })
     }

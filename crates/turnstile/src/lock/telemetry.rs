@@ -112,13 +112,7 @@ pub(crate) fn renewal_slow(kind: LeaseKind, name: &str, waited: Duration) {
 }
 
 pub(crate) fn lost(kind: LeaseKind, name: &str, reason: LossReason, held: Duration) {
-    let label = match reason {
-        LossReason::TakenOver => "taken_over",
-        LossReason::Expired => "expired",
-        LossReason::RenewalFailed => "renewal_failed",
-        LossReason::LeaseElapsed => "lease_elapsed",
-        LossReason::MaxHoldReached => "max_hold_reached",
-    };
+    let label = reason.as_label();
     match kind {
         LeaseKind::Lock => {
             metrics::counter!("turnstile_lock_lost_total", "reason" => label).increment(1);

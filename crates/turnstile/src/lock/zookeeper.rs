@@ -56,8 +56,8 @@ use std::time::{Duration, Instant};
 use zookeeper_client as zk;
 
 use super::{
-    BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, LossReason, OwnerId, ReleaseOutcome,
-    ReleaseWatch, TryAcquire,
+    BoxFuture, ExtendOutcome, HolderAndValue, LockBackend, LockInfo, LockName, LossReason, OwnerId,
+    ReleaseOutcome, ReleaseWatch, TryAcquire,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
@@ -706,6 +706,68 @@ impl LockBackend for ZooKeeperLockStore {
         })
     }
 
+    /// Writes the value into the holder's own node, after its owner id. A node first in
+    /// line stays first until it is deleted, and a deleted node cannot be written, so
+    /// the write applies only while the lock is held.
+    fn proclaim<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<bool>> {
+        Box::pin(async move {
+            let client = self.reader().await?;
+            let dir = self.inner.dir(name);
+            let owner_hex = owner.to_string();
+            let nodes = self.nodes(&client, &dir).await?;
+            let Some(first) = nodes.first().filter(|first| first.owner == owner_hex) else {
+                return Ok(false);
+            };
+            let data = format!("{owner_hex}\u{1f}{value}");
+            match client
+                .set_data(&format!("{dir}/{}", first.child()), data.as_bytes(), None)
+                .await
+            {
+                Ok(_) => Ok(true),
+                Err(zk::Error::NoNode) => Ok(false),
+                Err(error) => Err(failed("cannot store the holder's value")(error)),
+            }
+        })
+    }
+
+    fn inspect_with_value<'a>(
+        &'a self,
+        name: &'a LockName,
+    ) -> BoxFuture<'a, Result<Option<HolderAndValue>>> {
+        Box::pin(async move {
+            let client = self.reader().await?;
+            let dir = self.inner.dir(name);
+            let nodes = self.nodes(&client, &dir).await?;
+            let Some(first) = nodes.first() else {
+                return Ok(None);
+            };
+            match client.get_data(&format!("{dir}/{}", first.child())).await {
+                Ok((data, stat)) => {
+                    let data = String::from_utf8_lossy(&data);
+                    let value = data.split_once('\u{1f}').map(|(_, value)| value.to_owned());
+                    let info = LockInfo {
+                        owner: first.owner.clone(),
+                        fencing_token: Some(token(&stat)),
+                        remaining_ttl: None,
+                    };
+                    Ok(Some((info, value)))
+                }
+                // Released between the listing and the read.
+                Err(zk::Error::NoNode) => Ok(None),
+                Err(error) => Err(failed("cannot read the lock's node")(error)),
+            }
+        })
+    }
+
+    fn keeps_holder_values(&self) -> bool {
+        true
+    }
+
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
         Box::pin(async move {
             let client = self.reader().await?;
@@ -769,6 +831,10 @@ impl LockBackend for ZooKeeperLockStore {
                                     announce();
                                 }
                             }
+                        }
+                        // A holder's new value, for observers of an election.
+                        zk::EventType::NodeDataChanged if child_of_dir(&event.path).is_some() => {
+                            announce();
                         }
                         zk::EventType::Session => {
                             if event.session_state.is_terminated() {

@@ -19,6 +19,10 @@ use turnstile::lock::{
     OwnerId, ReleaseOutcome, ReleaseWatch, TryAcquire,
 };
 
+mod election;
+#[allow(unused_imports)]
+pub use election::*;
+
 /// A store under test.
 pub trait TestStore: Send + Sync + 'static {
     /// A new client with its own connections, as another process would have.
@@ -1703,6 +1707,10 @@ macro_rules! conformance_tests {
             a_release_cut_short_by_its_caller_still_releases,
             a_slow_hand_over_does_not_stretch_the_wait_bound,
             a_remote_waiter_gets_in_within_nine_local_sections,
+            one_leader_at_a_time_with_growing_epochs,
+            observers_see_every_change_of_leader,
+            a_deposed_leader_knows_before_its_successor_leads,
+            election_input_is_checked,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
