@@ -4,6 +4,9 @@
 #[doc = include_str!("../../../docs/locks.md")]
 pub mod locks {}
 
+#[doc = include_str!("../../../docs/elections.md")]
+pub mod elections {}
+
 #[doc = include_str!("../../../docs/idempotency.md")]
 pub mod idempotency {}
 
