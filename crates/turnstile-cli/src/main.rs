@@ -7,6 +7,7 @@ mod lead;
 mod lock;
 mod migrate;
 mod outbox;
+mod semaphore;
 mod serve;
 #[cfg(feature = "sqlite")]
 mod verify;
@@ -71,6 +72,10 @@ enum Command {
     /// campaigning, at once (status 0). While the store cannot be reached it keeps
     /// campaigning.
     Lead(lead::LeadArgs),
+    /// Semaphores: who holds their permits, forget their number of permits (take a
+    /// permit with `lock exec --permits N`).
+    #[command(subcommand)]
+    Semaphore(semaphore::SemaphoreCommand),
     /// Show who leads an election: the leader's owner id, epoch, value and lease
     /// (--watch: every change, as it happens).
     Leader(lead::LeaderArgs),
@@ -323,6 +328,7 @@ fn main() -> ExitCode {
             Command::Lock(command) => lock::run(command).await,
             Command::Lead(args) => lead::lead(args).await,
             Command::Leader(args) => lead::leader(args).await,
+            Command::Semaphore(command) => semaphore::run(command).await,
             Command::Bench(BenchCommand::Lock(args)) => bench::run(args).await,
             Command::Bench(BenchCommand::IdempotencyServer(args)) => bench::http::serve(args).await,
             Command::Bench(BenchCommand::IdempotencyDuplicates(args)) => {

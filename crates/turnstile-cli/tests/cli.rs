@@ -1369,3 +1369,85 @@ fn leader_watch_prints_every_change() {
     let _ = watcher.kill();
     let _ = watcher.wait();
 }
+
+/// `lock exec --permits 2`: two commands run at once under the semaphore, a third is
+/// refused with `--no-wait` (exit 75), another number of permits is refused (exit 64),
+/// `semaphore status` shows both holders, and `semaphore forget` lets a new number in.
+#[test]
+fn exec_with_permits_runs_at_most_that_many_at_once() {
+    let sandbox = Sandbox::new();
+    let mut holders = Vec::new();
+    let mut markers = Vec::new();
+    for n in 0..2 {
+        let marker = sandbox.path(&format!("holder-{n}"));
+        holders.push(
+            sandbox
+                .turnstile(&[
+                    "lock",
+                    "exec",
+                    "--permits",
+                    "2",
+                    "exports",
+                    "--",
+                    "sh",
+                    "-c",
+                    &format!(
+                        "echo \"$TURNSTILE_SEMAPHORE $TURNSTILE_PERMIT $TURNSTILE_LOCK_NAME\" > {0}.tmp; mv {0}.tmp {0}; sleep 3",
+                        marker.display()
+                    ),
+                ])
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        markers.push(marker);
+    }
+    let mut permits = Vec::new();
+    for marker in &markers {
+        wait_for_file(marker);
+        let seen = std::fs::read_to_string(marker).unwrap();
+        let words: Vec<&str> = seen.split_whitespace().collect();
+        assert_eq!(words[0], "exports");
+        assert_eq!(words[2], format!("exports#{}", words[1]));
+        permits.push(words[1].to_owned());
+    }
+    permits.sort();
+    assert_eq!(permits, ["0", "1"], "the two commands hold the two permits");
+
+    let third = sandbox.run(&[
+        "lock",
+        "exec",
+        "--permits",
+        "2",
+        "--no-wait",
+        "exports",
+        "--",
+        "true",
+    ]);
+    assert_eq!(code(&third), 75, "{}", stderr(&third));
+    let other_number = sandbox.run(&["lock", "exec", "--permits", "3", "exports", "--", "true"]);
+    assert_eq!(code(&other_number), 64, "{}", stderr(&other_number));
+    assert!(
+        stderr(&other_number).contains("has 2 permits"),
+        "{}",
+        stderr(&other_number)
+    );
+
+    let status = sandbox.run(&["semaphore", "status", "--json", "exports"]);
+    assert_eq!(code(&status), 0, "{}", stderr(&status));
+    let status: serde_json::Value = serde_json::from_str(stdout(&status).trim()).unwrap();
+    assert_eq!(status["permits"], 2);
+    assert_eq!(status["held"], 2);
+
+    for mut holder in holders {
+        assert_eq!(holder.wait().unwrap().code(), Some(0));
+    }
+    let forgot = sandbox.run(&["semaphore", "forget", "exports"]);
+    assert!(
+        stdout(&forgot).contains("has 2 permits"),
+        "{}",
+        stdout(&forgot)
+    );
+    let three = sandbox.run(&["lock", "exec", "--permits", "3", "exports", "--", "true"]);
+    assert_eq!(code(&three), 0, "{}", stderr(&three));
+}

@@ -76,6 +76,7 @@ mod name;
 mod notify;
 pub mod optimistic;
 pub mod outbox;
+pub mod semaphore;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod sql;
 pub mod store;

@@ -41,6 +41,16 @@ impl crate::election::Election {
     }
 }
 
+impl crate::semaphore::Semaphore {
+    /// Opens the store a URL names (the same URLs as the locks); see
+    /// [`crate::store::connect`].
+    pub async fn connect(url: &str) -> Result<Self> {
+        crate::lock::Locker::connect(url)
+            .await
+            .map(crate::semaphore::Semaphore::new)
+    }
+}
+
 impl crate::idempotency::Idempotency {
     /// Opens the store a URL names (the same URLs as the locks: `sqlite://PATH`,
     /// `postgres://…`).

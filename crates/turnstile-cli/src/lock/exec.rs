@@ -77,7 +77,18 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         Ok(locker) => locker,
         Err(error) => return fail(&error),
     };
-    let acquired = if args.unfenced {
+    // Under a semaphore, the lock held is one of its permits, `NAME#SLOT`.
+    let mut environment = Vec::new();
+    let acquired = if let Some(permits) = args.permits {
+        turnstile::semaphore::Semaphore::new(locker)
+            .acquire(name.clone(), permits, &options)
+            .await
+            .map(|permit| {
+                environment.push(("TURNSTILE_SEMAPHORE", name.as_str().to_owned()));
+                environment.push(("TURNSTILE_PERMIT", permit.slot().to_string()));
+                HeldLock::Fenced(permit.into_guard())
+            })
+    } else if args.unfenced {
         locker
             .acquire_unfenced(name.clone(), &options)
             .await
@@ -92,8 +103,8 @@ pub(crate) async fn run(args: ExecArgs) -> ExitCode {
         Ok(guard) => guard,
         Err(error) => return fail(&error),
     };
+    environment.push(("TURNSTILE_LOCK_NAME", guard.name().as_str().to_owned()));
     // An unfenced lock has no token: the variable is not set, never made up.
-    let mut environment = vec![("TURNSTILE_LOCK_NAME", name.as_str().to_owned())];
     if let HeldLock::Fenced(guard) = &guard {
         environment.push(("TURNSTILE_FENCING_TOKEN", guard.fencing_token().to_string()));
     }

@@ -81,8 +81,15 @@ pub(crate) struct ExecArgs {
     /// Take the lock without a fencing token, for commands whose duplicate run only
     /// wastes work: `TURNSTILE_FENCING_TOKEN` is not set. Cheaper on Redis (a bare
     /// `SET NX PX`); the same cost as the fenced lock on the other engines.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "permits")]
     unfenced: bool,
+    /// Hold one of N permits of the semaphore NAME instead of the lock NAME: at most N
+    /// commands run at once. The first client to use NAME stores N; another number is
+    /// refused (exit 64). The command also gets TURNSTILE_SEMAPHORE and
+    /// TURNSTILE_PERMIT (0 to N-1); TURNSTILE_LOCK_NAME is the permit's lock, NAME#PERMIT,
+    /// and TURNSTILE_FENCING_TOKEN that permit's token.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=i64::from(turnstile::semaphore::MAX_PERMITS)))]
+    permits: Option<u32>,
     /// The lock's name.
     name: String,
     /// The command and its arguments (after `--`).

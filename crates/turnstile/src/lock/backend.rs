@@ -129,6 +129,37 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
         false
     }
 
+    /// Stores `permits` as the number of permits of the [semaphore](crate::semaphore)
+    /// `name`, unless a number is stored for it already, and returns the stored number:
+    /// one atomic step, so that of clients that disagree the first to declare wins and
+    /// every other learns the number it must use. The number is kept until an operator
+    /// forgets it ([`forget_permits`](Self::forget_permits)).
+    ///
+    /// The default refuses with [`ErrorKind::UnsupportedStore`](crate::ErrorKind): an
+    /// engine that cannot keep the number atomically (RedLock, whose nodes are
+    /// independent) cannot keep a semaphore's holders from overcommitting.
+    fn declare_permits<'a>(
+        &'a self,
+        name: &'a LockName,
+        permits: u32,
+    ) -> BoxFuture<'a, Result<u32>> {
+        let _ = (name, permits);
+        Box::pin(async move { Err(no_semaphores(self.describe())) })
+    }
+
+    /// The number of permits stored for the semaphore `name`, if any (a read only).
+    fn stored_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        let _ = name;
+        Box::pin(async move { Err(no_semaphores(self.describe())) })
+    }
+
+    /// Forgets the number of permits stored for the semaphore `name` (an operator's
+    /// step before declaring another number); returns the number forgotten, if any.
+    fn forget_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        let _ = name;
+        Box::pin(async move { Err(no_semaphores(self.describe())) })
+    }
+
     /// A short description of the store for messages (its URL without a password).
     fn describe(&self) -> String;
 
@@ -200,6 +231,18 @@ pub trait LockBackend: Send + Sync + fmt::Debug + 'static {
     ) -> BoxFuture<'a, Result<(ReleaseOutcome, TryAcquire)>> {
         Box::pin(release_then_acquire(self, name, from, to, ttl))
     }
+}
+
+/// The refusal of an engine that keeps no semaphores.
+fn no_semaphores(store: String) -> crate::error::Error {
+    crate::error::Error::new(
+        crate::error::ErrorKind::UnsupportedStore,
+        format!(
+            "the store {store} cannot keep a semaphore's number of permits atomically, so \
+             it cannot keep more holders than permits out; use one Redis node (or Sentinel, \
+             Cluster), SQLite, PostgreSQL, MySQL, etcd or ZooKeeper"
+        ),
+    )
 }
 
 /// A held lock with the value its holder [proclaimed](LockBackend::proclaim) (`None`:

@@ -469,6 +469,12 @@ impl EtcdLockStore {
         TxnOp::get(self.name_prefix(name), Some(in_line_options(count)))
     }
 
+    /// A semaphore's number of permits: outside every name's range of lock keys
+    /// (`{prefix}/…`).
+    fn permits_key(&self, name: &LockName) -> String {
+        format!("{}\u{1f}permits/{}", self.prefix, name.as_str())
+    }
+
     fn key(&self, name: &LockName, owner: &OwnerId) -> String {
         format!("{}{owner}", self.name_prefix(name))
     }
@@ -782,6 +788,71 @@ impl LockBackend for EtcdLockStore {
 
     fn keeps_holder_values(&self) -> bool {
         true
+    }
+
+    fn declare_permits<'a>(
+        &'a self,
+        name: &'a LockName,
+        permits: u32,
+    ) -> BoxFuture<'a, Result<u32>> {
+        Box::pin(async move {
+            let key = self.permits_key(name);
+            let txn = Txn::new()
+                .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+                .and_then([TxnOp::put(key.as_str(), permits.to_string(), None)])
+                .or_else([TxnOp::get(key.as_str(), None)]);
+            let answer = self
+                .txn(txn)
+                .await
+                .map_err(failed("cannot declare the semaphore's permits"))?;
+            if answer.succeeded() {
+                return Ok(permits);
+            }
+            let (stored, _) = mine_and_first(&answer);
+            let text = stored
+                .as_ref()
+                .and_then(|kv| kv.value_str().ok())
+                .unwrap_or_default();
+            text.parse().map_err(|_| {
+                Error::new(
+                    ErrorKind::Store,
+                    format!("the semaphore's permits key {key} holds {text:?}, not a number"),
+                )
+            })
+        })
+    }
+
+    fn stored_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(async move {
+            let key = self.permits_key(name);
+            let answer = self
+                .txn(Txn::new().and_then([TxnOp::get(key.as_str(), None)]))
+                .await
+                .map_err(failed("cannot read the semaphore's permits"))?;
+            let (stored, _) = mine_and_first(&answer);
+            Ok(stored
+                .as_ref()
+                .and_then(|kv| kv.value_str().ok())
+                .and_then(|text| text.parse().ok()))
+        })
+    }
+
+    fn forget_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(async move {
+            let key = self.permits_key(name);
+            let answer = self
+                .txn(Txn::new().and_then([
+                    TxnOp::get(key.as_str(), None),
+                    TxnOp::delete(key.as_str(), None),
+                ]))
+                .await
+                .map_err(failed("cannot forget the semaphore's permits"))?;
+            let (stored, _) = mine_and_first(&answer);
+            Ok(stored
+                .as_ref()
+                .and_then(|kv| kv.value_str().ok())
+                .and_then(|text| text.parse().ok()))
+        })
     }
 
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {

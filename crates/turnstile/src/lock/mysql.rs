@@ -236,7 +236,8 @@ struct Sql {
     create_xact_row: Statement,
     take_in_transaction: Statement,
     holder: Statement,
-    create: [Statement; 4],
+    create: [Statement; 5],
+    semaphores: String,
     fences: String,
 }
 
@@ -319,6 +320,7 @@ impl MysqlLockStore {
         let fences = format!("`{}_fences`", config.prefix);
         let tokens = format!("`{}_tokens`", config.prefix);
         let xact_locks = format!("`{}_xact_locks`", config.prefix);
+        let semaphores = format!("`{}_semaphores`", config.prefix);
         // `token` is the last token issued for the name; `holder_token`, `owner` and
         // `connection_id` describe the named-lock holder that took it last.
         let sql = Sql {
@@ -423,7 +425,14 @@ impl MysqlLockStore {
                     "CREATE TABLE IF NOT EXISTS {xact_locks} (
                         name VARBINARY(512) PRIMARY KEY) ENGINE = InnoDB"
                 )),
+                // The number of permits of each semaphore (whose permits are named locks).
+                statement(format!(
+                    "CREATE TABLE IF NOT EXISTS {semaphores} (
+                        name VARBINARY(512) PRIMARY KEY,
+                        permits BIGINT UNSIGNED NOT NULL) ENGINE = InnoDB"
+                )),
             ],
+            semaphores,
             fences,
             tokens,
             xact_locks,
@@ -441,6 +450,24 @@ impl MysqlLockStore {
             store.migrate().await?;
         }
         Ok(store)
+    }
+
+    /// The permits stored for a semaphore, if any (none before the table exists).
+    async fn stored_permits_in_table(&self, name: &LockName) -> Result<Option<u32>> {
+        let table = &self.sql.semaphores;
+        let stored: Option<u64> = match sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT permits FROM {table} WHERE name = ?"
+        )))
+        .bind(name.as_str().as_bytes())
+        .fetch_optional(&self.pool)
+        .await
+        {
+            Err(error) if crate::sql::is_missing_table(&error) => None,
+            other => {
+                other.map_err(|error| map_error(error, "cannot read the semaphore's permits"))?
+            }
+        };
+        Ok(stored.map(|stored| u32::try_from(stored).unwrap_or(0)))
     }
 
     /// Creates the tables if missing. Harmless to run again or concurrently (it holds
@@ -1036,6 +1063,55 @@ impl LockBackend for MysqlLockStore {
             }
             transaction.commit().await.map_err(fail)?;
             Ok(removed)
+        })
+    }
+
+    /// An insert that keeps a number already there, then a read: a number, once
+    /// stored, changes only when it is forgotten, so the read sees the number the
+    /// insert kept.
+    fn declare_permits<'a>(
+        &'a self,
+        name: &'a LockName,
+        permits: u32,
+    ) -> BoxFuture<'a, Result<u32>> {
+        Box::pin(async move {
+            let fail = |error| map_error(error, "cannot declare the semaphore's permits");
+            let table = &self.sql.semaphores;
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT IGNORE INTO {table} (name, permits) VALUES (?, ?)"
+            )))
+            .bind(name.as_str().as_bytes())
+            .bind(u64::from(permits))
+            .execute(&self.pool)
+            .await
+            .map_err(fail)?;
+            let stored: Option<u64> = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT permits FROM {table} WHERE name = ?"
+            )))
+            .bind(name.as_str().as_bytes())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(fail)?;
+            // Forgotten between the two: this client's number is as good as any.
+            Ok(stored.map_or(permits, |stored| u32::try_from(stored).unwrap_or(0)))
+        })
+    }
+
+    fn stored_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(self.stored_permits_in_table(name))
+    }
+
+    fn forget_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(async move {
+            let fail = |error| map_error(error, "cannot forget the semaphore's permits");
+            let table = &self.sql.semaphores;
+            let stored = self.stored_permits_in_table(name).await?;
+            sqlx::query(AssertSqlSafe(format!("DELETE FROM {table} WHERE name = ?")))
+                .bind(name.as_str().as_bytes())
+                .execute(&self.pool)
+                .await
+                .map_err(fail)?;
+            Ok(stored)
         })
     }
 

@@ -226,7 +226,12 @@ struct Sql {
     /// What each holder advertises (an election's leader value), one row per name,
     /// read only while its owner holds the lock.
     values: String,
+    /// The number of permits of each semaphore.
+    semaphores: String,
     channel: String,
+    declare_permits: Statement,
+    stored_permits: Statement,
+    forget_permits: Statement,
     acquire: Statement,
     proclaim: Statement,
     inspect_with_value: Statement,
@@ -249,6 +254,7 @@ impl Sql {
         let fences = format!("{schema}.\"{}_fences\"", config.prefix);
         let tokens = format!("{schema}.\"{}_tokens\"", config.prefix);
         let values = format!("{schema}.\"{}_holder_values\"", config.prefix);
+        let semaphores = format!("{schema}.\"{}_semaphores\"", config.prefix);
         // A name's token row holds the last token issued for it, which is the holder's
         // while the lock is held. New tokens are `max(last + 1, database clock in µs)`,
         // so they keep increasing even if the row was pruned, and share their range with
@@ -410,9 +416,19 @@ impl Sql {
                  WHERE l.name = $1 AND l.owner IS NOT NULL AND l.expires_at > clock_timestamp()
                    AND isfinite(l.expires_at)"
             )),
+            declare_permits: statement(format!(
+                "INSERT INTO {semaphores} AS s (name, permits) VALUES ($1, $2)
+                 ON CONFLICT (name) DO UPDATE SET permits = s.permits
+                 RETURNING permits"
+            )),
+            stored_permits: statement(format!("SELECT permits FROM {semaphores} WHERE name = $1")),
+            forget_permits: statement(format!(
+                "DELETE FROM {semaphores} WHERE name = $1 RETURNING permits"
+            )),
             channel: format!("{}_released", config.prefix),
             schema,
             values,
+            semaphores,
             locks,
             tokens,
             fences,
@@ -624,6 +640,10 @@ impl PostgresLockStore {
                 "CREATE TABLE IF NOT EXISTS {} (name TEXT PRIMARY KEY, owner TEXT NOT NULL, value TEXT NOT NULL)",
                 sql.values
             ),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {} (name TEXT PRIMARY KEY, permits BIGINT NOT NULL)",
+                sql.semaphores
+            ),
         ] {
             sqlx::query(AssertSqlSafe(statement))
                 .execute(&mut *transaction)
@@ -758,6 +778,53 @@ impl PostgresLockStore {
             _ => ReleaseOutcome::AlreadyExpired,
         };
         Ok((outcome, notified > 0))
+    }
+
+    /// Declares a semaphore's permits in this database's semaphore table (session mode
+    /// keeps them there too).
+    pub(crate) async fn declare_permits_in_table(
+        &self,
+        name: &LockName,
+        permits: u32,
+    ) -> Result<u32> {
+        let stored: i64 = sent_again_if_gone(self.pool_size(), || {
+            sqlx::query_scalar(self.sql.declare_permits.sql())
+                .bind(name.as_str())
+                .bind(i64::from(permits))
+                .fetch_one(&self.ops)
+        })
+        .await
+        .map_err(|error| map_error(error, "cannot declare the semaphore's permits"))?;
+        Ok(u32::try_from(stored).unwrap_or(0))
+    }
+
+    /// The permits stored for a semaphore, if any.
+    pub(crate) async fn stored_permits_in_table(&self, name: &LockName) -> Result<Option<u32>> {
+        let stored: Option<i64> = match sent_again_if_gone(self.pool_size(), || {
+            sqlx::query_scalar(self.sql.stored_permits.sql())
+                .bind(name.as_str())
+                .fetch_optional(&self.ops)
+        })
+        .await
+        {
+            Err(error) if crate::sql::is_missing_table(&error) => None,
+            other => {
+                other.map_err(|error| map_error(error, "cannot read the semaphore's permits"))?
+            }
+        };
+        Ok(stored.map(|permits| u32::try_from(permits).unwrap_or(0)))
+    }
+
+    /// Forgets a semaphore's permits (see [`declare_permits_in_table`](Self::declare_permits_in_table)).
+    pub(crate) async fn forget_permits_in_table(&self, name: &LockName) -> Result<Option<u32>> {
+        let stored: Option<i64> = sent_again_if_gone(self.pool_size(), || {
+            sqlx::query_scalar(self.sql.forget_permits.sql())
+                .bind(name.as_str())
+                .fetch_optional(&self.ops)
+        })
+        .await
+        .map_err(|error| map_error(error, "cannot forget the semaphore's permits"))?;
+        Ok(stored.map(|permits| u32::try_from(permits).unwrap_or(0)))
     }
 
     /// How many release notifications this store's `LISTEN` connection has delivered:
@@ -1017,6 +1084,22 @@ impl LockBackend for PostgresLockStore {
 
     fn keeps_holder_values(&self) -> bool {
         true
+    }
+
+    fn declare_permits<'a>(
+        &'a self,
+        name: &'a LockName,
+        permits: u32,
+    ) -> BoxFuture<'a, Result<u32>> {
+        Box::pin(self.declare_permits_in_table(name, permits))
+    }
+
+    fn stored_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(self.stored_permits_in_table(name))
+    }
+
+    fn forget_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(self.forget_permits_in_table(name))
     }
 
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {

@@ -563,6 +563,22 @@ impl LockBackend for PostgresSessionLockStore {
         })
     }
 
+    fn declare_permits<'a>(
+        &'a self,
+        name: &'a LockName,
+        permits: u32,
+    ) -> BoxFuture<'a, Result<u32>> {
+        Box::pin(self.tables.declare_permits_in_table(name, permits))
+    }
+
+    fn stored_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(self.tables.stored_permits_in_table(name))
+    }
+
+    fn forget_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(self.tables.forget_permits_in_table(name))
+    }
+
     fn describe(&self) -> String {
         format!("{} (session mode)", self.tables.describe())
     }

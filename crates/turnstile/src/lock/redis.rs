@@ -8,6 +8,8 @@
 //! - `P:{NAME}:value` — `OWNER:VALUE`, what the holder advertises (an election's
 //!   leader value), read only while `OWNER` holds the lock and kept as long as the
 //!   fence key;
+//! - `P:{NAME}:permits` — a semaphore's number of permits (no expiry; its permits
+//!   are the locks `NAME#0`, `NAME#1`, …);
 //! - the Pub/Sub channel `P:{NAME}:released`, announced on every release (and when a
 //!   holder proclaims a value).
 //!
@@ -208,6 +210,23 @@ if value and string.sub(value, 1, 33) == string.sub(held, 1, 33) then
   return {held, pttl, string.sub(value, 34)}
 end
 return {held, pttl}
+";
+
+/// Keeps the number of permits in KEYS[1] if one is there, else stores ARGV[1]; answers
+/// the number kept.
+const DECLARE_PERMITS: &str = r"
+local stored = redis.call('GET', KEYS[1])
+if stored then
+  return stored
+end
+redis.call('SET', KEYS[1], ARGV[1])
+return ARGV[1]
+";
+
+const FORGET_PERMITS: &str = r"
+local stored = redis.call('GET', KEYS[1])
+redis.call('DEL', KEYS[1])
+return stored
 ";
 
 const BREAK: &str = r"
@@ -430,6 +449,11 @@ impl RedisLockStore {
     /// election's leader value).
     pub fn value_key(&self, name: &LockName) -> String {
         self.key_of(name, "value")
+    }
+
+    /// The key holding the number of permits of the semaphore `name` (no expiry).
+    pub fn permits_key(&self, name: &LockName) -> String {
+        self.key_of(name, "permits")
     }
 
     /// The Pub/Sub channel announcing releases of `name`.
@@ -780,6 +804,52 @@ impl LockBackend for RedisLockStore {
 
     fn keeps_holder_values(&self) -> bool {
         true
+    }
+
+    fn declare_permits<'a>(
+        &'a self,
+        name: &'a LockName,
+        permits: u32,
+    ) -> BoxFuture<'a, Result<u32>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let stored: String = Script::new(DECLARE_PERMITS)
+                .key(self.permits_key(name))
+                .arg(permits)
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot declare the semaphore's permits"))?;
+            stored.parse().map_err(|_| {
+                Error::new(
+                    ErrorKind::Store,
+                    format!("the semaphore's permits key holds {stored:?}, not a number"),
+                )
+            })
+        })
+    }
+
+    fn stored_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let stored: Option<String> = redis::cmd("GET")
+                .arg(self.permits_key(name))
+                .query_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot read the semaphore's permits"))?;
+            Ok(stored.and_then(|stored| stored.parse().ok()))
+        })
+    }
+
+    fn forget_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let stored: Option<String> = Script::new(FORGET_PERMITS)
+                .key(self.permits_key(name))
+                .invoke_async(&mut connection)
+                .await
+                .map_err(|error| map_error(error, "cannot forget the semaphore's permits"))?;
+            Ok(stored.and_then(|stored| stored.parse().ok()))
+        })
     }
 
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {

@@ -66,6 +66,18 @@ const CREATE_HOLDER_VALUES: &str = "CREATE TABLE IF NOT EXISTS turnstile_holder_
     value TEXT NOT NULL
 ) WITHOUT ROWID";
 
+/// The number of permits of each semaphore, set by the first client to use it.
+const CREATE_SEMAPHORES: &str = "CREATE TABLE IF NOT EXISTS turnstile_semaphores (
+    name TEXT PRIMARY KEY NOT NULL,
+    permits INTEGER NOT NULL
+) WITHOUT ROWID";
+
+/// Stores ?2 as semaphore ?1's permits unless a number is there, and returns the number
+/// stored.
+const DECLARE_PERMITS: &str = "INSERT INTO turnstile_semaphores (name, permits) VALUES (?1, ?2)
+ON CONFLICT (name) DO UPDATE SET permits = turnstile_semaphores.permits
+RETURNING permits";
+
 /// Writes ?3 as the value of ?2's lock ?1, only while ?2 holds it (at ?4).
 const PROCLAIM: &str = "INSERT INTO turnstile_holder_values (name, owner, value)
 SELECT name, owner, ?3 FROM turnstile_locks WHERE name = ?1 AND owner = ?2 AND expires_at_ms > ?4
@@ -137,6 +149,10 @@ impl SqliteLockStore {
             .execute(&self.pool)
             .await
             .map_err(|error| map_error(error, "cannot create the holder value table"))?;
+        sqlx::query(CREATE_SEMAPHORES)
+            .execute(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot create the semaphore table"))?;
         crate::fence::sqlite::create_table(&self.pool).await
     }
 
@@ -379,6 +395,52 @@ impl LockBackend for SqliteLockStore {
 
     fn keeps_holder_values(&self) -> bool {
         true
+    }
+
+    fn declare_permits<'a>(
+        &'a self,
+        name: &'a LockName,
+        permits: u32,
+    ) -> BoxFuture<'a, Result<u32>> {
+        Box::pin(async move {
+            let stored: i64 = sqlx::query_scalar(DECLARE_PERMITS)
+                .bind(name.as_str())
+                .bind(i64::from(permits))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(|error| map_error(error, "cannot declare the semaphore's permits"))?;
+            Ok(u32::try_from(stored).unwrap_or(0))
+        })
+    }
+
+    fn stored_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(async move {
+            let stored: Option<i64> = match sqlx::query_scalar(
+                "SELECT permits FROM turnstile_semaphores WHERE name = ?1",
+            )
+            .bind(name.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            {
+                Err(error) if crate::sql::is_missing_table(&error) => None,
+                other => other
+                    .map_err(|error| map_error(error, "cannot read the semaphore's permits"))?,
+            };
+            Ok(stored.map(|permits| u32::try_from(permits).unwrap_or(0)))
+        })
+    }
+
+    fn forget_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(async move {
+            let stored: Option<i64> = sqlx::query_scalar(
+                "DELETE FROM turnstile_semaphores WHERE name = ?1 RETURNING permits",
+            )
+            .bind(name.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|error| map_error(error, "cannot forget the semaphore's permits"))?;
+            Ok(stored.map(|permits| u32::try_from(permits).unwrap_or(0)))
+        })
     }
 
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {

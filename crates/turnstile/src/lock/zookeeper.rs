@@ -768,6 +768,90 @@ impl LockBackend for ZooKeeperLockStore {
         true
     }
 
+    /// A persistent node `{path}/%permits/{name}` holding the number: no name's
+    /// directory can be called `%permits` (a name's `%` is always escaped as `%25`).
+    /// Creating it is the atomic step: of clients that race, one creates it and the
+    /// others read what it wrote.
+    fn declare_permits<'a>(
+        &'a self,
+        name: &'a LockName,
+        permits: u32,
+    ) -> BoxFuture<'a, Result<u32>> {
+        Box::pin(async move {
+            let client = self.reader().await?;
+            let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+            let parent = format!("{}/%permits", self.inner.base);
+            // The base path and this node, each created unless it is there.
+            let mut path_so_far = String::new();
+            for part in parent.split('/').filter(|part| !part.is_empty()) {
+                path_so_far.push('/');
+                path_so_far.push_str(part);
+                match client.create(&path_so_far, &[], &persistent).await {
+                    Ok(_) | Err(zk::Error::NodeExists) => {}
+                    Err(error) => {
+                        return Err(failed("cannot create the semaphores' node")(error));
+                    }
+                }
+            }
+            let path = format!("{parent}/{}", path_component(name.as_str()));
+            let text = permits.to_string();
+            match client.create(&path, text.as_bytes(), &persistent).await {
+                Ok(_) => return Ok(permits),
+                Err(zk::Error::NodeExists) => {}
+                Err(error) => {
+                    return Err(failed("cannot declare the semaphore's permits")(error));
+                }
+            }
+            let (data, _) = client
+                .get_data(&path)
+                .await
+                .map_err(failed("cannot read the semaphore's permits"))?;
+            let stored = String::from_utf8_lossy(&data);
+            stored.parse().map_err(|_| {
+                Error::new(
+                    ErrorKind::Store,
+                    format!("the semaphore's node {path} holds {stored:?}, not a number"),
+                )
+            })
+        })
+    }
+
+    fn stored_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(async move {
+            let client = self.reader().await?;
+            let path = format!(
+                "{}/%permits/{}",
+                self.inner.base,
+                path_component(name.as_str())
+            );
+            match client.get_data(&path).await {
+                Ok((data, _)) => Ok(String::from_utf8_lossy(&data).parse().ok()),
+                Err(zk::Error::NoNode) => Ok(None),
+                Err(error) => Err(failed("cannot read the semaphore's permits")(error)),
+            }
+        })
+    }
+
+    fn forget_permits<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(async move {
+            let client = self.reader().await?;
+            let path = format!(
+                "{}/%permits/{}",
+                self.inner.base,
+                path_component(name.as_str())
+            );
+            let stored = match client.get_data(&path).await {
+                Ok((data, _)) => String::from_utf8_lossy(&data).parse().ok(),
+                Err(zk::Error::NoNode) => return Ok(None),
+                Err(error) => return Err(failed("cannot read the semaphore's permits")(error)),
+            };
+            match client.delete(&path, None).await {
+                Ok(()) | Err(zk::Error::NoNode) => Ok(stored),
+                Err(error) => Err(failed("cannot forget the semaphore's permits")(error)),
+            }
+        })
+    }
+
     fn force_release<'a>(&'a self, name: &'a LockName) -> BoxFuture<'a, Result<Option<LockInfo>>> {
         Box::pin(async move {
             let client = self.reader().await?;

@@ -20,8 +20,11 @@ use turnstile::lock::{
 };
 
 mod election;
+mod semaphore;
 #[allow(unused_imports)]
 pub use election::*;
+#[allow(unused_imports)]
+pub use semaphore::*;
 
 /// A store under test.
 pub trait TestStore: Send + Sync + 'static {
@@ -1711,6 +1714,10 @@ macro_rules! conformance_tests {
             observers_see_every_change_of_leader,
             a_deposed_leader_knows_before_its_successor_leads,
             election_input_is_checked,
+            never_more_holders_than_permits,
+            a_crashed_holders_permit_returns_after_its_lease,
+            a_waiter_gets_a_released_permit_and_gives_up_at_its_bound,
+            clients_that_disagree_on_the_permits_are_refused,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
