@@ -7,6 +7,9 @@ pub mod locks {}
 #[doc = include_str!("../../../docs/elections.md")]
 pub mod elections {}
 
+#[doc = include_str!("../../../docs/semaphores.md")]
+pub mod semaphores {}
+
 #[doc = include_str!("../../../docs/idempotency.md")]
 pub mod idempotency {}
 

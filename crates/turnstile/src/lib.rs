@@ -4,7 +4,8 @@
 //! embedded SQLite (the default, no server needed), Redis, PostgreSQL (lease mode and
 //! session-level advisory locks) and MySQL / MariaDB (`GET_LOCK` named locks), plus the
 //! database tools the design notes name: transaction-scoped locks, fenced writes and
-//! optimistic (version-checked) updates.
+//! optimistic (version-checked) updates. On the same locks: [leader election](election)
+//! with a fencing epoch per leader, and [leased semaphores](semaphore).
 //!
 //! ```
 //! # #[cfg(feature = "sqlite")]
