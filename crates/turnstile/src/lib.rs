@@ -5,7 +5,8 @@
 //! session-level advisory locks) and MySQL / MariaDB (`GET_LOCK` named locks), plus the
 //! database tools the design notes name: transaction-scoped locks, fenced writes and
 //! optimistic (version-checked) updates. On the same locks: [leader election](election)
-//! with a fencing epoch per leader, and [leased semaphores](semaphore).
+//! with a fencing epoch per leader, [leased semaphores](semaphore) and [read-write
+//! locks](rwlock).
 //!
 //! ```
 //! # #[cfg(feature = "sqlite")]
@@ -77,6 +78,7 @@ mod name;
 mod notify;
 pub mod optimistic;
 pub mod outbox;
+pub mod rwlock;
 pub mod semaphore;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 mod sql;

@@ -51,6 +51,16 @@ impl crate::semaphore::Semaphore {
     }
 }
 
+impl crate::rwlock::RwLock {
+    /// Opens the store a URL names (the same URLs as the locks); see
+    /// [`crate::store::connect`].
+    pub async fn connect(url: &str) -> Result<Self> {
+        crate::lock::Locker::connect(url)
+            .await
+            .map(crate::rwlock::RwLock::new)
+    }
+}
+
 impl crate::idempotency::Idempotency {
     /// Opens the store a URL names (the same URLs as the locks: `sqlite://PATH`,
     /// `postgres://…`).

@@ -20,9 +20,12 @@ use turnstile::lock::{
 };
 
 mod election;
+mod rwlock;
 mod semaphore;
 #[allow(unused_imports)]
 pub use election::*;
+#[allow(unused_imports)]
+pub use rwlock::*;
 #[allow(unused_imports)]
 pub use semaphore::*;
 
@@ -1718,6 +1721,8 @@ macro_rules! conformance_tests {
             a_crashed_holders_permit_returns_after_its_lease,
             a_waiter_gets_a_released_permit_and_gives_up_at_its_bound,
             clients_that_disagree_on_the_permits_are_refused,
+            writers_exclude_readers_and_each_other,
+            a_waiting_writer_stops_new_readers,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
