@@ -650,13 +650,23 @@ impl LockBackend for ZooKeeperLockStore {
                 .as_ref()
                 .is_some_and(|mine| self.inner.overdue(&mine.path));
             self.forget(&dir, &owner_hex);
+            // Until the delete is answered, the node is the background task's to
+            // delete: a release whose delete fails (the connection is suspended) or is
+            // cut short by its caller must not leave the node in line on a session this
+            // client keeps alive, where it would hold the lock for good once first.
+            if let Some(mine) = &known {
+                locked(&self.inner.deadlines).insert(mine.path.clone(), Instant::now());
+            }
             let client = self.reader().await?;
             let nodes = match &known {
                 // The listing (as it was before) and the delete leave together.
                 Some(mine) => {
                     let list = client.list_children(&dir);
                     let delete = client.delete(&mine.path, None);
-                    let (listed, _) = tokio::join!(list, delete);
+                    let (listed, deleted) = tokio::join!(list, delete);
+                    if matches!(deleted, Ok(()) | Err(zk::Error::NoNode)) {
+                        locked(&self.inner.deadlines).remove(&mine.path);
+                    }
                     match listed {
                         Ok(children) => in_line(&children),
                         Err(zk::Error::NoNode) => Vec::new(),
