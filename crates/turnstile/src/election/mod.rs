@@ -200,7 +200,6 @@ impl Election {
             name,
             watch: None,
             last: None,
-            first: true,
             recheck: OBSERVE_RECHECK_MIN,
         })
     }
@@ -283,7 +282,6 @@ pub struct LeaderWatch {
     watch: Option<crate::lock::ReleaseWatch>,
     /// What the last answer reported (`Some(None)`: nobody led).
     last: Option<Option<Leader>>,
-    first: bool,
     recheck: Duration,
 }
 
@@ -304,7 +302,8 @@ impl LeaderWatch {
             if self.watch.as_ref().is_none_or(|watch| watch.is_closed()) {
                 self.watch = Some(self.election.backend().watch_releases(&self.name).await?);
             }
-            if !self.first {
+            // Nothing answered yet: the first answer is who leads now, without waiting.
+            if self.last.is_some() {
                 let limit = match &self.last {
                     Some(Some(leader)) => leader
                         .remaining_ttl
@@ -317,7 +316,6 @@ impl LeaderWatch {
                 }
                 self.recheck = (self.recheck * 2).min(OBSERVE_RECHECK_MAX);
             }
-            self.first = false;
             let now = self
                 .election
                 .backend()

@@ -59,9 +59,6 @@
 //! # fn main() {}
 //! ```
 
-use std::future::Future;
-use std::task::Poll;
-
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -247,15 +244,7 @@ fn watch_parts(gate: &LockGuard, permits: &[Permit]) -> LostParts {
     let task = tokio::runtime::Handle::try_current().ok().map(|runtime| {
         let (token, reason) = (token.clone(), std::sync::Arc::clone(&reason));
         runtime.spawn(async move {
-            let lost = std::future::poll_fn(|context| {
-                for signal in &mut signals {
-                    if let Poll::Ready(reason) = std::pin::Pin::new(signal).poll(context) {
-                        return Poll::Ready(reason);
-                    }
-                }
-                Poll::Pending
-            })
-            .await;
+            let lost = crate::future::first_of(&mut signals).await;
             let _ = reason.set(lost);
             token.cancel();
         })

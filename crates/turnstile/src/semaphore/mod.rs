@@ -60,7 +60,6 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
-use std::task::Poll;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -395,15 +394,7 @@ async fn any_release(watches: &mut [ReleaseWatch], limit: Duration) {
             Box::pin(watch.wait(limit, true)) as Pin<Box<dyn Future<Output = bool> + Send + '_>>
         })
         .collect();
-    std::future::poll_fn(|context| {
-        for wait in &mut waits {
-            if wait.as_mut().poll(context).is_ready() {
-                return Poll::Ready(());
-            }
-        }
-        Poll::Pending
-    })
-    .await;
+    crate::future::first_of(&mut waits).await;
 }
 
 /// One permit of a semaphore: what [`Semaphore::acquire`] returns.
