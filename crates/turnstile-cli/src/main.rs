@@ -121,6 +121,9 @@ enum BenchCommand {
     /// Send many requests with one new key at once to a running idempotency-server and
     /// report what they got.
     IdempotencyDuplicates(bench::http::DuplicatesArgs),
+    /// Leader failover: a leader process killed, timed until the waiting candidate
+    /// leads; or etcd's own election RPC (`--raw`).
+    Failover(bench::failover::FailoverArgs),
     /// The outbox on PostgreSQL relayed to NATS JetStream, or the bare relay (`--raw`).
     #[cfg(all(feature = "postgres", feature = "nats"))]
     Outbox(bench::outbox::OutboxBenchArgs),
@@ -331,6 +334,7 @@ fn main() -> ExitCode {
             Command::Semaphore(command) => semaphore::run(command).await,
             Command::Bench(BenchCommand::Lock(args)) => bench::run(args).await,
             Command::Bench(BenchCommand::IdempotencyServer(args)) => bench::http::serve(args).await,
+            Command::Bench(BenchCommand::Failover(args)) => bench::failover::run(args).await,
             Command::Bench(BenchCommand::IdempotencyDuplicates(args)) => {
                 bench::http::duplicates(args).await
             }

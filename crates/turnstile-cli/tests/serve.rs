@@ -931,6 +931,12 @@ async fn the_openapi_document_describes_every_route_it_serves() {
             // router's not-found or method-not-allowed answer.
             let concrete = path.replace("{name}", "probe");
             let method = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+            if concrete.ends_with("/observe") {
+                // A stream that lasts until the client leaves: its head is the answer.
+                let head = api.request(method, &concrete).send().await.unwrap();
+                assert_eq!(head.status(), StatusCode::OK, "{concrete}");
+                continue;
+            }
             let answer = api
                 .send(api.request(method.clone(), &concrete).json(&json!({})))
                 .await;
@@ -944,8 +950,8 @@ async fn the_openapi_document_describes_every_route_it_serves() {
         }
     }
     assert_eq!(
-        operations, 13,
-        "locks 5, idempotency 5, outbox 2, dashboard 1"
+        operations, 19,
+        "locks 5, elections 6, idempotency 5, outbox 2, dashboard 1"
     );
 }
 
@@ -1959,4 +1965,329 @@ async fn metrics_can_require_a_token() {
             .unwrap()
             .contains("turnstile_http_requests_total")
     );
+}
+
+// ---- elections ----
+
+/// A server-sent event stream, read one event at a time.
+struct EventStream {
+    response: reqwest::Response,
+    buffer: String,
+}
+
+impl EventStream {
+    async fn open(caller: &Caller<'_>, path: &str) -> Result<EventStream, Answer> {
+        let response = caller
+            .request(reqwest::Method::GET, path)
+            .send()
+            .await
+            .unwrap();
+        if response.status() != StatusCode::OK {
+            let status = response.status();
+            let headers = response.headers().clone();
+            let content_type = headers
+                .get(reqwest::header::CONTENT_TYPE)
+                .map(|v| v.to_str().unwrap().to_owned())
+                .unwrap_or_default();
+            let body = response.json().await.unwrap_or(Value::Null);
+            return Err(Answer {
+                status,
+                content_type,
+                body,
+                headers,
+            });
+        }
+        assert_eq!(
+            response.headers()[reqwest::header::CONTENT_TYPE],
+            "text/event-stream"
+        );
+        Ok(EventStream {
+            response,
+            buffer: String::new(),
+        })
+    }
+
+    /// The next event with data, as (event name, data), or `None` if the stream ended
+    /// or nothing came within `within`.
+    async fn next(&mut self, within: Duration) -> Option<(String, Value)> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            while let Some(end) = self.buffer.find("\n\n") {
+                let block: String = self.buffer.drain(..end + 2).collect();
+                let mut event = "message".to_owned();
+                let mut data = None;
+                for line in block.lines() {
+                    if let Some(name) = line.strip_prefix("event:") {
+                        event = name.trim().to_owned();
+                    } else if let Some(text) = line.strip_prefix("data:") {
+                        data = Some(serde_json::from_str(text.trim()).unwrap());
+                    }
+                }
+                // Keep-alive comments carry no data.
+                if let Some(data) = data {
+                    return Some((event, data));
+                }
+            }
+            let chunk = tokio::time::timeout_at(deadline, self.response.chunk())
+                .await
+                .ok()?
+                .unwrap()?;
+            self.buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+    }
+}
+
+/// Every election endpoint on one store: a campaign answers with an epoch, a second
+/// candidate is refused or waits, the leader proclaims and resigns and the waiting
+/// candidate leads with a larger epoch, the deposed leader can neither extend nor
+/// proclaim, and an observer sees each change in order.
+async fn election_lifecycle(service: &Service) {
+    let api = service.anonymous();
+    let name = unique_name("scheduler");
+    let path = |action: &str| format!("/v1/elections/{name}{action}");
+    let mut observer = EventStream::open(&api, &path("/observe")).await.unwrap();
+    let (event, first) = observer.next(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(event, "leader");
+    assert_eq!(first["leading"], false, "{first}");
+
+    let a = api
+        .post(
+            &path("/campaign"),
+            json!({"value": "10.0.0.1:80", "ttl_ms": 20000}),
+        )
+        .await;
+    assert_eq!(a.status, StatusCode::OK, "{a:?}");
+    let (a_owner, a_epoch) = (
+        a.body["owner"].as_str().unwrap(),
+        a.body["epoch"].as_u64().unwrap(),
+    );
+    assert_eq!(a.body["value"], "10.0.0.1:80");
+    let led = api.get(&path("")).await;
+    assert_eq!(led.body["leading"], true, "{led:?}");
+    assert_eq!(led.body["epoch"], a_epoch);
+    assert_eq!(led.body["value"], "10.0.0.1:80");
+    assert_eq!(led.body["holder"].as_str().unwrap(), &a_owner[..8]);
+    assert!(
+        !led.body.to_string().contains(a_owner),
+        "the owner id is a capability"
+    );
+
+    let refused = api.post(&path("/campaign"), json!({"value": "b"})).await;
+    assert_eq!(refused.status, StatusCode::CONFLICT, "{refused:?}");
+    assert_eq!(refused.problem_type(), "/problems/election-led");
+
+    // B waits while A proclaims a new value and then resigns.
+    let campaign_path = path("/campaign");
+    let waiting = api.post(
+        &campaign_path,
+        json!({"value": "10.0.0.2:80", "wait_ms": 15000}),
+    );
+    let leader_a = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let proclaimed = api
+            .post(
+                &path("/proclaim"),
+                json!({"owner": a_owner, "value": "10.0.0.1:81"}),
+            )
+            .await;
+        assert_eq!(proclaimed.status, StatusCode::OK, "{proclaimed:?}");
+        let extended = api
+            .post(&path("/extend"), json!({"owner": a_owner, "ttl_ms": 20000}))
+            .await;
+        assert_eq!(extended.status, StatusCode::OK, "{extended:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        api.post(&path("/resign"), json!({"owner": a_owner})).await
+    };
+    let (b, resigned) = tokio::join!(waiting, leader_a);
+    assert_eq!(resigned.body["outcome"], "released", "{resigned:?}");
+    assert_eq!(b.status, StatusCode::OK, "{b:?}");
+    let b_epoch = b.body["epoch"].as_u64().unwrap();
+    assert!(
+        b_epoch > a_epoch,
+        "epochs must grow: {a_epoch} then {b_epoch}"
+    );
+
+    // The deposed leader can change nothing.
+    let stale = api
+        .post(
+            &path("/proclaim"),
+            json!({"owner": a_owner, "value": "stale"}),
+        )
+        .await;
+    assert_eq!(stale.status, StatusCode::CONFLICT, "{stale:?}");
+    assert_eq!(stale.problem_type(), "/problems/leadership-lost");
+    let stale = api.post(&path("/extend"), json!({"owner": a_owner})).await;
+    assert_eq!(stale.problem_type(), "/problems/leadership-lost");
+    let led = api.get(&path("")).await;
+    assert_eq!(led.body["value"], "10.0.0.2:80", "{led:?}");
+    assert_eq!(led.body["epoch"], b_epoch);
+
+    // The observer saw A, A's new value and B, in that order (and maybe nobody
+    // between A's resign and B's campaign). A campaign takes the lock, then writes
+    // its value: a new leader may be seen first without one, never with another's.
+    let mut seen: Vec<(Option<u64>, Option<String>)> = Vec::new();
+    while seen.last() != Some(&(Some(b_epoch), Some("10.0.0.2:80".to_owned()))) {
+        let Some((event, data)) = observer.next(Duration::from_secs(5)).await else {
+            panic!("the observer saw {seen:?}, not B leading");
+        };
+        assert_eq!(event, "leader", "{data}");
+        if data["leading"] == true {
+            seen.push((
+                data["epoch"].as_u64(),
+                data["value"].as_str().map(str::to_owned),
+            ));
+        }
+    }
+    for pair in seen.windows(2) {
+        if pair[0].1.is_none() {
+            assert_eq!(
+                pair[0].0, pair[1].0,
+                "a leader seen without its value: {seen:?}"
+            );
+        }
+    }
+    seen.retain(|(_, value)| value.is_some());
+    assert_eq!(
+        seen,
+        [
+            (Some(a_epoch), Some("10.0.0.1:80".to_owned())),
+            (Some(a_epoch), Some("10.0.0.1:81".to_owned())),
+            (Some(b_epoch), Some("10.0.0.2:80".to_owned())),
+        ]
+    );
+
+    // The dashboard shows the election: B leading, A's term resigned.
+    let dashboard = api.get("/v1/dashboard").await;
+    let election = dashboard.body["elections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|election| election["name"] == name.as_str())
+        .unwrap_or_else(|| panic!("no election in {}", dashboard.body))
+        .clone();
+    assert_eq!(election["leader"]["epoch"], b_epoch, "{election}");
+    assert_eq!(election["leader"]["value"], "10.0.0.2:80");
+    assert_eq!(election["history"][0]["epoch"], a_epoch);
+    assert_eq!(election["history"][0]["ended"], "resigned");
+    assert_eq!(election["history"][0]["value"], "10.0.0.1:81");
+    let kinds: Vec<_> = dashboard.body["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|event| event["name"] == name.as_str())
+        .map(|event| event["kind"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(kinds, ["elected", "resigned", "elected"], "newest first");
+
+    // An election is its lock: breaking it deposes B, whose next extend is refused.
+    let broken = api.delete(&format!("/v1/locks/{name}")).await;
+    assert_eq!(broken.body["fencing_token"], b_epoch, "{broken:?}");
+    let b_owner = b.body["owner"].as_str().unwrap();
+    let lost = api.post(&path("/extend"), json!({"owner": b_owner})).await;
+    assert_eq!(lost.problem_type(), "/problems/leadership-lost");
+    let (_, nobody) = observer.next(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(nobody["leading"], false, "{nobody}");
+}
+
+#[tokio::test]
+async fn elections_over_http_on_sqlite() {
+    election_lifecycle(&Service::sqlite()).await;
+}
+
+#[tokio::test]
+async fn elections_over_http_on_redis() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let service = Service::start(&shared_redis().url(), &[], dir);
+    election_lifecycle(&service).await;
+}
+
+/// Bad campaigns change nothing; tenants campaign inside their own names; the number
+/// of open streams is bounded; a stream ends at shutdown.
+#[tokio::test]
+async fn elections_refuse_bad_input_keep_tenants_apart_and_bound_their_streams() {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!("sqlite://{}", dir.path().join("locks.sqlite3").display());
+    let mut service = Service::start_with(
+        &store,
+        &["--max-observers", "1"],
+        dir,
+        Some(&tokens_document()),
+    );
+    let admin = service.as_token(ADMIN);
+    for (body, expected) in [
+        (json!({"value": "a\u{0}b"}), "/problems/invalid-request"),
+        (
+            json!({"value": "x".repeat(16 * 1024 + 1)}),
+            "/problems/invalid-request",
+        ),
+        (json!({"ttl_ms": 1}), "/problems/invalid-request"),
+        (json!({"value": 7}), "/problems/invalid-request"),
+        (json!({"wait_ms": 3_600_000}), "/problems/invalid-request"),
+    ] {
+        let answer = admin.post("/v1/elections/bad/campaign", body.clone()).await;
+        assert!(answer.status.is_client_error(), "{body}: {answer:?}");
+        assert_eq!(answer.problem_type(), expected, "{body}: {answer:?}");
+    }
+    let nobody = admin.get("/v1/elections/bad").await;
+    assert_eq!(
+        nobody.body["leading"], false,
+        "a refused campaign took nothing"
+    );
+    let bad_owner = admin
+        .post("/v1/elections/bad/resign", json!({"owner": "not-an-owner"}))
+        .await;
+    assert_eq!(bad_owner.status, StatusCode::BAD_REQUEST, "{bad_owner:?}");
+
+    // Two tenants lead elections of the same name, each inside its own names.
+    let acme = service.as_token(ACME);
+    let globex = service.as_token(GLOBEX);
+    let a = acme
+        .post("/v1/elections/leader/campaign", json!({"value": "acme"}))
+        .await;
+    let g = globex
+        .post("/v1/elections/leader/campaign", json!({"value": "globex"}))
+        .await;
+    assert_eq!(
+        (a.status, g.status),
+        (StatusCode::OK, StatusCode::OK),
+        "{a:?} {g:?}"
+    );
+    assert_eq!(
+        admin.get("/v1/elections/acme%2Fleader").await.body["value"],
+        "acme"
+    );
+    assert_eq!(
+        admin.get("/v1/elections/globex%2Fleader").await.body["value"],
+        "globex"
+    );
+    let reader = service.as_token(READER);
+    let refused = reader.post("/v1/elections/x/campaign", json!({})).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN, "{refused:?}");
+    let acme_view = acme.get("/v1/dashboard").await;
+    let names: Vec<_> = acme_view.body["elections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|election| election["address"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["leader"], "a tenant sees its own elections only");
+
+    // One stream at a time (--max-observers 1); it ends at SIGTERM.
+    let mut stream = EventStream::open(&reader, "/v1/elections/acme%2Fleader/observe")
+        .await
+        .unwrap();
+    let (_, first) = stream.next(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(first["value"], "acme");
+    let second = EventStream::open(&reader, "/v1/elections/other/observe").await;
+    let refused = second.err().expect("a second stream past --max-observers");
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.problem_type(), "/problems/too-many-observers");
+    // SAFETY: sending a signal to our own child process.
+    unsafe { libc::kill(service.child.id() as i32, libc::SIGTERM) };
+    assert!(
+        stream.next(Duration::from_secs(5)).await.is_none(),
+        "the stream must end at shutdown"
+    );
+    let status = service.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
 }

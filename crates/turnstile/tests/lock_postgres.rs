@@ -926,6 +926,125 @@ async fn one_name_is_used_in_one_mode() {
     assert_eq!(error.kind(), ErrorKind::InvalidOptions, "{error}");
 }
 
+/// Session mode's unfenced lock is a bare `pg_try_advisory_lock`: no token row is
+/// written, the holder is named in its session's application
+/// name (status shows its owner and no token), a fenced waiter elsewhere waits for it
+/// past two collision checks instead of taking it for a colliding name's holder and gets
+/// a token once it is released, a hand-over within the process to a fenced waiter
+/// records that waiter with a token, and a release gives the session its application
+/// name back. A lease-mode name is refused unfenced too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfenced_session_lock_writes_nothing() {
+    let url = shared_postgres().fresh_database("unfenced");
+    let session_url = format!("{url}?turnstile_mode=session");
+    let locker = Locker::connect(&session_url).await.unwrap();
+    let admin = sqlx::PgPool::connect(&url).await.unwrap();
+    // Creates the tables (a first use).
+    locker
+        .acquire("first", &LockOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let token_rows = |name: &'static str| {
+        let admin = admin.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM turnstile_tokens WHERE name = $1")
+                .bind(name)
+                .fetch_one(&admin)
+                .await
+                .unwrap()
+        }
+    };
+    let named_sessions = || {
+        let admin = admin.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'ts %'",
+            )
+            .fetch_one(&admin)
+            .await
+            .unwrap()
+        }
+    };
+
+    let guard = locker
+        .acquire_unfenced("bare", &LockOptions::new())
+        .await
+        .unwrap();
+    assert_eq!(
+        token_rows("bare").await,
+        0,
+        "an unfenced acquire wrote a token row"
+    );
+    assert_eq!(named_sessions().await, 1);
+    let status = locker.status("bare").await.unwrap().expect("held");
+    assert_eq!(status.owner, guard.owner().to_hex());
+    assert_eq!(status.fencing_token, None);
+
+    let other = Locker::connect(&session_url).await.unwrap();
+    let waiter = tokio::spawn(async move {
+        let guard = other
+            .acquire("bare", &LockOptions::new().wait(Duration::from_secs(15)))
+            .await;
+        (other, guard)
+    });
+    tokio::time::sleep(Duration::from_millis(2_600)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the fenced waiter did not wait for the unfenced holder"
+    );
+    guard.release().await.unwrap();
+    let (other, fenced) = waiter.await.unwrap();
+    let fenced = fenced.expect("the fenced waiter gets the lock, not a collision error");
+    let status = other.status("bare").await.unwrap().expect("held");
+    assert_eq!(status.owner, fenced.owner().to_hex());
+    assert_eq!(status.fencing_token, Some(fenced.fencing_token()));
+    assert_eq!(token_rows("bare").await, 1);
+    fenced.release().await.unwrap();
+    assert_eq!(
+        named_sessions().await,
+        0,
+        "a released session kept its holder's name"
+    );
+
+    // A hand-over within one process, from an unfenced holder to a fenced waiter.
+    let holder = locker
+        .acquire_unfenced("handed", &LockOptions::new())
+        .await
+        .unwrap();
+    let next = {
+        let locker = locker.clone();
+        tokio::spawn(async move { locker.acquire("handed", &LockOptions::new()).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    holder.release().await.unwrap();
+    let next = next.await.unwrap().unwrap();
+    let status = locker.status("handed").await.unwrap().expect("held");
+    assert_eq!(status.owner, next.owner().to_hex());
+    assert_eq!(status.fencing_token, Some(next.fencing_token()));
+    assert_eq!(named_sessions().await, 0);
+    next.release().await.unwrap();
+
+    // A lease-mode name is refused unfenced as it is fenced.
+    Locker::connect(&url)
+        .await
+        .unwrap()
+        .acquire("by-lease", &LockOptions::new())
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let error = locker
+        .try_acquire_unfenced("by-lease", &LockOptions::new())
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::InvalidOptions, "{error}");
+    assert!(error.to_string().contains("one mode per name"), "{error}");
+}
+
 /// A session that holds a lock's advisory key without being the lock's holder (a name
 /// crafted to hash alike, stood in for here by a raw `pg_advisory_lock` on the key) does
 /// not keep a waiter waiting until its deadline: the waiter is refused with a reason

@@ -1,6 +1,8 @@
 //! The etcd side of `turnstile bench lock`: a counter in etcd for the contended phase,
 //! and `--raw`: etcd's own lock RPC (the `v3lock` service, which queues waiters in the
-//! server), the peer the library is measured against.
+//! server), the peer the library is measured against; and `--raw-writes`: only the
+//! writes a section needs (a put to take, a delete to give back) with the exclusion
+//! done in the process, the floor of what the store itself costs per section.
 
 use std::time::Duration;
 
@@ -110,4 +112,62 @@ pub(crate) async fn raw_release(client: &Client, held: RawEtcdHeld) -> Result<()
         .await
         .map(|_| ())
         .map_err(|error| error.to_string())
+}
+
+/// The writes-only floor: one local FIFO mutex stands in for the lock (every worker of
+/// the benchmark is in this process), and each section costs the store a put of the
+/// lock's key and a delete of it, as the lightest lock over etcd would.
+pub(crate) struct EtcdWrites {
+    client: Client,
+    prefix: String,
+    local: std::sync::Arc<tokio::sync::Mutex<()>>,
+}
+
+/// A section of the writes-only floor: its key and the local mutex.
+pub(crate) struct EtcdWritesHeld {
+    key: String,
+    _section: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl EtcdWrites {
+    pub(crate) fn new(client: Client, run: &str) -> Self {
+        EtcdWrites {
+            client,
+            prefix: format!("{run}:writes/"),
+            local: std::sync::Arc::default(),
+        }
+    }
+
+    /// Waits (in line, in this process) up to `wait` for the section, then puts its key.
+    pub(crate) async fn acquire(
+        &self,
+        name: &str,
+        wait: Duration,
+    ) -> Result<Option<EtcdWritesHeld>, String> {
+        let Ok(section) =
+            tokio::time::timeout(wait, std::sync::Arc::clone(&self.local).lock_owned()).await
+        else {
+            return Ok(None);
+        };
+        let key = format!("{}{name}", self.prefix);
+        self.client
+            .clone()
+            .put(key.as_str(), "held", None)
+            .await
+            .map_err(|error| error.to_string())?;
+        Ok(Some(EtcdWritesHeld {
+            key,
+            _section: section,
+        }))
+    }
+
+    /// Deletes the key, then lets the next section in.
+    pub(crate) async fn release(&self, held: EtcdWritesHeld) -> Result<(), String> {
+        self.client
+            .clone()
+            .delete(held.key.as_str(), None)
+            .await
+            .map(|_| ())
+            .map_err(|error| error.to_string())
+    }
 }

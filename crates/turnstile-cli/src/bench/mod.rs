@@ -12,6 +12,7 @@
 mod blocking;
 #[cfg(feature = "etcd")]
 mod etcd;
+pub(crate) mod failover;
 pub(crate) mod http;
 #[cfg(all(feature = "postgres", feature = "nats"))]
 pub(crate) mod outbox;
@@ -68,6 +69,12 @@ pub(crate) struct BenchArgs {
     /// `SET NX PX`), to compare with the fenced default on the same store.
     #[arg(long, conflicts_with_all = ["raw", "raw_blocking", "service", "rslock"])]
     unfenced: bool,
+    /// etcd only: the writes a section needs and nothing else, as the floor of the
+    /// store's cost: a put of the lock's key to take it and a delete to give it back,
+    /// with the exclusion itself done in this process (a local FIFO mutex), so no wait,
+    /// lease or watch is paid for.
+    #[arg(long, conflicts_with_all = ["raw", "raw_blocking", "service", "rslock", "unfenced"])]
+    raw_writes: bool,
 }
 
 /// One held lock, whichever peer took it.
@@ -84,6 +91,8 @@ enum Held {
     RawSql(sql::RawSqlHeld),
     #[cfg(feature = "etcd")]
     RawEtcd(etcd::RawEtcdHeld),
+    #[cfg(feature = "etcd")]
+    EtcdWrites(etcd::EtcdWritesHeld),
     #[cfg(feature = "zookeeper")]
     RawZooKeeper(zookeeper::RawZooKeeperHeld),
     #[cfg(feature = "rslock")]
@@ -120,6 +129,12 @@ enum Peer {
     #[cfg(feature = "etcd")]
     RawEtcd {
         client: Box<etcd_client::Client>,
+        counter: Box<etcd::EtcdCounter>,
+    },
+    /// The writes a section needs on etcd, exclusion done locally (`--raw-writes`).
+    #[cfg(feature = "etcd")]
+    EtcdWrites {
+        writes: Box<etcd::EtcdWrites>,
         counter: Box<etcd::EtcdCounter>,
     },
     /// The zookeeper-client crate's lock recipe.
@@ -249,6 +264,8 @@ impl Peer {
             Peer::Raw { .. } => "raw",
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { .. } => "raw",
+            #[cfg(feature = "etcd")]
+            Peer::EtcdWrites { .. } => "raw-writes",
             #[cfg(feature = "zookeeper")]
             Peer::RawZooKeeper { .. } => "raw",
             #[cfg(feature = "rslock")]
@@ -268,6 +285,8 @@ impl Peer {
             Peer::Raw { .. } => "busy-retry",
             #[cfg(feature = "etcd")]
             Peer::RawEtcd { .. } => "etcd-lock-rpc",
+            #[cfg(feature = "etcd")]
+            Peer::EtcdWrites { .. } => "local-fifo-mutex",
             #[cfg(feature = "zookeeper")]
             Peer::RawZooKeeper { .. } => "zookeeper-client-recipe",
             #[cfg(feature = "rslock")]
@@ -321,6 +340,12 @@ impl Peer {
                     Err(error) => Err(AcquireError::Failed(error)),
                 }
             }
+            #[cfg(feature = "etcd")]
+            Peer::EtcdWrites { writes, .. } => match writes.acquire(name, wait).await {
+                Ok(Some(held)) => Ok(Held::EtcdWrites(held)),
+                Ok(None) => Err(AcquireError::Timeout),
+                Err(error) => Err(AcquireError::Failed(error)),
+            },
             #[cfg(feature = "zookeeper")]
             Peer::RawZooKeeper { counter } => {
                 match zookeeper::raw_acquire(&counter.client, &counter.directory, name, wait).await
@@ -378,6 +403,8 @@ impl Peer {
             (Peer::RawEtcd { client, .. }, Held::RawEtcd(held)) => {
                 etcd::raw_release(client, held).await
             }
+            #[cfg(feature = "etcd")]
+            (Peer::EtcdWrites { writes, .. }, Held::EtcdWrites(held)) => writes.release(held).await,
             #[cfg(feature = "zookeeper")]
             (Peer::RawZooKeeper { .. }, Held::RawZooKeeper(held)) => {
                 zookeeper::raw_release(held).await
@@ -415,7 +442,7 @@ impl Peer {
             | Peer::LibraryUnfenced { counter, .. }
             | Peer::Service { counter, .. } => counter.get().await,
             #[cfg(feature = "etcd")]
-            Peer::RawEtcd { counter, .. } => counter.get().await,
+            Peer::RawEtcd { counter, .. } | Peer::EtcdWrites { counter, .. } => counter.get().await,
             #[cfg(feature = "zookeeper")]
             Peer::RawZooKeeper { counter } => counter.get().await,
             #[cfg(feature = "redis")]
@@ -440,7 +467,9 @@ impl Peer {
             | Peer::LibraryUnfenced { counter, .. }
             | Peer::Service { counter, .. } => counter.set(value).await,
             #[cfg(feature = "etcd")]
-            Peer::RawEtcd { counter, .. } => counter.set(value).await,
+            Peer::RawEtcd { counter, .. } | Peer::EtcdWrites { counter, .. } => {
+                counter.set(value).await
+            }
             #[cfg(feature = "zookeeper")]
             Peer::RawZooKeeper { counter } => counter.set(value).await,
             #[cfg(feature = "redis")]
@@ -468,6 +497,37 @@ async fn open_service_peer(service: &str, store: &str, run: &str) -> Result<Peer
             ErrorKind::InvalidOptions,
             "--service needs a --store the library opens, for the counter",
         )),
+    }
+}
+
+/// The writes-only floor on the etcd of `url` as the peer (`--raw-writes`).
+async fn open_etcd_writes_peer(url: &str, run: &str) -> Result<Peer, Error> {
+    #[cfg(feature = "etcd")]
+    {
+        if !url.starts_with("etcd://") {
+            return Err(Error::new(
+                ErrorKind::InvalidOptions,
+                "--raw-writes measures etcd only: give an etcd:// --store",
+            ));
+        }
+        let client = etcd::connect(url)
+            .await
+            .map_err(|e| Error::new(ErrorKind::StoreUnavailable, e))?;
+        Ok(Peer::EtcdWrites {
+            writes: Box::new(etcd::EtcdWrites::new(client.clone(), run)),
+            counter: Box::new(etcd::EtcdCounter {
+                client,
+                key: format!("{run}:counter"),
+            }),
+        })
+    }
+    #[cfg(not(feature = "etcd"))]
+    {
+        let _ = (url, run);
+        Err(Error::new(
+            ErrorKind::InvalidOptions,
+            "--raw-writes needs turnstile built with the `etcd` feature",
+        ))
     }
 }
 
@@ -678,6 +738,7 @@ pub(crate) async fn run(args: BenchArgs) -> ExitCode {
     let opened = match &args.service {
         Some(service) => open_service_peer(service, &url, &run).await,
         None if args.rslock => open_rslock_peer(&url, &run).await,
+        None if args.raw_writes => open_etcd_writes_peer(&url, &run).await,
         None => open_peer(&url, args.raw, &run)
             .await
             .map(|peer| match peer {

@@ -1,7 +1,7 @@
 //! What this instance has seen, for the dashboard: the locks it handed out (until their
-//! lease ends or they are released), waiters in its long-polls, recent losses, breaks
-//! and leases that ran out, idempotency outcomes per second, outbox samples and store
-//! latencies.
+//! lease ends or they are released), the elections campaigned through it with their
+//! recent terms, waiters in its long-polls, recent losses, breaks and leases that ran
+//! out, idempotency outcomes per second, outbox samples and store latencies.
 //!
 //! None of it is needed for correctness (that state lives in the store, shared by every
 //! instance); it is a window on this instance's traffic, bounded in size.
@@ -20,6 +20,11 @@ const LATENCY_SAMPLES: usize = 512;
 /// Locks shown at most per tenant (and for callers without one): past it a tenant's
 /// newer locks are not shown, and no tenant's count hides another's.
 const HELD_PER_TENANT: usize = 1000;
+/// Terms kept per election, the current one included.
+const TERMS: usize = 10;
+/// The most of a leader's value that is kept for the dashboard, in bytes (values may
+/// be 16 KiB; a thousand elections of ten terms would keep 160 MiB).
+const VALUE_SHOWN: usize = 256;
 
 #[derive(Default)]
 pub(crate) struct Activity {
@@ -29,6 +34,7 @@ pub(crate) struct Activity {
 #[derive(Default)]
 struct State {
     held: BTreeMap<String, Held>,
+    elections: BTreeMap<String, ElectionRecord>,
     waiting: HashMap<String, u32>,
     /// Recent events per tenant (`None`: callers without one), each buffer bounded,
     /// so that no tenant's traffic pushes another's events out.
@@ -68,7 +74,123 @@ impl State {
             );
             self.event("expired", held.tenant.as_deref(), &held.name, detail);
         }
+        let mut ran_out = Vec::new();
+        for record in self.elections.values_mut() {
+            let ElectionRecord {
+                tenant,
+                name,
+                terms,
+            } = record;
+            let current = terms.back_mut().filter(|term| term.ended.is_none());
+            if let Some(term) = current.filter(|term| term.until <= now) {
+                term.ended = Some((unix_ms(), "expired"));
+                ran_out.push((
+                    tenant.clone(),
+                    name.clone(),
+                    format!(
+                        "epoch {}: the lease ran out without an extend or a resign (leader {}…)",
+                        term.epoch, term.holder
+                    ),
+                ));
+            }
+        }
+        for (tenant, name, detail) in ran_out {
+            self.event("deposed", tenant.as_deref(), &name, detail);
+        }
     }
+}
+
+/// An election campaigned through this instance.
+struct ElectionRecord {
+    tenant: Option<String>,
+    name: String,
+    /// Oldest first; the last may be the current term.
+    terms: VecDeque<Term>,
+}
+
+impl ElectionRecord {
+    fn current_mut(&mut self) -> Option<&mut Term> {
+        self.terms.back_mut().filter(|term| term.ended.is_none())
+    }
+}
+
+struct Term {
+    holder: String,
+    epoch: u64,
+    value: String,
+    since_ms: u64,
+    until: Instant,
+    /// When it ended (Unix ms) and how.
+    ended: Option<(u64, &'static str)>,
+}
+
+impl Term {
+    fn view(&self, now: Instant) -> TermView {
+        TermView {
+            holder: self.holder.clone(),
+            epoch: self.epoch,
+            value: self.value.clone(),
+            since_ms: self.since_ms,
+            lease_left_ms: self
+                .ended
+                .is_none()
+                .then(|| self.until.saturating_duration_since(now).as_millis() as u64),
+            ended_ms: self.ended.map(|(at, _)| at),
+            ended: self.ended.map(|(_, how)| how),
+        }
+    }
+}
+
+/// At most [`VALUE_SHOWN`] bytes of `value`, cut at a character boundary.
+fn shown_value(value: &str) -> String {
+    if value.len() <= VALUE_SHOWN {
+        return value.to_owned();
+    }
+    let mut end = VALUE_SHOWN;
+    while !value.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &value[..end])
+}
+
+/// An election campaigned through this instance, as the dashboard shows it.
+#[derive(Serialize, ToSchema)]
+pub(crate) struct ElectionView {
+    /// The name as its tenant sees it.
+    name: String,
+    /// The tenant (absent for names outside any tenant).
+    tenant: Option<String>,
+    /// The name to use in this caller's requests (`/v1/elections/{address}`).
+    address: String,
+    /// The term going on, if its leader campaigned through this instance and it has
+    /// not ended.
+    leader: Option<TermView>,
+    /// Candidates waiting in this instance's long-polls.
+    candidates: u32,
+    /// Earlier terms through this instance, newest first (at most 9).
+    history: Vec<TermView>,
+}
+
+/// One leader's term.
+#[derive(Serialize, ToSchema)]
+pub(crate) struct TermView {
+    /// The first 8 hex digits of the leader's owner id.
+    holder: String,
+    /// The leader's epoch (its fencing token).
+    epoch: u64,
+    /// What it advertised last (at most 256 bytes of it).
+    value: String,
+    /// Unix time in milliseconds when it was elected.
+    since_ms: u64,
+    /// How long its lease has left, by this instance's clock (current term only).
+    lease_left_ms: Option<u64>,
+    /// Unix time in milliseconds when it ended.
+    ended_ms: Option<u64>,
+    /// How it ended: `resigned`, `deposed` (an extend found it lost), `expired` (its
+    /// lease ran out without an extend), `broken` (by `DELETE /v1/locks/{name}`) or
+    /// `replaced` (a later leader was elected through this instance before this one's
+    /// end was seen here).
+    ended: Option<&'static str>,
 }
 
 struct Held {
@@ -105,8 +227,8 @@ pub(crate) struct HeldLock {
 pub(crate) struct Event {
     /// Unix time in milliseconds.
     at_ms: u64,
-    /// `lost`, `broken`, `expired` (a lease that ran out without a release) or
-    /// `released_late`.
+    /// `lost`, `broken`, `expired` (a lease that ran out without a release),
+    /// `released_late`; for elections `elected`, `resigned` and `deposed`.
     kind: &'static str,
     /// The name as its tenant sees it.
     name: String,
@@ -229,6 +351,104 @@ impl Activity {
         }
     }
 
+    /// A leader elected through this instance: a new term of the election at `key`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn elected(
+        &self,
+        key: &str,
+        tenant: Option<&str>,
+        name: &str,
+        owner: &str,
+        epoch: u64,
+        value: &str,
+        ttl: Duration,
+    ) {
+        let mut state = self.state();
+        let now = Instant::now();
+        state.expire(now);
+        let shown = state
+            .elections
+            .values()
+            .filter(|record| record.tenant.as_deref() == tenant)
+            .count();
+        if shown >= HELD_PER_TENANT && !state.elections.contains_key(key) {
+            return;
+        }
+        let record = state
+            .elections
+            .entry(key.to_owned())
+            .or_insert_with(|| ElectionRecord {
+                tenant: tenant.map(str::to_owned),
+                name: name.to_owned(),
+                terms: VecDeque::new(),
+            });
+        if let Some(earlier) = record.current_mut() {
+            earlier.ended = Some((unix_ms(), "replaced"));
+        }
+        if record.terms.len() == TERMS {
+            record.terms.pop_front();
+        }
+        let holder: String = owner.chars().take(8).collect();
+        record.terms.push_back(Term {
+            holder: holder.clone(),
+            epoch,
+            value: shown_value(value),
+            since_ms: unix_ms(),
+            until: now + ttl,
+            ended: None,
+        });
+        state.event(
+            "elected",
+            tenant,
+            name,
+            format!("epoch {epoch}, leader {holder}…"),
+        );
+    }
+
+    /// The current term of the election at `key`, if `owner` leads it.
+    fn term_of<'a>(state: &'a mut State, key: &str, owner: &str) -> Option<&'a mut Term> {
+        state
+            .elections
+            .get_mut(key)?
+            .current_mut()
+            .filter(|term| owner.starts_with(term.holder.as_str()))
+    }
+
+    /// `owner`'s leadership at `key` was extended for `ttl`.
+    pub(crate) fn term_extended(&self, key: &str, owner: &str, ttl: Duration) {
+        if let Some(term) = Self::term_of(&mut self.state(), key, owner) {
+            term.until = Instant::now() + ttl;
+        }
+    }
+
+    /// `owner`, leading at `key`, advertises `value`.
+    pub(crate) fn proclaimed(&self, key: &str, owner: &str, value: &str) {
+        if let Some(term) = Self::term_of(&mut self.state(), key, owner) {
+            term.value = shown_value(value);
+        }
+    }
+
+    /// `owner`'s term at `key` ended (`None`: whoever's, for a break): `how` is
+    /// `resigned`, `deposed` or `broken`.
+    pub(crate) fn term_ended(&self, key: &str, owner: Option<&str>, how: &'static str) {
+        let mut state = self.state();
+        let Some(record) = state.elections.get_mut(key) else {
+            return;
+        };
+        let Some(term) = record
+            .current_mut()
+            .filter(|term| owner.is_none_or(|owner| owner.starts_with(term.holder.as_str())))
+        else {
+            return;
+        };
+        term.ended = Some((unix_ms(), how));
+        let detail = format!("epoch {}, leader {}…", term.epoch, term.holder);
+        let (tenant, name) = (record.tenant.clone(), record.name.clone());
+        if how != "broken" {
+            state.event(how, tenant.as_deref(), &name, detail);
+        }
+    }
+
     /// Counts a waiter until the returned guard drops.
     pub(crate) fn waiting<'a>(&'a self, key: &str) -> Waiting<'a> {
         *self.state().waiting.entry(key.to_owned()).or_default() += 1;
@@ -331,11 +551,40 @@ impl Activity {
             .collect();
         events.sort_by_key(|event| std::cmp::Reverse(event.at_ms));
         events.truncate(EVENTS);
+        let elections = state
+            .elections
+            .iter()
+            .filter(|(_, record)| visible(record.tenant.as_deref()))
+            .map(|(key, record)| {
+                let mut terms = record.terms.iter().rev();
+                let leader = record
+                    .terms
+                    .back()
+                    .filter(|term| term.ended.is_none())
+                    .map(|term| term.view(now));
+                if leader.is_some() {
+                    terms.next();
+                }
+                ElectionView {
+                    address: if tenant.is_some() {
+                        record.name.clone()
+                    } else {
+                        key.clone()
+                    },
+                    name: record.name.clone(),
+                    tenant: record.tenant.clone(),
+                    leader,
+                    candidates: state.waiting.get(key).copied().unwrap_or(0),
+                    history: terms.map(|term| term.view(now)).collect(),
+                }
+            })
+            .collect();
         // Idempotency counts, outbox and latency are instance-wide: shown to callers of
         // every tenant only when they are not confined to one.
         if tenant.is_some() {
             return Snapshot {
                 held,
+                elections,
                 events,
                 idempotency: Vec::new(),
                 outbox: Vec::new(),
@@ -363,6 +612,7 @@ impl Activity {
             .collect();
         Snapshot {
             held,
+            elections,
             events,
             idempotency: state.idempotency.iter().cloned().collect(),
             outbox: state.outbox.iter().cloned().collect(),
@@ -374,6 +624,7 @@ impl Activity {
 /// What the dashboard shows.
 pub(crate) struct Snapshot {
     pub(crate) held: Vec<HeldLock>,
+    pub(crate) elections: Vec<ElectionView>,
     pub(crate) events: Vec<Event>,
     pub(crate) idempotency: Vec<IdempotencySecond>,
     pub(crate) outbox: Vec<OutboxSample>,

@@ -23,7 +23,7 @@ use utoipa_axum::routes;
 
 use super::Service;
 use super::activity::{
-    Event, HeldLock, IdempotencyOutcome, IdempotencySecond, Latency, OutboxSample,
+    ElectionView, Event, HeldLock, IdempotencyOutcome, IdempotencySecond, Latency, OutboxSample,
 };
 use super::auth::{Principal, Scope};
 use super::problem::{Problem, ProblemDocument};
@@ -42,6 +42,7 @@ use super::quota;
     security(("bearer" = [])),
     tags(
         (name = "locks", description = "Leases with fencing tokens"),
+        (name = "elections", description = "One leader at a time, with a fencing epoch"),
         (name = "idempotency", description = "Claim, complete and replay keyed requests"),
         (name = "outbox", description = "The transactional outbox"),
         (name = "service", description = "The dashboard's data"),
@@ -82,7 +83,7 @@ pub(crate) fn router() -> OpenApiRouter<Arc<Service>> {
 // ---- extractors whose failures are problem documents ----
 
 /// A JSON body; a malformed, oversized or mistyped one is a problem document.
-pub(crate) struct Body<T>(T);
+pub(crate) struct Body<T>(pub(super) T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
     type Rejection = Problem;
@@ -121,7 +122,7 @@ fn json_problem(rejection: &JsonRejection) -> Problem {
 }
 
 /// The `{name}` path parameter of the lock routes.
-pub(crate) struct PathName(String);
+pub(crate) struct PathName(pub(super) String);
 
 impl<S: Send + Sync> FromRequestParts<S> for PathName {
     type Rejection = Problem;
@@ -160,7 +161,7 @@ fn query_problem(rejection: &QueryRejection) -> Problem {
 
 /// A whole number of milliseconds, written as an integer or as a float with no
 /// fraction (`2500.0`, as some JSON encoders write every number).
-fn whole_number<'de, D: serde::Deserializer<'de>>(
+pub(super) fn whole_number<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<u64>, D::Error> {
     let Some(number) = Option::<serde_json::Number>::deserialize(deserializer)? else {
@@ -192,7 +193,7 @@ fn exact_u64(number: &serde_json::Number, float_limit: u64) -> Option<u64> {
 
 /// The store's name for a caller's lock: `tenant/name` for a caller confined to a
 /// tenant (tenant ids hold no `/`, so no two tenants' names meet), `name` otherwise.
-fn lock_name(principal: &Principal, name: &str) -> Result<LockName, Problem> {
+pub(super) fn lock_name(principal: &Principal, name: &str) -> Result<LockName, Problem> {
     let full = match &principal.tenant {
         Some(tenant) => format!("{tenant}/{name}"),
         None => name.to_owned(),
@@ -219,7 +220,7 @@ fn millis(what: &str, value: Option<u64>, default: Duration) -> Result<Duration,
     }
 }
 
-fn ms(duration: Duration) -> u64 {
+pub(super) fn ms(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
@@ -289,9 +290,57 @@ async fn acquire(
     Body(request): Body<AcquireRequest>,
 ) -> Result<Json<LockLease>, Problem> {
     principal.require(Scope::LocksWrite)?;
-    let full = lock_name(&principal, &name)?;
-    let ttl = service.lease("ttl_ms", request.ttl_ms)?;
-    let wait = Duration::from_millis(request.wait_ms.unwrap_or(0));
+    let taken = take_lease(
+        &service,
+        &principal,
+        &name,
+        request.ttl_ms,
+        request.wait_ms,
+        async |full, options| service.locker.acquire(full, &options).await,
+    )
+    .await?;
+    let token = taken.lease.fencing_token.get();
+    service.activity.held(
+        taken.full.as_str(),
+        principal.tenant.as_deref(),
+        &name,
+        taken.lease.owner.as_str(),
+        token,
+        taken.ttl,
+    );
+    Ok(Json(LockLease {
+        name,
+        owner: taken.lease.owner.to_hex(),
+        fencing_token: token,
+        ttl_ms: ms(taken.ttl),
+    }))
+}
+
+/// A lease taken for a caller by [`take_lease`], detached from this process: the caller
+/// extends and releases it.
+pub(super) struct Taken {
+    /// The store's name (with the tenant).
+    pub(super) full: LockName,
+    pub(super) lease: turnstile::lock::DetachedLock,
+    pub(super) ttl: Duration,
+}
+
+/// Takes a lease for a caller through `take` (a lock's acquire, an election's
+/// campaign), within this instance's bounds: the lease and the wait are checked
+/// against `--max-ttl` and `--max-wait`, a waiting request takes one of
+/// `--max-long-polls`, the tenant's locks are counted against
+/// `--max-locks-per-tenant`, and shutdown ends the wait.
+pub(super) async fn take_lease(
+    service: &Service,
+    principal: &Principal,
+    name: &str,
+    ttl_ms: Option<u64>,
+    wait_ms: Option<u64>,
+    take: impl AsyncFnOnce(LockName, LockOptions) -> turnstile::Result<turnstile::lock::LockGuard>,
+) -> Result<Taken, Problem> {
+    let full = lock_name(principal, name)?;
+    let ttl = service.lease("ttl_ms", ttl_ms)?;
+    let wait = Duration::from_millis(wait_ms.unwrap_or(0));
     if wait > service.max_wait {
         return Err(Problem::invalid(format!(
             "wait_ms is at most {} on this service (--max-wait); long-poll again after a \
@@ -339,7 +388,7 @@ async fn acquire(
     let _waiting = service.activity.waiting(full.as_str());
     let started = Instant::now();
     let acquired = tokio::select! {
-        acquired = service.locker.acquire(&full, &options) => acquired,
+        acquired = take(full.clone(), options) => acquired,
         // Dropping the acquire is safe: a request that took the lock meanwhile is
         // released in the background.
         () = service.shutdown.cancelled() => return Err(Problem::shutting_down()),
@@ -354,7 +403,7 @@ async fn acquire(
         let held = error.kind() == ErrorKind::AcquireTimeout;
         let problem = Problem::from(error);
         if held {
-            problem.with("name", name.clone())
+            problem.with("name", name.to_owned())
         } else {
             problem
         }
@@ -363,21 +412,61 @@ async fn acquire(
     service
         .held
         .acquired(holder, full.as_str(), lease.owner.as_str(), ttl);
-    let token = lease.fencing_token.get();
-    service.activity.held(
-        full.as_str(),
-        principal.tenant.as_deref(),
-        &name,
-        lease.owner.as_str(),
-        token,
-        ttl,
-    );
-    Ok(Json(LockLease {
-        name,
-        owner: lease.owner.to_hex(),
-        fencing_token: token,
-        ttl_ms: ms(ttl),
-    }))
+    Ok(Taken { full, lease, ttl })
+}
+
+/// Extends the lease `owner` holds on `full` for a caller, keeping the tenant's count:
+/// `None` when extended, the reason when the lease was lost.
+pub(super) async fn extend_lease(
+    service: &Service,
+    principal: &Principal,
+    full: &LockName,
+    owner: &OwnerId,
+    ttl: Duration,
+) -> Result<Option<turnstile::lock::LossReason>, Problem> {
+    let outcome = service
+        .timed("extend", service.locker.extend_detached(full, owner, ttl))
+        .await?;
+    match outcome {
+        ExtendOutcome::Extended => {
+            service
+                .held
+                .extended(principal.holder(), full.as_str(), ttl);
+            Ok(None)
+        }
+        ExtendOutcome::Lost(reason) => {
+            service
+                .held
+                .released(principal.holder(), full.as_str(), Some(owner.as_str()));
+            Ok(Some(reason))
+        }
+        _ => Err(Problem::invalid("unexpected extend outcome")),
+    }
+}
+
+/// Releases the lease `owner` holds on `full` for a caller, keeping the tenant's
+/// count: `released`, `already_expired` or `held_by_other`.
+pub(super) async fn release_lease(
+    service: &Service,
+    principal: &Principal,
+    full: &LockName,
+    owner: &OwnerId,
+) -> Result<&'static str, Problem> {
+    let outcome = service
+        .timed("release", service.locker.release_detached(full, owner))
+        .await?;
+    let outcome = match outcome {
+        ReleaseOutcome::Released => "released",
+        ReleaseOutcome::AlreadyExpired => "already_expired",
+        ReleaseOutcome::HeldByOther => "held_by_other",
+        _ => "unknown",
+    };
+    if outcome == "released" || outcome == "already_expired" {
+        service
+            .held
+            .released(principal.holder(), full.as_str(), Some(owner.as_str()));
+    }
+    Ok(outcome)
 }
 
 /// Extends a lease.
@@ -422,21 +511,12 @@ async fn extend(
     let full = lock_name(&principal, &name)?;
     let owner = OwnerId::parse(&request.owner)?;
     let ttl = service.lease("ttl_ms", request.ttl_ms)?;
-    let outcome = service
-        .timed("extend", service.locker.extend_detached(&full, &owner, ttl))
-        .await?;
-    match outcome {
-        ExtendOutcome::Extended => {
+    match extend_lease(&service, &principal, &full, &owner, ttl).await? {
+        None => {
             service.activity.extended(full.as_str(), ttl);
-            service
-                .held
-                .extended(principal.holder(), full.as_str(), ttl);
             Ok(Json(Extended { ttl_ms: ms(ttl) }))
         }
-        ExtendOutcome::Lost(reason) => {
-            service
-                .held
-                .released(principal.holder(), full.as_str(), Some(owner.as_str()));
+        Some(reason) => {
             // Only the holder's own loss removes its row: an extend with another owner
             // id (a stale holder's, or a wrong one) leaves the real holder shown. The
             // event goes to this tenant's own buffer.
@@ -457,7 +537,6 @@ async fn extend(
             )
             .with("reason", reason.to_string()))
         }
-        _ => Err(Problem::invalid("unexpected extend outcome")),
     }
 }
 
@@ -498,20 +577,9 @@ async fn release(
     principal.require(Scope::LocksWrite)?;
     let full = lock_name(&principal, &name)?;
     let owner = OwnerId::parse(&request.owner)?;
-    let outcome = service
-        .timed("release", service.locker.release_detached(&full, &owner))
-        .await?;
-    let outcome = match outcome {
-        ReleaseOutcome::Released => "released",
-        ReleaseOutcome::AlreadyExpired => "already_expired",
-        ReleaseOutcome::HeldByOther => "held_by_other",
-        _ => "unknown",
-    };
+    let outcome = release_lease(&service, &principal, &full, &owner).await?;
     if outcome == "released" || outcome == "already_expired" {
         service.activity.gone(full.as_str(), Some(owner.as_str()));
-        service
-            .held
-            .released(principal.holder(), full.as_str(), Some(owner.as_str()));
     }
     if outcome != "released" {
         service.activity.event(
@@ -604,6 +672,7 @@ async fn force_release(
         .await?;
     if let Some(info) = &info {
         service.activity.gone(full.as_str(), None);
+        service.activity.term_ended(full.as_str(), None, "broken");
         service
             .held
             .released(principal.holder(), full.as_str(), None);
@@ -1249,6 +1318,9 @@ pub(crate) struct DashboardState {
     may_break: bool,
     /// Locks this instance handed out whose lease has not ended.
     held: Vec<HeldLock>,
+    /// Elections campaigned through this instance: the current term and the ones
+    /// before it.
+    elections: Vec<ElectionView>,
     /// Recent losses, breaks and late releases, newest first.
     events: Vec<Event>,
     /// Idempotency outcomes per second (instance-wide; empty for tenant tokens).
@@ -1280,6 +1352,7 @@ async fn dashboard(
         },
         may_break: principal.allows(Scope::LocksBreak),
         held: snapshot.held,
+        elections: snapshot.elections,
         events: snapshot.events,
         idempotency: snapshot.idempotency,
         outbox: snapshot.outbox,

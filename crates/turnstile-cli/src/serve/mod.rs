@@ -13,6 +13,7 @@ mod api;
 mod auth;
 mod capability;
 mod conn;
+mod elections;
 mod problem;
 mod quota;
 mod tls;
@@ -32,6 +33,7 @@ use axum::routing::get;
 use clap::{Args, ValueEnum};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
+use turnstile::election::Election;
 use turnstile::idempotency::IdempotencyStore;
 use turnstile::lock::Locker;
 use turnstile::outbox::OutboxStore;
@@ -121,6 +123,11 @@ pub(crate) struct ServeArgs {
     /// Retry-After.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000), value_name = "N")]
     max_long_polls: u32,
+    /// Election streams open at once (`GET /v1/elections/{name}/observe`, server-sent
+    /// events that last until the client leaves); past it, 503 with Retry-After. Each
+    /// holds a connection, so keep it below --max-connections.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000), value_name = "N")]
+    max_observers: u32,
     /// How long a request's head may take to arrive, and a kept-alive connection may
     /// sit idle before it is closed.
     #[arg(long, default_value = "10s", value_parser = crate::parse_ttl, value_name = "DURATION")]
@@ -144,6 +151,8 @@ enum LogFormat {
 /// Everything a request handler needs.
 pub(crate) struct Service {
     locker: Locker,
+    /// Elections, over the same locker.
+    election: Election,
     /// The idempotency store, or why this store has none.
     idempotency: Result<Arc<dyn IdempotencyStore>, String>,
     /// The outbox, or why this store has none.
@@ -157,6 +166,8 @@ pub(crate) struct Service {
     held: quota::HeldLocks,
     /// Permits for acquires that wait (long polls): `--max-long-polls`.
     long_polls: Arc<tokio::sync::Semaphore>,
+    /// Permits for election streams: `--max-observers`.
+    observers: Arc<tokio::sync::Semaphore>,
     metrics: PrometheusHandle,
     /// The `Host` values the service answers to when it has no tokens (lower case,
     /// with the port).
@@ -449,6 +460,7 @@ async fn serve(args: ServeArgs) -> ExitCode {
     let shutdown = CancellationToken::new();
     let service = Arc::new(Service {
         engine: engine_of(&url),
+        election: Election::new(locker.clone()),
         locker,
         idempotency,
         outbox,
@@ -470,6 +482,9 @@ async fn serve(args: ServeArgs) -> ExitCode {
         ),
         long_polls: Arc::new(tokio::sync::Semaphore::new(
             usize::try_from(args.max_long_polls).unwrap_or(usize::MAX),
+        )),
+        observers: Arc::new(tokio::sync::Semaphore::new(
+            usize::try_from(args.max_observers).unwrap_or(usize::MAX),
         )),
         metrics,
         shutdown: shutdown.clone(),
@@ -645,7 +660,7 @@ async fn sample(service: Arc<Service>) {
 
 /// The whole application: the API, its OpenAPI document, metrics, the dashboard.
 fn app(service: Arc<Service>, max_body: usize) -> Router {
-    let (api, openapi) = api::router().split_for_parts();
+    let (api, openapi) = elections::routes(api::router()).split_for_parts();
     let openapi = Arc::new(finish_document(openapi, service.max_wait, service.max_ttl));
     api.route(
         "/openapi.json",

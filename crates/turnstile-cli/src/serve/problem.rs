@@ -104,6 +104,11 @@ impl Problem {
         self
     }
 
+    /// The kind of failure (the last part of `type`).
+    pub(crate) fn kind(&self) -> &'static str {
+        self.0.kind
+    }
+
     /// Sets `Retry-After` (seconds).
     pub(crate) fn retry_after(mut self, secs: u64) -> Self {
         self.0.retry_after_secs = Some(secs);

@@ -11,6 +11,8 @@ use super::history::{Event, EventKind};
 pub(crate) struct AcceptedWrite {
     pub(crate) worker: usize,
     pub(crate) token: u64,
+    /// The permit whose register it went to (0 for a lock or an election).
+    pub(crate) permit: u32,
 }
 
 /// What the checker needs to know about the run besides its history.
@@ -24,6 +26,10 @@ pub(crate) struct RunFacts {
     /// cannot act on its lost signal), `clock` always, `restart` where the engine keeps
     /// locks in memory, `kill-conn` where a lock lives in the holder's session.
     pub(crate) explaining_faults: Vec<String>,
+    /// For `verify semaphore`: how many holders the semaphore admits. Each permit is
+    /// checked as a lock of its own, and the holders of all permits together are
+    /// checked against this number.
+    pub(crate) permits: Option<u32>,
 }
 
 /// One acquisition, from `ok` to the end of its protected work.
@@ -31,6 +37,8 @@ pub(crate) struct RunFacts {
 pub(crate) struct Hold {
     pub(crate) worker: usize,
     pub(crate) token: u64,
+    /// The permit held (0 for a lock or an election).
+    pub(crate) permit: u32,
     /// When the worker asked for the lock (the attempt that got it).
     pub(crate) invoked: u64,
     pub(crate) start: u64,
@@ -53,6 +61,8 @@ pub(crate) struct FaultWindow {
 /// Two holders at once.
 #[derive(Debug, Clone, Serialize)]
 pub(crate) struct Overlap {
+    /// The permit both held (0 for a lock or an election).
+    pub(crate) permit: u32,
     /// The holder with the smaller token (the one whose lease had ended).
     pub(crate) stale_worker: usize,
     pub(crate) stale_token: u64,
@@ -127,6 +137,7 @@ fn holds_and_faults(events: &[Event], facts: &RunFacts) -> (Vec<Hold>, Vec<Fault
                 holds.push(Hold {
                     worker,
                     token: event.token.unwrap_or(0),
+                    permit: event.permit.unwrap_or(0),
                     invoked: invoked.get(&worker).copied().unwrap_or(event.t),
                     start: event.t,
                     end: facts.ended_ns.max(event.t),
@@ -198,16 +209,23 @@ pub(crate) fn check(events: &[Event], register: &[AcceptedWrite], facts: &RunFac
     let mut verdicts = Vec::new();
 
     // 1. The fenced register never accepted a token smaller than one it had accepted.
-    let regressions: Vec<String> = register
-        .windows(2)
-        .filter(|pair| pair[1].token < pair[0].token)
-        .map(|pair| {
-            format!(
-                "token {} (worker {}) accepted after {} (worker {})",
-                pair[1].token, pair[1].worker, pair[0].token, pair[0].worker
-            )
-        })
-        .collect();
+    // Each permit has a register of its own.
+    let mut last_accepted: BTreeMap<u32, &AcceptedWrite> = BTreeMap::new();
+    let mut regressions: Vec<String> = Vec::new();
+    for write in register {
+        if let Some(last) = last_accepted.insert(write.permit, write)
+            && write.token < last.token
+        {
+            regressions.push(format!(
+                "token {} (worker {}) accepted after {} (worker {}){}",
+                write.token,
+                write.worker,
+                last.token,
+                last.worker,
+                of_permit(facts, write.permit)
+            ));
+        }
+    }
     verdicts.push(Verdict {
         check: "fenced register monotonic",
         passed: regressions.is_empty(),
@@ -227,7 +245,7 @@ pub(crate) fn check(events: &[Event], register: &[AcceptedWrite], facts: &RunFac
                 // Holds are sorted by start, but a long one can still overlap later ones.
                 continue;
             }
-            if a.worker == b.worker {
+            if a.worker == b.worker || a.permit != b.permit {
                 continue;
             }
             let (stale, newer) = if a.token <= b.token { (a, b) } else { (b, a) };
@@ -241,6 +259,7 @@ pub(crate) fn check(events: &[Event], register: &[AcceptedWrite], facts: &RunFac
                 .find(|fault| fault.start <= start && fault.end >= window_from)
                 .map(|fault| fault.fault.clone());
             overlaps.push(Overlap {
+                permit: a.permit,
                 stale_worker: stale.worker,
                 stale_token: stale.token,
                 newer_worker: newer.worker,
@@ -257,11 +276,12 @@ pub(crate) fn check(events: &[Event], register: &[AcceptedWrite], facts: &RunFac
         .filter(|overlap| overlap.explained_by.is_none())
         .map(|overlap| {
             format!(
-                "workers {} (token {}) and {} (token {}) both held the lock from {:.1} ms to {:.1} ms with no fault to explain it",
+                "workers {} (token {}) and {} (token {}) both held the lock{} from {:.1} ms to {:.1} ms with no fault to explain it",
                 overlap.stale_worker,
                 overlap.stale_token,
                 overlap.newer_worker,
                 overlap.newer_token,
+                of_permit(facts, overlap.permit),
                 ms(overlap.start, facts.started_ns),
                 ms(overlap.end, facts.started_ns)
             )
@@ -281,6 +301,26 @@ pub(crate) fn check(events: &[Event], register: &[AcceptedWrite], facts: &RunFac
         },
     });
 
+    // 2b. A semaphore: never more holders than permits, beyond what explained overlaps
+    // account for.
+    if let Some(permits) = facts.permits {
+        let (violations, most) = over_admitted(&holds, &overlaps, permits, facts.started_ns);
+        verdicts.push(Verdict {
+            check: "at most N holders",
+            passed: violations.is_empty(),
+            detail: if violations.is_empty() && most > permits as usize {
+                format!(
+                    "at most {most} holders at once of {permits} permits; more than {permits} \
+                     only inside overlaps a fault explains"
+                )
+            } else if violations.is_empty() {
+                format!("at most {most} holders at once of {permits} permits")
+            } else {
+                violations.join("; ")
+            },
+        });
+    }
+
     // 3. Lost signals: how long before the next holder each fired.
     let lost_signal_margins_ms: Vec<f64> = holds
         .iter()
@@ -288,6 +328,7 @@ pub(crate) fn check(events: &[Event], register: &[AcceptedWrite], facts: &RunFac
             let lost_at = hold.lost_at?;
             let next = holds
                 .iter()
+                .filter(|other| other.permit == hold.permit)
                 .filter(|other| other.worker != hold.worker && other.start > hold.start)
                 .map(|other| other.start)
                 .min()?;
@@ -296,34 +337,16 @@ pub(crate) fn check(events: &[Event], register: &[AcceptedWrite], facts: &RunFac
         .collect();
 
     // 4. Tokens: a hold that began after another was released has a larger token.
-    let mut by_release: Vec<(u64, u64, usize)> = holds
-        .iter()
-        .filter_map(|hold| hold.released_at.map(|at| (at, hold.token, hold.worker)))
-        .collect();
-    by_release.sort_unstable();
-    let mut by_invoke: Vec<&Hold> = holds.iter().collect();
-    by_invoke.sort_by_key(|hold| hold.invoked);
-    let mut highest_released: Option<(u64, usize)> = None;
-    let mut released = by_release.iter().peekable();
+    // Per permit: each is a lock of its own, with tokens of its own.
     let mut token_regressions = Vec::new();
-    for hold in by_invoke {
-        while let Some(&&(at, token, worker)) = released.peek() {
-            if at >= hold.invoked {
-                break;
-            }
-            if highest_released.is_none_or(|(highest, _)| token > highest) {
-                highest_released = Some((token, worker));
-            }
-            released.next();
-        }
-        if let Some((highest, worker)) = highest_released
-            && hold.token <= highest
-        {
-            token_regressions.push(format!(
-                "worker {} got token {} after worker {worker} had released token {highest}",
-                hold.worker, hold.token
-            ));
-        }
+    let permits: std::collections::BTreeSet<u32> = holds.iter().map(|hold| hold.permit).collect();
+    for permit in permits {
+        let of_this: Vec<&Hold> = holds.iter().filter(|hold| hold.permit == permit).collect();
+        token_regressions.extend(
+            regressed_tokens(&of_this)
+                .into_iter()
+                .map(|regression| format!("{regression}{}", of_permit(facts, permit))),
+        );
     }
     verdicts.push(Verdict {
         check: "tokens increase",
@@ -401,8 +424,12 @@ pub(crate) fn check(events: &[Event], register: &[AcceptedWrite], facts: &RunFac
     });
 
     let mut handover_gaps_ms = Vec::new();
-    for pair in holds.windows(2) {
-        let gap = pair[1].start as f64 - pair[0].end as f64;
+    let mut previous_end: BTreeMap<u32, u64> = BTreeMap::new();
+    for hold in &holds {
+        let Some(end) = previous_end.insert(hold.permit, hold.end) else {
+            continue;
+        };
+        let gap = hold.start as f64 - end as f64;
         if gap >= 0.0 {
             handover_gaps_ms.push(gap / 1e6);
         }
@@ -435,6 +462,86 @@ pub(crate) fn check(events: &[Event], register: &[AcceptedWrite], facts: &RunFac
     }
 }
 
+/// The acquisitions among `holds` (of one lock) that began after another was released
+/// and got a token no larger than the largest released before they asked.
+fn regressed_tokens(holds: &[&Hold]) -> Vec<String> {
+    let mut by_release: Vec<(u64, u64, usize)> = holds
+        .iter()
+        .filter_map(|hold| hold.released_at.map(|at| (at, hold.token, hold.worker)))
+        .collect();
+    by_release.sort_unstable();
+    let mut by_invoke: Vec<&Hold> = holds.to_vec();
+    by_invoke.sort_by_key(|hold| hold.invoked);
+    let mut highest_released: Option<(u64, usize)> = None;
+    let mut released = by_release.iter().peekable();
+    let mut regressions = Vec::new();
+    for hold in by_invoke {
+        while let Some(&&(at, token, worker)) = released.peek() {
+            if at >= hold.invoked {
+                break;
+            }
+            if highest_released.is_none_or(|(highest, _)| token > highest) {
+                highest_released = Some((token, worker));
+            }
+            released.next();
+        }
+        if let Some((highest, worker)) = highest_released
+            && hold.token <= highest
+        {
+            regressions.push(format!(
+                "worker {} got token {} after worker {worker} had released token {highest}",
+                hold.worker, hold.token
+            ));
+        }
+    }
+    regressions
+}
+
+/// " (permit N)" for a semaphore's permit, nothing for a lock.
+fn of_permit(facts: &RunFacts, permit: u32) -> String {
+    if facts.permits.is_some() {
+        format!(" (permit {permit})")
+    } else {
+        String::new()
+    }
+}
+
+/// For a semaphore of `permits`: the moments when more holders than that held at
+/// once, each not inside an overlap a fault explains; and the most holders seen at
+/// once.
+fn over_admitted(
+    holds: &[Hold],
+    overlaps: &[Overlap],
+    permits: u32,
+    started_ns: u64,
+) -> (Vec<String>, usize) {
+    let mut changes: Vec<(u64, i64)> = holds
+        .iter()
+        .filter(|hold| hold.end > hold.start)
+        .flat_map(|hold| [(hold.start, 1), (hold.end, -1)])
+        .collect();
+    // Ends before starts at the same instant: a hand-over is not two holders.
+    changes.sort_unstable();
+    let (mut inside, mut most) = (0i64, 0i64);
+    let mut violations = Vec::new();
+    for (at, change) in changes {
+        inside += change;
+        most = most.max(inside);
+        if change > 0 && inside > i64::from(permits) {
+            let explained = overlaps
+                .iter()
+                .any(|o| o.explained_by.is_some() && o.start <= at && at < o.end);
+            if !explained {
+                violations.push(format!(
+                    "{inside} holders of {permits} permits at once at {:.1} ms with no fault to explain it",
+                    ms(at, started_ns)
+                ));
+            }
+        }
+    }
+    (violations, usize::try_from(most).unwrap_or(0))
+}
+
 /// The `p`th percentile (0–100) of `values`, by nearest rank.
 pub(crate) fn percentile(values: &[f64], p: f64) -> Option<f64> {
     if values.is_empty() {
@@ -463,7 +570,78 @@ mod tests {
             ended_ns: 20_000_000_000,
             ttl_ns: 1_000_000_000,
             explaining_faults: explaining.iter().map(|s| s.to_string()).collect(),
+            permits: None,
         }
+    }
+
+    fn semaphore(permits: u32) -> RunFacts {
+        RunFacts {
+            permits: Some(permits),
+            ..facts(&["pause"])
+        }
+    }
+
+    fn verdict<'a>(run: &'a RunCheck, name: &str) -> &'a Verdict {
+        run.verdicts.iter().find(|v| v.check == name).unwrap()
+    }
+
+    /// `overlapping()` with worker 1's events on permit 1 instead of permit 0.
+    fn on_two_permits() -> Vec<Event> {
+        overlapping()
+            .into_iter()
+            .map(|event| {
+                let permit = (event.worker == Some(1) && event.kind != EventKind::Invoke)
+                    .then_some(1)
+                    .or(Some(0));
+                event.permit(permit)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn holders_of_different_permits_do_not_overlap_but_count_against_the_permits() {
+        let run = check(&on_two_permits(), &[], &semaphore(2));
+        assert!(run.overlaps.is_empty(), "{:?}", run.overlaps);
+        assert!(verdict(&run, "no unexplained overlap").passed);
+        assert!(
+            verdict(&run, "at most N holders")
+                .detail
+                .starts_with("at most 2 holders")
+        );
+        // The same history is two holders too many for a semaphore of one permit.
+        let run = check(&on_two_permits(), &[], &semaphore(1));
+        assert!(!verdict(&run, "at most N holders").passed);
+        // Two holders of one permit are an overlap, as two holders of a lock are.
+        let run = check(&overlapping(), &[], &semaphore(2));
+        assert_eq!(run.overlaps.len(), 1);
+        assert!(!verdict(&run, "no unexplained overlap").passed);
+    }
+
+    #[test]
+    fn each_permit_has_its_own_register() {
+        let writes = [
+            AcceptedWrite {
+                worker: 0,
+                token: 5,
+                permit: 0,
+            },
+            AcceptedWrite {
+                worker: 1,
+                token: 4,
+                permit: 1,
+            },
+        ];
+        let run = check(&[], &writes, &semaphore(2));
+        assert!(verdict(&run, "fenced register monotonic").passed);
+        let writes = [
+            writes[0].clone(),
+            AcceptedWrite {
+                permit: 0,
+                ..writes[1].clone()
+            },
+        ];
+        let run = check(&[], &writes, &semaphore(2));
+        assert!(!verdict(&run, "fenced register monotonic").passed);
     }
 
     const MS: u64 = 1_000_000;
@@ -517,10 +695,12 @@ mod tests {
             AcceptedWrite {
                 worker: 0,
                 token: 5,
+                permit: 0,
             },
             AcceptedWrite {
                 worker: 1,
                 token: 4,
+                permit: 0,
             },
         ];
         let run = check(&[], &writes, &facts(&[]));

@@ -55,6 +55,9 @@ pub(crate) struct Event {
     pub(crate) worker: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub(crate) token: Option<u64>,
+    /// The permit held, for `verify semaphore` (a lock or an election has one).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub(crate) permit: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub(crate) outcome: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
@@ -70,6 +73,7 @@ impl Event {
             kind,
             worker,
             token: None,
+            permit: None,
             outcome: None,
             fault: None,
             detail: None,
@@ -78,6 +82,11 @@ impl Event {
 
     pub(crate) fn token(mut self, token: u64) -> Event {
         self.token = Some(token);
+        self
+    }
+
+    pub(crate) fn permit(mut self, permit: Option<u32>) -> Event {
+        self.permit = permit;
         self
     }
 

@@ -44,6 +44,17 @@ pub(crate) enum VerifyCommand {
     /// check of every run passed, 1 when one did not, 64 bad input, 69 store
     /// unavailable.
     Lock(VerifyLockArgs),
+    /// `verify lock` for leader election: workers campaign (advertising a value where
+    /// the store keeps one), and each leader writes to the fenced register with its
+    /// epoch. The same checks: epochs never go back in the register, two leaders at
+    /// once only under a fault the engine does not promise to survive, epochs
+    /// increase, and a leader is elected in every fault-free window.
+    Election(VerifyLockArgs),
+    /// `verify lock` for a semaphore of `--permits`: each worker holds one permit, and
+    /// each permit has its own fenced register. The checks of a lock, per permit, and
+    /// one more: never more holders than permits at once, beyond overlaps a fault
+    /// explains.
+    Semaphore(VerifySemaphoreArgs),
     /// Enqueue messages into an SQLite outbox (one transaction in seven rolled back)
     /// while relay processes publish them to a NATS JetStream stream this command
     /// starts and a consumer handles them through its inbox; kill relays and stop the
@@ -135,6 +146,45 @@ pub(crate) struct VerifyLockArgs {
     /// Print the summary as JSON on stdout.
     #[arg(long)]
     json: bool,
+}
+
+/// `turnstile verify semaphore`.
+#[derive(Args, Debug)]
+pub(crate) struct VerifySemaphoreArgs {
+    #[command(flatten)]
+    lock: VerifyLockArgs,
+    /// The semaphore's permits (fewer than --workers, so that workers contend).
+    #[arg(long, default_value_t = 3)]
+    permits: u32,
+}
+
+/// What a campaign verifies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum Primitive {
+    /// A lock.
+    Lock,
+    /// Leadership of an election.
+    Election,
+    /// A permit of a semaphore.
+    Semaphore,
+}
+
+impl Primitive {
+    fn name(self) -> &'static str {
+        match self {
+            Primitive::Lock => "lock",
+            Primitive::Election => "election",
+            Primitive::Semaphore => "semaphore",
+        }
+    }
+}
+
+/// A primitive and, for a semaphore, its permits.
+#[derive(Debug, Clone, Copy)]
+struct Target {
+    primitive: Primitive,
+    permits: u32,
 }
 
 /// How the store is reached and faulted.
@@ -318,6 +368,11 @@ struct RunSummary {
 /// The whole campaign.
 #[derive(Debug, Serialize)]
 struct Summary {
+    /// `lock`, `election` or `semaphore`.
+    primitive: Primitive,
+    /// A semaphore's permits.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    permits: Option<u32>,
     engine: &'static str,
     store: String,
     workers: usize,
@@ -331,14 +386,35 @@ struct Summary {
 
 /// Runs `turnstile verify lock`.
 pub(crate) async fn run(command: VerifyCommand) -> ExitCode {
-    let args = match command {
-        VerifyCommand::Lock(args) => args,
+    let (args, target) = match command {
+        VerifyCommand::Lock(args) => (
+            args,
+            Target {
+                primitive: Primitive::Lock,
+                permits: 1,
+            },
+        ),
+        VerifyCommand::Election(args) => (
+            args,
+            Target {
+                primitive: Primitive::Election,
+                permits: 1,
+            },
+        ),
+        VerifyCommand::Semaphore(args) => (
+            args.lock,
+            Target {
+                primitive: Primitive::Semaphore,
+                permits: args.permits,
+            },
+        ),
         #[cfg(feature = "nats")]
         VerifyCommand::Outbox(args) => return outbox::run(args).await,
         #[cfg(all(feature = "postgres", feature = "mysql"))]
         VerifyCommand::Idempotency(args) => return idempotency::run(args).await,
     };
-    exit_code(verify_lock(args).await, "verify lock")
+    let command = format!("verify {}", target.primitive.name());
+    exit_code(verify_lock(args, target).await, &command)
 }
 
 /// The exit status of a campaign: 0 passed, 1 a check failed, 64 bad input (the
@@ -359,11 +435,23 @@ fn exit_code(result: anyhow::Result<bool>, command: &str) -> ExitCode {
     }
 }
 
-async fn verify_lock(args: VerifyLockArgs) -> anyhow::Result<bool> {
+async fn verify_lock(args: VerifyLockArgs, target: Target) -> anyhow::Result<bool> {
     anyhow::ensure!(
         (1..=256).contains(&args.workers),
         "--workers must be between 1 and 256"
     );
+    if target.primitive == Primitive::Semaphore {
+        anyhow::ensure!(
+            (1..=turnstile::semaphore::MAX_PERMITS).contains(&target.permits),
+            "--permits must be between 1 and {}",
+            turnstile::semaphore::MAX_PERMITS
+        );
+        anyhow::ensure!(
+            usize::try_from(target.permits).is_ok_and(|permits| permits < args.workers),
+            "--permits must be fewer than --workers ({}), or nobody contends",
+            args.workers
+        );
+    }
     anyhow::ensure!(
         args.ttl >= Duration::from_millis(100),
         "--ttl must be at least 100ms"
@@ -381,9 +469,17 @@ async fn verify_lock(args: VerifyLockArgs) -> anyhow::Result<bool> {
     let store =
         Arc::new(tokio::task::spawn_blocking(move || Store::start(&spec, &report_dir)).await??);
     // The store must answer before the campaign starts.
-    turnstile::lock::Locker::connect(&store.url())
+    let locker = turnstile::lock::Locker::connect(&store.url())
         .await
         .map_err(|error| anyhow::anyhow!("cannot reach the store: {error}"))?;
+    if target.primitive == Primitive::Semaphore {
+        // An engine without semaphores (RedLock) is named now, not by every worker's
+        // acquire failing for the whole run.
+        turnstile::semaphore::Semaphore::new(locker)
+            .stored_permits("turnstile-verify-probe")
+            .await
+            .map_err(|error| anyhow::anyhow!("this store cannot verify semaphores: {error}"))?;
+    }
     let port = store.loopback_port();
     let mut faults = Vec::new();
     let mut skipped = Vec::new();
@@ -411,6 +507,8 @@ async fn verify_lock(args: VerifyLockArgs) -> anyhow::Result<bool> {
         }
     }
     let mut summary = Summary {
+        primitive: target.primitive,
+        permits: (target.primitive == Primitive::Semaphore).then_some(target.permits),
         engine: store.engine(),
         store: turnstile::store::redact(&store.url()),
         workers: args.workers,
@@ -431,7 +529,7 @@ async fn verify_lock(args: VerifyLockArgs) -> anyhow::Result<bool> {
         std::fs::create_dir_all(&run_dir)?;
         let mut order = faults.clone();
         order.rotate_left(injected % faults.len().max(1));
-        let check = one_run(&args, &store, port, &order, run, &run_dir).await?;
+        let check = one_run(&args, target, &store, port, &order, run, &run_dir).await?;
         injected += check.fault_windows.len();
         let passed = check.passed();
         summary.passed &= passed;
@@ -460,6 +558,7 @@ async fn verify_lock(args: VerifyLockArgs) -> anyhow::Result<bool> {
 
 fn summary_view(summary: &Summary) -> report::View<'_> {
     report::View {
+        primitive: summary.primitive.name(),
         engine: summary.engine,
         store: &summary.store,
         workers: summary.workers,
@@ -482,6 +581,7 @@ struct Worker {
 
 async fn one_run(
     args: &VerifyLockArgs,
+    target: Target,
     store: &Arc<Store>,
     port: Option<u16>,
     faults: &[Fault],
@@ -520,6 +620,10 @@ async fn one_run(
             .arg(&register)
             .arg("--until-ns")
             .arg(ended_ns.to_string())
+            .arg("--primitive")
+            .arg(target.primitive.name())
+            .arg("--permits")
+            .arg(target.permits.to_string())
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(log)
@@ -566,6 +670,7 @@ async fn one_run(
         ended_ns,
         ttl_ns: u64::try_from(args.ttl.as_nanos()).unwrap_or(u64::MAX),
         explaining_faults: store.explaining_faults(),
+        permits: (target.primitive == Primitive::Semaphore).then_some(target.permits),
     };
     let check = check::check(&events, &accepted, &facts);
     std::fs::write(
@@ -577,15 +682,16 @@ async fn one_run(
 
 async fn read_register(path: &Path) -> anyhow::Result<Vec<AcceptedWrite>> {
     let pool = worker::open_register(path).await?;
-    let rows: Vec<(i64, i64)> =
-        sqlx::query_as("SELECT worker, token FROM verify_writes ORDER BY seq")
+    let rows: Vec<(i64, i64, i64)> =
+        sqlx::query_as("SELECT worker, token, permit FROM verify_writes ORDER BY seq")
             .fetch_all(&pool)
             .await?;
     Ok(rows
         .into_iter()
-        .map(|(worker, token)| AcceptedWrite {
+        .map(|(worker, token, permit)| AcceptedWrite {
             worker: usize::try_from(worker).unwrap_or(usize::MAX),
             token: u64::try_from(token).unwrap_or(0),
+            permit: u32::try_from(permit).unwrap_or(u32::MAX),
         })
         .collect())
 }

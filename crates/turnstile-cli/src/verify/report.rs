@@ -14,6 +14,8 @@ use super::check::{FaultWindow, RunCheck, Verdict, percentile};
 
 /// What the HTML page shows.
 pub(crate) struct View<'a> {
+    /// `lock`, `election` or `semaphore`.
+    pub(crate) primitive: &'a str,
     pub(crate) engine: &'a str,
     pub(crate) store: &'a str,
     pub(crate) workers: usize,
@@ -341,7 +343,7 @@ const GAP_BUCKETS: [f64; 10] = [
 /// The whole page.
 pub(crate) fn html(view: &View<'_>) -> String {
     let mut page = page_head(
-        &format!("turnstile verify lock — {}", view.engine),
+        &format!("turnstile verify {} — {}", view.primitive, view.engine),
         view.passed,
     );
     let _ = write!(

@@ -1,6 +1,7 @@
 //! A verification worker: one process (so the nemesis can pause it with a real
-//! `SIGSTOP`) that takes the lock, writes to the fenced register with its token, holds
-//! for a while, writes again, and releases, recording every step.
+//! `SIGSTOP`) that takes the lock (or leads the election, or holds a permit of the
+//! semaphore), writes to the fenced register with its token, holds for a while, writes
+//! again, and releases, recording every step.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -10,9 +11,12 @@ use std::time::Duration;
 
 use clap::Args;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
+use turnstile::election::Election;
 use turnstile::fence::{FenceOutcome, FencingToken, sqlite as fence};
-use turnstile::lock::{LockOptions, Locker};
+use turnstile::lock::{LockGuard, LockOptions, Locker};
+use turnstile::semaphore::Semaphore;
 
+use super::Primitive;
 use super::history::{Event, EventKind, HistoryWriter, monotonic_ns};
 
 /// The fenced register's resource name.
@@ -36,6 +40,42 @@ pub(crate) struct WorkerArgs {
     /// Stop when the host's monotonic clock reaches this (nanoseconds).
     #[arg(long)]
     until_ns: u64,
+    /// What to take: the lock, a leadership of the election, or a permit.
+    #[arg(long, value_enum, default_value_t = Primitive::Lock)]
+    primitive: Primitive,
+    /// The semaphore's permits.
+    #[arg(long, default_value_t = 1)]
+    permits: u32,
+}
+
+/// Takes what the run verifies, as a lock guard (with the permit, for a semaphore).
+async fn take(
+    locker: &Locker,
+    args: &WorkerArgs,
+    options: &LockOptions,
+) -> turnstile::Result<(LockGuard, Option<u32>)> {
+    let name = args.name.as_str();
+    match args.primitive {
+        Primitive::Lock => Ok((locker.acquire(name, options).await?, None)),
+        Primitive::Election => {
+            // Each leader advertises itself where the store keeps values; the value is
+            // written only while it leads, so it exercises that step under faults too.
+            let value = if locker.backend().keeps_holder_values() {
+                format!("worker-{}", args.worker)
+            } else {
+                String::new()
+            };
+            let election = Election::new(locker.clone());
+            let leadership = election.campaign(name, value, options).await?;
+            Ok((leadership.into_guard(), None))
+        }
+        Primitive::Semaphore => {
+            let semaphore = Semaphore::new(locker.clone());
+            let permit = semaphore.acquire(name, args.permits, options).await?;
+            let slot = permit.slot();
+            Ok((permit.into_guard(), Some(slot)))
+        }
+    }
 }
 
 /// Opens the fenced register (an SQLite file outside the lock store), creating it.
@@ -54,6 +94,7 @@ pub(crate) async fn open_register(path: &Path) -> anyhow::Result<SqlitePool> {
             seq INTEGER PRIMARY KEY AUTOINCREMENT,
             worker INTEGER NOT NULL,
             token INTEGER NOT NULL,
+            permit INTEGER NOT NULL DEFAULT 0,
             t INTEGER NOT NULL)",
     )
     .execute(&pool)
@@ -61,17 +102,28 @@ pub(crate) async fn open_register(path: &Path) -> anyhow::Result<SqlitePool> {
     Ok(pool)
 }
 
-/// One write to the register: the fence check and the write commit together.
-async fn fenced_write(register: &SqlitePool, worker: usize, token: u64) -> anyhow::Result<bool> {
+/// One write to the register (a permit's own, for a semaphore): the fence check and
+/// the write commit together.
+async fn fenced_write(
+    register: &SqlitePool,
+    worker: usize,
+    token: u64,
+    permit: Option<u32>,
+) -> anyhow::Result<bool> {
+    let resource = match permit {
+        Some(permit) => format!("{REGISTER}#{permit}"),
+        None => REGISTER.to_owned(),
+    };
     let mut transaction = register.begin().await?;
     let outcome =
-        fence::check_and_record(&mut transaction, REGISTER, FencingToken::new(token)).await?;
+        fence::check_and_record(&mut transaction, &resource, FencingToken::new(token)).await?;
     if !matches!(outcome, FenceOutcome::Applied) {
         return Ok(false);
     }
-    sqlx::query("INSERT INTO verify_writes (worker, token, t) VALUES (?1, ?2, ?3)")
+    sqlx::query("INSERT INTO verify_writes (worker, token, permit, t) VALUES (?1, ?2, ?3, ?4)")
         .bind(i64::try_from(worker)?)
         .bind(i64::try_from(token)?)
+        .bind(i64::from(permit.unwrap_or(0)))
         .bind(i64::try_from(monotonic_ns())?)
         .execute(&mut *transaction)
         .await?;
@@ -124,8 +176,8 @@ async fn work(args: &WorkerArgs) -> anyhow::Result<()> {
     let ttl_ms = u64::try_from(args.ttl.as_millis()).unwrap_or(u64::MAX);
     while monotonic_ns() < args.until_ns {
         record(&history, &Event::now(EventKind::Invoke, worker));
-        let guard = match locker.acquire(args.name.as_str(), &options).await {
-            Ok(guard) => guard,
+        let (guard, permit) = match take(&locker, args, &options).await {
+            Ok(taken) => taken,
             Err(error) => {
                 record(
                     &history,
@@ -137,7 +189,12 @@ async fn work(args: &WorkerArgs) -> anyhow::Result<()> {
             }
         };
         let token = guard.fencing_token().get();
-        record(&history, &Event::now(EventKind::Ok, worker).token(token));
+        record(
+            &history,
+            &Event::now(EventKind::Ok, worker)
+                .token(token)
+                .permit(permit),
+        );
         // The lost signal is recorded the moment it fires, whatever the worker is doing.
         let lost_watch = {
             let history = Arc::clone(&history);
@@ -148,6 +205,7 @@ async fn work(args: &WorkerArgs) -> anyhow::Result<()> {
                     &history,
                     &Event::now(EventKind::Lost, worker)
                         .token(token)
+                        .permit(permit)
                         .detail(format!("{reason:?}")),
                 );
             })
@@ -166,7 +224,7 @@ async fn work(args: &WorkerArgs) -> anyhow::Result<()> {
             if guard.is_lost() {
                 break;
             }
-            let outcome = match fenced_write(&register, args.worker, token).await {
+            let outcome = match fenced_write(&register, args.worker, token, permit).await {
                 Ok(true) => "accepted".to_owned(),
                 Ok(false) => "rejected".to_owned(),
                 Err(error) => format!("error: {error}"),
@@ -175,12 +233,15 @@ async fn work(args: &WorkerArgs) -> anyhow::Result<()> {
                 &history,
                 &Event::now(EventKind::Write, worker)
                     .token(token)
+                    .permit(permit)
                     .outcome(outcome),
             );
         }
         record(
             &history,
-            &Event::now(EventKind::SectionEnd, worker).token(token),
+            &Event::now(EventKind::SectionEnd, worker)
+                .token(token)
+                .permit(permit),
         );
         let released = match guard.release().await {
             Ok(outcome) => format!("{outcome:?}"),
@@ -193,6 +254,7 @@ async fn work(args: &WorkerArgs) -> anyhow::Result<()> {
             &history,
             &Event::now(EventKind::Released, worker)
                 .token(token)
+                .permit(permit)
                 .outcome(released),
         );
     }

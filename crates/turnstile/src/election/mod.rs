@@ -15,8 +15,8 @@
 //! with [`Election::leader`] and follow with [`Election::observe`]. The value lives with
 //! the leadership in the store and is written only while its writer leads, in one
 //! atomic step, so a deposed leader cannot overwrite its successor's. SQLite, Redis
-//! (single node, Sentinel, Cluster) and PostgreSQL in lease mode keep values; on the
-//! other engines an election works the same with an empty value, and a campaign with a
+//! (single node, Sentinel, Cluster), PostgreSQL in lease mode, etcd and ZooKeeper keep
+//! values; on the other engines an election works the same with an empty value, and a campaign with a
 //! value is refused with [`ErrorKind::UnsupportedStore`] (see
 //! [`LockBackend::keeps_holder_values`]).
 //!
@@ -177,6 +177,35 @@ impl Election {
         })
     }
 
+    /// Advertises `value` for the leadership that `owner` holds, without a
+    /// [`Leadership`] in this process: for a leadership taken by
+    /// [`campaign`](Election::campaign) and then handed on as a detached lease
+    /// ([`LockGuard::detach`] of [`Leadership::into_guard`]), as `turnstile serve` does
+    /// for its HTTP clients. Applies only while `owner` leads, in one atomic step.
+    ///
+    /// Errors: [`ErrorKind::LockLost`] if `owner` does not lead `name` (nothing was
+    /// written), [`ErrorKind::InvalidOptions`] for a bad value,
+    /// [`ErrorKind::UnsupportedStore`] on an engine that keeps no values.
+    pub async fn proclaim_detached<N: IntoLockName>(
+        &self,
+        name: N,
+        owner: &OwnerId,
+        value: &str,
+    ) -> Result<()> {
+        let name = name.into_lock_name()?;
+        validate_value(value)?;
+        if !self.backend().proclaim(&name, owner, value).await? {
+            return Err(Error::new(
+                ErrorKind::LockLost,
+                format!(
+                    "election \"{name}\": that owner id does not lead it (its lease ended, or it was broken); nothing was written"
+                ),
+            ));
+        }
+        telemetry::proclaimed(&name, None);
+        Ok(())
+    }
+
     /// Who leads `name` now, if anyone: one read of the store.
     pub async fn leader<N: IntoLockName>(&self, name: N) -> Result<Option<Leader>> {
         let name = name.into_lock_name()?;
@@ -193,6 +222,10 @@ impl Election {
     /// store's release notifications where the engine sends them, and looks again at
     /// least every second, since a lease that runs out with nobody waiting announces
     /// nothing.
+    ///
+    /// A campaign takes the lock, then writes its value, so a new leader may be seen
+    /// first with `value: None` and at once after with its value (never with another
+    /// leader's).
     pub async fn observe<N: IntoLockName>(&self, name: N) -> Result<LeaderWatch> {
         let name = name.into_lock_name()?;
         Ok(LeaderWatch {
@@ -436,7 +469,7 @@ impl Leadership {
             let reason = guard.loss_reason().unwrap_or(LossReason::TakenOver);
             return Err(lost_error(guard.name(), reason));
         }
-        telemetry::proclaimed(guard.name(), guard.fencing_token());
+        telemetry::proclaimed(guard.name(), Some(guard.fencing_token()));
         self.value = value;
         Ok(())
     }

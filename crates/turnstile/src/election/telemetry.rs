@@ -48,9 +48,9 @@ pub(crate) fn deposed(name: &LockName, epoch: FencingToken, reason: LossReason) 
     tracing::warn!(election = %name, epoch = epoch.get(), %reason, "leadership lost");
 }
 
-pub(crate) fn proclaimed(name: &LockName, epoch: FencingToken) {
+pub(crate) fn proclaimed(name: &LockName, epoch: Option<FencingToken>) {
     metrics::counter!("turnstile_election_proclaimed_total").increment(1);
-    tracing::debug!(election = %name, epoch = epoch.get(), "leader value changed");
+    tracing::debug!(election = %name, epoch = epoch.map(FencingToken::get), "leader value changed");
 }
 
 pub(crate) fn observed_change(name: &LockName, leader: Option<&Leader>) {

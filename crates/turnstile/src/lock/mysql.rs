@@ -818,7 +818,8 @@ impl LockBackend for MysqlLockStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<TryAcquire>> {
         Box::pin(async move {
-            if let Some(token) = session::already_held(self, owner).await {
+            // This engine takes every lock fenced, so a held session has a token.
+            if let Some(Some(token)) = session::already_held(self, owner).await {
                 return Ok(TryAcquire::Acquired { token });
             }
             let key = lock_key(name);
@@ -930,7 +931,7 @@ impl LockBackend for MysqlLockStore {
                 connection: Some(connection),
                 server_id,
                 key: key.to_owned(),
-                token,
+                token: Some(token),
                 ttl,
                 last_contact: sent,
             };

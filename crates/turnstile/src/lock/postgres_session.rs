@@ -51,6 +51,20 @@
 //!   that newer session-mode processes use.
 //! - **Waiting**: same-process waiters are woken directly; others re-check with a backoff
 //!   from 5 ms to 100 ms.
+//!
+//! # Unfenced locks
+//! [`Locker::acquire_unfenced`](super::Locker::acquire_unfenced) takes the advisory lock
+//! with a bare `pg_try_advisory_lock` and **writes nothing**: no token row, no
+//! transaction, so no WAL. The holder names itself in its session's
+//! `application_name` (`ts KEY OWNER`, visible in `pg_stat_activity` to every role),
+//! which is what [`inspect`](LockBackend::inspect), the collision check above and
+//! `turnstile lock break` read for it; the release (and a hand-over within the
+//! process) puts the session's own application name back. Exclusion with fenced
+//! holders is the advisory lock's, and a fenced acquisition after an unfenced one
+//! still gets a token larger than every earlier one (the counter only grows). What it
+//! gives up besides the token: a name that lease mode uses is refused only once its
+//! token row exists, so a lease-mode process can take a name that only unfenced
+//! session-mode holders have used (test `an_unfenced_session_lock_writes_nothing`).
 
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -64,7 +78,7 @@ use tokio::time::Instant;
 use super::session::{self, Dedicated, HeldSessions, Session, SessionEngine};
 use super::{
     BoxFuture, ExtendOutcome, LockBackend, LockInfo, LockName, OwnerId, ReleaseOutcome,
-    ReleaseSignals, ReleaseWatch, TryAcquire, ceil_millis,
+    ReleaseSignals, ReleaseWatch, TryAcquire, TryAcquireUnfenced, ceil_millis,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fence::FencingToken;
@@ -92,6 +106,7 @@ fn server_lease(ttl: Duration) -> Duration {
 
 struct Sql {
     unlock: Statement,
+    acquire_unfenced: Statement,
     terminate_holder: Statement,
     prune: Statement,
     acquire: Statement,
@@ -107,15 +122,22 @@ pub struct PostgresSessionLockStore {
     held: Arc<HeldSessions<Dedicated<Postgres>, ()>>,
     sql: Arc<Sql>,
     signals: ReleaseSignals,
-    /// The `idle_session_timeout` that `RESET` would restore on this store's sessions
-    /// (they share one role, database and startup options), read once: the unlock
-    /// statement restores it itself, so a release is one round trip. A default changed
-    /// later (`ALTER ROLE`) reaches sessions that start after it only when the store
-    /// is opened again.
-    idle_timeout_default: tokio::sync::OnceCell<String>,
+    /// The `idle_session_timeout` and `application_name` that `RESET` would restore
+    /// on this store's sessions (they share one role, database and startup options),
+    /// read once: the unlock statement restores them itself, so a release is one round
+    /// trip. A default changed later (`ALTER ROLE`) reaches sessions that start after
+    /// it only when the store is opened again.
+    session_defaults: tokio::sync::OnceCell<SessionDefaults>,
     /// Per busy name: when its key's holder was last compared with the name's token
     /// row, and the backend that held the key without being the name's holder then.
     collision_checks: Arc<std::sync::Mutex<HashMap<String, KeyCheck>>>,
+}
+
+/// What a session returned to the pool is reset to.
+#[derive(Clone)]
+struct SessionDefaults {
+    idle_timeout: String,
+    application_name: String,
 }
 
 /// The last comparison of a busy name's key holder with the name's recorded holder.
@@ -225,8 +247,35 @@ impl PostgresSessionLockStore {
                         (SELECT token FROM bumped) AS token,
                         (SELECT count(*) FROM lease) AS leased, pg_backend_pid() AS pid"
             )),
+            // The unfenced acquire: the advisory lock and nothing written. The holder
+            // names itself in the session's `application_name` (`ts KEY OWNER`), which
+            // every role can read in `pg_stat_activity`, instead of in the token row; a
+            // lease-mode name (a token row without a holder) is refused as above, read
+            // from the statement's snapshot (a lease-mode acquisition of a name never
+            // used before, at the same instant, is not seen: see the module's notes).
+            acquire_unfenced: statement(format!(
+                "WITH got AS (SELECT pg_try_advisory_lock({key}) AS ok),
+                 lease_name AS (
+                    SELECT 1 FROM {tokens} t
+                    WHERE t.name = $1 AND t.holder IS NULL
+                      AND NOT EXISTS (SELECT 1 FROM {locks} WHERE name = $1 AND NOT isfinite(expires_at))),
+                 refused AS (
+                    SELECT pg_advisory_unlock({key}) FROM got
+                    WHERE ok AND EXISTS (SELECT 1 FROM lease_name)),
+                 held AS (
+                    SELECT set_config('idle_session_timeout', $3, false),
+                           set_config('application_name', 'ts ' || {key} || ' ' || $2, false)
+                    FROM got WHERE ok AND NOT EXISTS (SELECT 1 FROM lease_name))
+                 SELECT (SELECT count(*) FROM held) > 0 AS ok,
+                        (SELECT count(*) FROM refused) > 0 AS lease_mode,
+                        pg_backend_pid() AS pid"
+            )),
+            // The application name is put back only where an unfenced holder changed
+            // it, so a fenced release sets nothing more than before.
             unlock: statement(format!(
-                "SELECT pg_advisory_unlock({key}), set_config('idle_session_timeout', $2, false)"
+                "SELECT pg_advisory_unlock({key}), set_config('idle_session_timeout', $2, false),
+                        CASE WHEN current_setting('application_name') <> $3
+                             THEN set_config('application_name', $3, false) END"
             )),
             terminate_holder: statement(format!(
                 "SELECT pg_terminate_backend(l.pid) FROM pg_locks l
@@ -266,19 +315,28 @@ impl PostgresSessionLockStore {
                     SET token = GREATEST(token + 1, {CLOCK_US}), holder = $2 || '@' || pg_backend_pid()
                     WHERE name = $1
                     RETURNING token),
-                 lease AS (SELECT set_config('idle_session_timeout', $3, false))
-                 SELECT (SELECT token FROM bumped), (SELECT count(*) FROM lease)"
+                 lease AS (SELECT set_config('idle_session_timeout', $3, false)),
+                 named AS (
+                    SELECT set_config('application_name', $4, false)
+                    WHERE current_setting('application_name') <> $4)
+                 SELECT (SELECT token FROM bumped), (SELECT count(*) FROM lease),
+                        (SELECT count(*) FROM named)"
             )),
+            // An unfenced holder is the one its session's application name names,
+            // whatever the token row says (it may be left from an earlier holder).
             holder: statement(format!(
                 "WITH k AS (SELECT {key} AS key),
                  holder AS (
-                    SELECT l.pid FROM pg_locks l, k
+                    SELECT l.pid, k.key FROM pg_locks l, k
                     WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
                       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
                       AND l.classid = ((k.key >> 32) & 4294967295)::oid
                       AND l.objid = (k.key & 4294967295)::oid)
-                 SELECT h.pid, t.holder, r.owner, t.token
+                 SELECT h.pid, t.holder, r.owner, t.token,
+                        CASE WHEN a.application_name LIKE 'ts ' || h.key || ' %'
+                             THEN split_part(a.application_name, ' ', 3) END AS unfenced_owner
                  FROM holder h
+                 LEFT JOIN LATERAL pg_stat_get_activity(h.pid) a ON true
                  LEFT JOIN {locks} r ON r.name = $1
                  LEFT JOIN {tokens} t ON t.name = $1"
             )),
@@ -289,7 +347,7 @@ impl PostgresSessionLockStore {
             held: Arc::default(),
             sql: Arc::new(sql),
             signals: ReleaseSignals::new(),
-            idle_timeout_default: tokio::sync::OnceCell::new(),
+            session_defaults: tokio::sync::OnceCell::new(),
             collision_checks: Arc::default(),
         })
     }
@@ -356,8 +414,13 @@ impl PostgresSessionLockStore {
         }
     }
 
-    /// Who holds `name` by the server: (backend pid, owner, token).
-    async fn current_holder(&self, name: &LockName) -> Result<Option<(u64, String, FencingToken)>> {
+    /// Who holds `name` by the server: (backend pid, owner, token); no token for an
+    /// unfenced holder, and no owner for a session that holds the key without being
+    /// the name's recorded holder.
+    async fn current_holder(
+        &self,
+        name: &LockName,
+    ) -> Result<Option<(u64, String, Option<FencingToken>)>> {
         let row = sqlx::query(self.sql.holder.sql())
             .bind(name.as_str())
             .fetch_optional(self.tables.pool())
@@ -368,11 +431,15 @@ impl PostgresSessionLockStore {
         };
         let bad = |error| map_error(error, "bad lock row");
         let pid: i32 = row.try_get("pid").map_err(bad)?;
+        let pid = u64::try_from(pid).unwrap_or(0);
+        let unfenced_owner: Option<String> = row.try_get("unfenced_owner").map_err(bad)?;
+        if let Some(owner) = unfenced_owner.filter(|owner| !owner.is_empty()) {
+            return Ok(Some((pid, owner, None)));
+        }
         let holder: Option<String> = row.try_get("holder").map_err(bad)?;
         // Where an older version of this engine recorded the holder.
         let recorded_by_older: Option<String> = row.try_get("owner").map_err(bad)?;
         let token: Option<i64> = row.try_get("token").map_err(bad)?;
-        let pid = u64::try_from(pid).unwrap_or(0);
         // The holder is recorded as `owner@pid`; trust it only for the session that holds.
         let owner = [holder, recorded_by_older]
             .into_iter()
@@ -385,8 +452,115 @@ impl PostgresSessionLockStore {
         Ok(Some((
             pid,
             owner,
-            FencingToken::new(token.and_then(|t| u64::try_from(t).ok()).unwrap_or(0)),
+            Some(FencingToken::new(
+                token.and_then(|t| u64::try_from(t).ok()).unwrap_or(0),
+            )),
         )))
+    }
+
+    /// The defaults a session returned to the pool gets back (see `session_defaults`),
+    /// read on the first release.
+    async fn session_defaults(
+        &self,
+        connection: &mut Dedicated<Postgres>,
+    ) -> Option<&SessionDefaults> {
+        self.session_defaults
+            .get_or_try_init(|| async {
+                let (idle_timeout, application_name): (Option<String>, Option<String>) =
+                    sqlx::query_as(
+                        "SELECT max(reset_val) FILTER (WHERE name = 'idle_session_timeout'),
+                                max(reset_val) FILTER (WHERE name = 'application_name')
+                         FROM pg_settings
+                         WHERE name IN ('idle_session_timeout', 'application_name')",
+                    )
+                    .fetch_one(&mut **connection)
+                    .await?;
+                Ok::<_, sqlx::Error>(SessionDefaults {
+                    idle_timeout: idle_timeout.ok_or(sqlx::Error::RowNotFound)?,
+                    application_name: application_name.unwrap_or_default(),
+                })
+            })
+            .await
+            .ok()
+    }
+
+    /// Takes the advisory lock on a session of its own, `fenced` with a token row or
+    /// not: the token (`Some(None)` unfenced), or `None` when someone else holds it.
+    async fn take(
+        &self,
+        name: &LockName,
+        owner: &OwnerId,
+        ttl: Duration,
+        fenced: bool,
+    ) -> Result<Option<Option<FencingToken>>> {
+        if let Some(held) = session::already_held(self, owner).await {
+            return Ok(Some(held));
+        }
+        let statement = if fenced {
+            &self.sql.acquire
+        } else {
+            &self.sql.acquire_unfenced
+        };
+        // A pooled session the server had ended (the pool pings only idle ones) is
+        // replaced: the statement is sent again on another.
+        let sent_statement = sent_again_if_gone(self.sessions.size(), || async move {
+            let connection = self.sessions.take().await?;
+            // Until it is registered below, a connection that may hold the lock
+            // is closed if this future is dropped or a statement fails, never
+            // pooled.
+            let mut connection = Dedicated::new(connection);
+            let sent = Instant::now();
+            // The lease (see `server_lease`) is set in the statement that takes
+            // the lock, and only if it does.
+            let row = sqlx::query(statement.sql())
+                .bind(name.as_str())
+                .bind(owner.as_str())
+                .bind(ceil_millis(server_lease(ttl)).to_string())
+                .fetch_one(&mut *connection)
+                .await?;
+            Ok((connection, row, sent))
+        })
+        .await;
+        let (connection, row, sent) = match sent_statement {
+            Ok(sent) => sent,
+            Err(error @ (sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)) => {
+                let what =
+                    session::no_session_left("PostgreSQL", self.held.len(), self.sessions.size());
+                return Err(map_error(error, &what));
+            }
+            Err(error) => return Err(map_error(error, "cannot acquire the lock")),
+        };
+        let bad = |error| map_error(error, "bad reply");
+        let ok: bool = row.try_get("ok").map_err(bad)?;
+        let lease_mode: bool = row.try_get("lease_mode").map_err(bad)?;
+        if lease_mode {
+            connection.recycle();
+            return Err(one_mode_per_name(name, "lease", "session"));
+        }
+        if !ok {
+            connection.recycle();
+            self.refuse_foreign_key_holder(name).await?;
+            return Ok(None);
+        }
+        let token = if fenced {
+            let token: i64 = row.try_get("token").map_err(bad)?;
+            Some(FencingToken::new(u64::try_from(token).unwrap_or(0)))
+        } else {
+            None
+        };
+        let pid: i32 = row.try_get("pid").map_err(bad)?;
+        self.held.insert(
+            owner,
+            Session {
+                connection: Some(connection),
+                server_id: u64::try_from(pid).unwrap_or(0),
+                key: (),
+                token,
+                ttl,
+                last_contact: sent,
+            },
+        );
+        Ok(Some(token))
     }
 }
 
@@ -398,71 +572,43 @@ impl LockBackend for PostgresSessionLockStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<TryAcquire>> {
         Box::pin(async move {
-            if let Some(token) = session::already_held(self, owner).await {
-                return Ok(TryAcquire::Acquired { token });
-            }
-            // A pooled session the server had ended (the pool pings only idle ones) is
-            // replaced: the statement is sent again on another.
-            let sent_statement = sent_again_if_gone(self.sessions.size(), || async move {
-                let connection = self.sessions.take().await?;
-                // Until it is registered below, a connection that may hold the lock
-                // is closed if this future is dropped or a statement fails, never
-                // pooled.
-                let mut connection = Dedicated::new(connection);
-                let sent = Instant::now();
-                // The lease (see `server_lease`) is set in the statement that takes
-                // the lock, and only if it does.
-                let row = sqlx::query(self.sql.acquire.sql())
-                    .bind(name.as_str())
-                    .bind(owner.as_str())
-                    .bind(ceil_millis(server_lease(ttl)).to_string())
-                    .fetch_one(&mut *connection)
-                    .await?;
-                Ok((connection, row, sent))
-            })
-            .await;
-            let (connection, row, sent) = match sent_statement {
-                Ok(sent) => sent,
-                Err(error @ (sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed)) => {
-                    let what = session::no_session_left(
-                        "PostgreSQL",
-                        self.held.len(),
-                        self.sessions.size(),
-                    );
-                    return Err(map_error(error, &what));
+            Ok(match self.take(name, owner, ttl, true).await? {
+                Some(Some(token)) => TryAcquire::Acquired { token },
+                // This owner holds it unfenced (it cannot ask again fenced through a
+                // `Locker`, which gives every acquisition an owner of its own).
+                Some(None) => {
+                    return Err(Error::new(
+                        ErrorKind::Conflict,
+                        format!("lock \"{name}\" is held unfenced by this owner already"),
+                    ));
                 }
-                Err(error) => return Err(map_error(error, "cannot acquire the lock")),
-            };
-            let bad = |error| map_error(error, "bad reply");
-            let ok: bool = row.try_get("ok").map_err(bad)?;
-            let lease_mode: bool = row.try_get("lease_mode").map_err(bad)?;
-            if lease_mode {
-                connection.recycle();
-                return Err(one_mode_per_name(name, "lease", "session"));
-            }
-            if !ok {
-                connection.recycle();
-                self.refuse_foreign_key_holder(name).await?;
-                return Ok(TryAcquire::Held {
+                None => TryAcquire::Held {
                     remaining_ttl: None,
-                });
-            }
-            let token: i64 = row.try_get("token").map_err(bad)?;
-            let pid: i32 = row.try_get("pid").map_err(bad)?;
-            let token = FencingToken::new(u64::try_from(token).unwrap_or(0));
-            self.held.insert(
-                owner,
-                Session {
-                    connection: Some(connection),
-                    server_id: u64::try_from(pid).unwrap_or(0),
-                    key: (),
-                    token,
-                    ttl,
-                    last_contact: sent,
                 },
-            );
-            Ok(TryAcquire::Acquired { token })
+            })
         })
+    }
+
+    /// `pg_try_advisory_lock` and nothing written: no token row, the holder named in
+    /// its session's `application_name`.
+    fn try_acquire_unfenced<'a>(
+        &'a self,
+        name: &'a LockName,
+        owner: &'a OwnerId,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<TryAcquireUnfenced>> {
+        Box::pin(async move {
+            Ok(match self.take(name, owner, ttl, false).await? {
+                Some(_) => TryAcquireUnfenced::Acquired,
+                None => TryAcquireUnfenced::Held {
+                    remaining_ttl: None,
+                },
+            })
+        })
+    }
+
+    fn unfenced_is_cheaper(&self) -> bool {
+        true
     }
 
     fn extend<'a>(
@@ -506,7 +652,7 @@ impl LockBackend for PostgresSessionLockStore {
                 .await?
                 .map(|(_, owner, token)| LockInfo {
                     owner,
-                    fencing_token: Some(token),
+                    fencing_token: token,
                     remaining_ttl: None,
                 }))
         })
@@ -531,7 +677,7 @@ impl LockBackend for PostgresSessionLockStore {
             self.signals.notify(name.as_str());
             Ok(Some(LockInfo {
                 owner,
-                fencing_token: Some(token),
+                fencing_token: token,
                 remaining_ttl: None,
             }))
         })
@@ -610,27 +756,19 @@ impl SessionEngine for PostgresSessionLockStore {
         name: &LockName,
         _key: &(),
     ) -> bool {
-        // Without the default to restore, the session is not fit for the pool: `false`
+        // Without the defaults to restore, the session is not fit for the pool: `false`
         // closes it, which frees the lock as well.
-        let Ok(idle_timeout_default) = self
-            .idle_timeout_default
-            .get_or_try_init(|| {
-                sqlx::query_scalar::<_, String>(
-                    "SELECT reset_val FROM pg_settings WHERE name = 'idle_session_timeout'",
-                )
-                .fetch_one(&mut **connection)
-            })
-            .await
-        else {
+        let Some(defaults) = self.session_defaults(connection).await else {
             return false;
         };
         // pg_advisory_unlock is its own ownership check: true only if this session held
         // the lock. The same statement puts back the idle timeout the server or role
-        // configures (not the lease, and not "none"), for the session's return to the
-        // pool.
+        // configures (not the lease, and not "none") and the application name an
+        // unfenced holder changed, for the session's return to the pool.
         sqlx::query_scalar::<_, bool>(self.sql.unlock.sql())
             .bind(name.as_str())
-            .bind(idle_timeout_default)
+            .bind(&defaults.idle_timeout)
+            .bind(&defaults.application_name)
             .fetch_one(&mut **connection)
             .await
             .unwrap_or(false)
@@ -653,10 +791,19 @@ impl SessionEngine for PostgresSessionLockStore {
         ttl: Duration,
         _held_ttl: Duration,
     ) -> Result<FencingToken> {
+        let Some(defaults) = self.session_defaults(connection).await else {
+            return Err(Error::new(
+                ErrorKind::Store,
+                "cannot hand the lock over: the session's defaults cannot be read",
+            ));
+        };
+        // A hand-over from an unfenced holder names the next holder in the token row,
+        // so the application name goes back to the session's own.
         let token: i64 = sqlx::query_scalar(self.sql.reissue.sql())
             .bind(name.as_str())
             .bind(to.as_str())
             .bind(ceil_millis(server_lease(ttl)).to_string())
+            .bind(&defaults.application_name)
             .fetch_one(&mut **connection)
             .await
             .map_err(|error| map_error(error, "cannot hand the lock over"))?;

@@ -102,7 +102,8 @@ pub(crate) struct Session<C, K> {
     /// The server's id for the session (MySQL `CONNECTION_ID()`, PostgreSQL backend pid).
     pub(crate) server_id: u64,
     pub(crate) key: K,
-    pub(crate) token: FencingToken,
+    /// `None` for a lock taken unfenced.
+    pub(crate) token: Option<FencingToken>,
     pub(crate) ttl: Duration,
     pub(crate) last_contact: Instant,
 }
@@ -259,11 +260,11 @@ async fn held_by_another<E: SessionEngine>(
 
 /// A repeated acquire by an owner that already holds the lock (its first request ran
 /// on the server, but the reply was lost): the token it already has, if its session
-/// still holds the lock.
+/// still holds the lock (`Some(None)` for a lock taken unfenced).
 pub(crate) async fn already_held<E: SessionEngine>(
     engine: &E,
     owner: &OwnerId,
-) -> Option<FencingToken> {
+) -> Option<Option<FencingToken>> {
     let session = engine.sessions().get(owner)?;
     let mut session = session.lock().await;
     if still_holds(engine, &mut session).await {
@@ -349,7 +350,7 @@ pub(crate) async fn hand_over<E: SessionEngine>(
                 connection: Some(connection),
                 server_id: session.server_id,
                 key: session.key.clone(),
-                token,
+                token: Some(token),
                 ttl,
                 last_contact: sent,
             };

@@ -258,3 +258,42 @@ pub async fn election_input_is_checked(store: impl TestStore) {
     }
     leadership.resign().await.unwrap();
 }
+
+/// A campaign dropped while another instance leads leaves nothing behind: after the
+/// leader resigns nobody leads (within a moment: what the cancelled campaign took
+/// meanwhile is released in the background), and the next candidate leads at once.
+pub async fn a_cancelled_campaign_leaves_nothing(store: impl TestStore) {
+    let election_name = name("election-cancel");
+    let leader = Election::new(store.locker().await);
+    let cancelled = Election::new(store.locker().await);
+    let next = Election::new(store.locker().await);
+    let options = LockOptions::new()
+        .ttl(Duration::from_secs(10))
+        .wait(Duration::from_secs(30));
+    let leading = leader.campaign(&election_name, "", &options).await.unwrap();
+    let campaign = cancelled.campaign(&election_name, "", &options);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), campaign)
+            .await
+            .is_err(),
+        "two leaders at once"
+    );
+    leading.resign().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while leader.leader(&election_name).await.unwrap().is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "a cancelled campaign still leads 3 s after the leader resigned"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let now_leading = next
+        .campaign(
+            &election_name,
+            "",
+            &options.clone().wait(Duration::from_secs(3)),
+        )
+        .await
+        .expect("nobody leads: the next candidate leads at once");
+    now_leading.resign().await.unwrap();
+}

@@ -1717,12 +1717,15 @@ macro_rules! conformance_tests {
             observers_see_every_change_of_leader,
             a_deposed_leader_knows_before_its_successor_leads,
             election_input_is_checked,
+            a_cancelled_campaign_leaves_nothing,
             never_more_holders_than_permits,
             a_crashed_holders_permit_returns_after_its_lease,
             a_waiter_gets_a_released_permit_and_gives_up_at_its_bound,
             clients_that_disagree_on_the_permits_are_refused,
+            a_cancelled_wait_takes_no_permit,
             writers_exclude_readers_and_each_other,
             a_waiting_writer_stops_new_readers,
+            a_cancelled_writer_lets_readers_in,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {

@@ -163,3 +163,43 @@ pub async fn a_waiting_writer_stops_new_readers(store: impl TestStore) {
     assert!(reading.fencing_token() > write_token);
     reading.release().await.unwrap();
 }
+
+/// A writer dropped while it waits for a reader to leave holds the writer gate; it
+/// must leave it behind: a new reader gets in within a moment, not after the gate's
+/// lease, and once everyone has left a writer gets in without waiting for a lease.
+pub async fn a_cancelled_writer_lets_readers_in(store: impl TestStore) {
+    let lock_name = name("rw-cancel");
+    let reader = RwLock::new(store.locker().await);
+    if !keeps_rwlocks(&reader, &format!("{lock_name}-probe")).await {
+        return;
+    }
+    let cancelled = RwLock::new(store.locker().await);
+    let second_reader = RwLock::new(store.locker().await);
+    let reading = reader.read(&lock_name, 4, &rw_options()).await.unwrap();
+    let options = rw_options();
+    let writing = cancelled.write(&lock_name, 4, &options);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), writing)
+            .await
+            .is_err(),
+        "a writer got in beside a reader"
+    );
+    // The gate's lease is 5 s: a reader in within 3 s got in because the gate was let go.
+    let started = std::time::Instant::now();
+    let second = second_reader
+        .read(&lock_name, 4, &rw_options().wait(Duration::from_secs(3)))
+        .await
+        .expect("a cancelled writer left the gate held");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    second.release().await.unwrap();
+    reading.release().await.unwrap();
+    // The cancelled writer's permits are given back by background tasks, which may
+    // still be on their way: a writer waits for them, but well within their 5 s lease.
+    let started = std::time::Instant::now();
+    let writer = cancelled
+        .write(&lock_name, 4, &rw_options().wait(Duration::from_secs(3)))
+        .await
+        .expect("the cancelled writer's permits were left held until their lease");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    writer.release().await.unwrap();
+}

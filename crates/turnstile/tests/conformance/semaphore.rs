@@ -206,3 +206,49 @@ pub async fn clients_that_disagree_on_the_permits_are_refused(store: impl TestSt
         ErrorKind::InvalidName
     );
 }
+
+/// A waiter dropped while every permit is held takes nothing with it: once the holder
+/// releases, another client gets the permit within a moment (anything the cancelled
+/// wait took meanwhile is released in the background), and after that client releases
+/// the store shows no holder.
+pub async fn a_cancelled_wait_takes_no_permit(store: impl TestStore) {
+    let semaphore_name = name("semaphore-cancel");
+    let holder = Semaphore::new(store.locker().await);
+    if !keeps_semaphores(&holder, &format!("{semaphore_name}-probe")).await {
+        return;
+    }
+    let cancelled = Semaphore::new(store.locker().await);
+    let later = Semaphore::new(store.locker().await);
+    let held = holder
+        .acquire(&semaphore_name, 1, &permit_options(10_000))
+        .await
+        .unwrap();
+    let options = permit_options(10_000);
+    let waiting = cancelled.acquire(&semaphore_name, 1, &options);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), waiting)
+            .await
+            .is_err(),
+        "a waiter got a permit that was held"
+    );
+    assert_eq!(held.release().await.unwrap(), ReleaseOutcome::Released);
+    let started = Instant::now();
+    let next = later
+        .acquire(
+            &semaphore_name,
+            1,
+            &permit_options(10_000).wait(Duration::from_secs(5)),
+        )
+        .await
+        .expect("the permit a cancelled waiter left must be free");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+    let holders = later.holders(&semaphore_name, 1).await.unwrap();
+    assert_eq!(holders.len(), 1);
+    assert_eq!(holders[0].1.owner, next.owner().as_str());
+    next.release().await.unwrap();
+    assert!(later.holders(&semaphore_name, 1).await.unwrap().is_empty());
+}
