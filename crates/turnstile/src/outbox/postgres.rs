@@ -84,7 +84,10 @@ impl Sql {
         // statement's snapshot: a key's visible messages are a prefix of its sequence
         // (its commits are in order). Past the byte budget (the first message always
         // fits) rows carry the key alone, so the round's memory is bounded however
-        // large the messages.
+        // large the messages. Each key's messages are a range read of the outbox's
+        // index (the `LIMIT` keeps it so): as a join, the planner hashed the whole
+        // outbox table on every claim while a backlog drained, a cost per claim that
+        // grew with the backlog.
         let claim = |picked: &str, starved: &str| {
             format!(
                 "WITH picked AS ({picked}),
@@ -99,13 +102,21 @@ impl Sql {
                                     ELSE {now} + {idle} END, {now}
                     ON CONFLICT (relay_id) DO UPDATE
                     SET idle_until = EXCLUDED.idle_until, seen_at = EXCLUDED.seen_at
+                    -- Only a change is written: a busy relay marked busy, or an idle one
+                    -- whose mark has more than half its time left, writes nothing, so
+                    -- an empty claim commits without a flush to disk.
+                    WHERE r.idle_until IS DISTINCT FROM EXCLUDED.idle_until
+                      AND (EXCLUDED.idle_until = '-infinity'::timestamptz
+                           OR r.idle_until < {now} + {idle} / 2)
                     RETURNING 1),
                  candidates AS (
                     SELECT l.ordering_key, l.lease_token, l.attempts, l.acked_seq, m.seq, m.id, m.topic,
                            m.headers, m.payload, m.created_at,
                            coalesce(octet_length(m.payload) + octet_length(m.headers), 0) AS size
-                    FROM leased l LEFT JOIN {outbox} m
-                      ON m.ordering_key = l.ordering_key AND m.seq > l.acked_seq AND m.seq <= l.acked_seq + $4),
+                    FROM leased l LEFT JOIN LATERAL (
+                        SELECT * FROM {outbox} o
+                        WHERE o.ordering_key = l.ordering_key AND o.seq > l.acked_seq AND o.seq <= l.acked_seq + $4
+                        ORDER BY o.seq LIMIT $4) m ON true),
                  sized AS (
                     SELECT r.*, sum(r.size) OVER (ORDER BY r.ordering_key, r.seq
                                                   ROWS UNBOUNDED PRECEDING) AS running
@@ -140,7 +151,7 @@ impl Sql {
                 .replace("{now}", now);
             format!(
                 "WITH locked AS MATERIALIZED (
-                    SELECT ordering_key FROM {keys} WHERE ordering_key = ANY($1::text[])
+                    SELECT ordering_key, acked_seq FROM {keys} WHERE ordering_key = ANY($1::text[])
                     ORDER BY ordering_key FOR UPDATE),
                  d AS (
                     SELECT * FROM unnest($1::text[], $2::int8[], $3::int8[], $4::bool[], $5::bool[], $6::text[])
@@ -165,12 +176,19 @@ impl Sql {
                             * (0.5 + random() / 2) / 1000.0)
                             ELSE {now} END,
                         acked_seq = GREATEST(k.acked_seq, d.delivered)
-                    FROM d WHERE k.ordering_key = d.ordering_key AND k.lease_token = d.token
-                    RETURNING k.ordering_key, k.acked_seq, k.parked),
+                    FROM d JOIN locked l ON l.ordering_key = d.ordering_key
+                    WHERE k.ordering_key = d.ordering_key AND k.lease_token = d.token
+                    RETURNING k.ordering_key, k.acked_seq, k.parked, l.acked_seq AS acked_before),
                  {gone}
                  SELECT ordering_key, parked, (SELECT count(*) FROM gone) AS deleted FROM settled"
             )
         };
+        // A pending key's head message, looked up in the key's index. The `LIMIT`
+        // keeps the planner from turning the lookups into a join that hashes the whole
+        // outbox table (which it chose while a backlog was draining, at ~30 ms a read).
+        let head = format!(
+            "SELECT created_at FROM {outbox} WHERE ordering_key = k.ordering_key AND seq = k.acked_seq + 1 LIMIT 1"
+        );
         Sql {
             create: vec![
                 format!("CREATE SCHEMA IF NOT EXISTS {schema}"),
@@ -292,16 +310,25 @@ impl Sql {
             // Arrays: $1 keys, $2 tokens, $3 delivered through, $4 failed, $5 permanent,
             // $6 reasons; $7 max attempts, $8 backoff base ms, $9 backoff max ms. Every SET
             // reads the row as it was; `tries` is the failures of the head message
-            // before this one (0 when this settlement moved the head).
+            // before this one (0 when this settlement moved the head). The delete reads
+            // only the delivered range, between the key's old `acked_seq` (as `locked`
+            // read it; the rows up to it went with the settlement or skip that moved it)
+            // and its new one, both bounds from one row of `settled`, so that they bound
+            // the index scan. An open range read either every row deleted before and not
+            // yet vacuumed, or (a bound from each of two CTEs, which the planner kept
+            // apart) the key's whole backlog, per settlement: a drain that slowed down
+            // as the outbox grew.
             settle: statement(settle(
                 "gone AS (
                     DELETE FROM {outbox} m USING settled s
-                    WHERE m.ordering_key = s.ordering_key AND m.seq <= s.acked_seq RETURNING 1)",
+                    WHERE m.ordering_key = s.ordering_key AND m.seq > s.acked_before AND m.seq <= s.acked_seq
+                    RETURNING 1)",
             )),
             settle_keeping: statement(settle(
                 "moved AS (
                     DELETE FROM {outbox} m USING settled s
-                    WHERE m.ordering_key = s.ordering_key AND m.seq <= s.acked_seq RETURNING m.*),
+                    WHERE m.ordering_key = s.ordering_key AND m.seq > s.acked_before AND m.seq <= s.acked_seq
+                    RETURNING m.*),
                  gone AS (
                     INSERT INTO {delivered}
                         (ordering_key, seq, id, topic, headers, payload, created_at, delivered_at)
@@ -355,7 +382,7 @@ impl Sql {
             status: statement(format!(
                 "SELECT coalesce(sum(last_seq - acked_seq), 0)::int8 AS pending, count(*) AS keys,
                     (SELECT EXTRACT(EPOCH FROM ({now} - min(m.created_at)))::float8 FROM {keys} k
-                     JOIN {outbox} m ON m.ordering_key = k.ordering_key AND m.seq = k.acked_seq + 1
+                     CROSS JOIN LATERAL ({head}) m
                      WHERE k.acked_seq < k.last_seq AND NOT k.parked) AS oldest_s
                  FROM {keys} WHERE acked_seq < last_seq AND NOT parked"
             )),
@@ -366,8 +393,7 @@ impl Sql {
             lagging: statement(format!(
                 "SELECT k.ordering_key, k.last_seq - k.acked_seq AS pending,
                         EXTRACT(EPOCH FROM ({now} - m.created_at))::float8 AS oldest_s
-                 FROM {keys} k
-                 JOIN {outbox} m ON m.ordering_key = k.ordering_key AND m.seq = k.acked_seq + 1
+                 FROM {keys} k CROSS JOIN LATERAL ({head}) m
                  WHERE k.acked_seq < k.last_seq AND NOT k.parked
                  ORDER BY m.created_at LIMIT $1"
             )),

@@ -456,15 +456,15 @@ impl Relay {
                 idle = (idle * 2).min(poll_max);
                 continue;
             }
-            // With room for more keys, a commit (or the idle poll) is worth waking for;
-            // otherwise only a key finishing is.
+            // With room for more keys, a commit is worth waking for; otherwise only a
+            // key finishing is. The poll (for commits that send no wake-up) is at its
+            // longest here: this relay leases again as soon as one of its keys is
+            // done, and short polls while it publishes were empty claims that cost
+            // the store a statement each, several relays' worth while a backlog drains.
             let room = tasks.len() < max_keys && !paused && !shutdown.is_cancelled();
             let first = tokio::select! {
                 done = tasks.join_next() => done,
-                () = self.store.committed(idle), if room => {
-                    idle = (idle * 2).min(poll_max);
-                    continue;
-                }
+                () = self.store.committed(poll_max), if room => continue,
                 () = shutdown.cancelled(), if !shutdown.is_cancelled() => continue,
             };
             let mut finished = Vec::new();
