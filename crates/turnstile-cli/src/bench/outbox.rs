@@ -7,7 +7,8 @@
 //! One JSON line per phase (the keys are read by tools; keep them):
 //! - `{"peer", "phase": "drain-1" | "drain-4", "messages", "rows_per_s", "lost",
 //!   "order_ok"}`: a full outbox (`MESSAGES`, over `KEYS` keys, each key written by one
-//!   of `WRITERS` writers in order) drained by one relay, then by four at once; `lost`
+//!   of `WRITERS` writers in order) drained by one relay, then by four at once (each
+//!   with its own store connection and relay id, as four processes); `lost`
 //!   counts committed messages the broker does not hold, `order_ok` says whether every
 //!   key's messages are in the broker in commit order.
 //! - `{"peer", "phase": "live", "producer_tps", "publish_p50_ms", "publish_p99_ms",

@@ -124,7 +124,9 @@ impl RelayOptions {
     }
 
     /// The idle poll's first and longest interval (a commit in this process wakes the
-    /// relay at once; the poll finds other processes' commits).
+    /// relay at once; the poll finds other processes' commits). A relay that still has
+    /// keys in flight polls at the longest interval: it leases again as soon as one of
+    /// them is done.
     pub fn idle_poll(mut self, min: Duration, max: Duration) -> Self {
         self.idle_poll = (min.max(Duration::from_millis(1)), max.max(min));
         self
