@@ -781,7 +781,7 @@ async fn a_failed_enqueue_leaves_no_gap(outbox: impl TestOutbox) {
 
 /// A round reads messages only while their bytes fit its budget: with 100 KB messages
 /// and a 350 KB budget a round publishes at most three (before, every leased key's
-/// messages were read at once: 64 keys × 32 messages × 16 MiB could be held). A
+/// messages were read at once: 64 keys × 128 messages × 16 MiB could be held). A
 /// message larger than the whole budget still goes out, alone, and everything is
 /// delivered in key order over the following rounds.
 async fn a_round_holds_at_most_its_byte_budget(outbox: impl TestOutbox) {

@@ -98,6 +98,7 @@ async fn run_inner(args: OutboxBenchArgs) -> Result<(), Error> {
     let live_tps = env_number("LIVE_TPS", 1_000)?;
     let live_secs = env_number("LIVE_SECS", 10)?;
     let cost_secs = env_number("COST_SECS", 5)?;
+    let per_key = env_number("PER_KEY", 128)?;
     let broker = Arc::new(Broker::prepare(&args.broker).await?);
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(u32::try_from(writers + 6).unwrap_or(14))
@@ -123,6 +124,7 @@ async fn run_inner(args: OutboxBenchArgs) -> Result<(), Error> {
         raw: args.raw,
         keys,
         writers,
+        per_key,
     };
 
     for (phase, relays) in [("drain-1", 1), ("drain-4", 4)] {
@@ -289,6 +291,8 @@ struct Bench {
     raw: bool,
     keys: usize,
     writers: usize,
+    /// Messages of one key a relay round publishes (`RelayOptions::per_key`).
+    per_key: usize,
 }
 
 impl Bench {
@@ -376,8 +380,11 @@ impl Bench {
     }
 
     fn relay(&self, outbox: PostgresOutbox) -> Relay {
-        Relay::from_arcs(Arc::new(outbox), self.broker.publisher())
-            .with_options(RelayOptions::new().max_keys(u32::try_from(self.keys).unwrap_or(64)))
+        Relay::from_arcs(Arc::new(outbox), self.broker.publisher()).with_options(
+            RelayOptions::new()
+                .max_keys(u32::try_from(self.keys).unwrap_or(64))
+                .per_key(u32::try_from(self.per_key).unwrap_or(128)),
+        )
     }
 
     /// One relay running until `stop`.

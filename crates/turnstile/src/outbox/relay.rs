@@ -47,7 +47,7 @@ pub trait Publisher: Send + Sync + 'static {
     }
 }
 
-/// The default byte budget of one round: without one, 64 keys × 32 messages × 16 MiB
+/// The default byte budget of one round: without one, 64 keys × 128 messages × 16 MiB
 /// could be held at once.
 const DEFAULT_ROUND_BYTES: u64 = 64 * 1024 * 1024;
 
@@ -67,7 +67,11 @@ impl Default for RelayOptions {
     fn default() -> Self {
         RelayOptions {
             max_keys: 64,
-            per_key: 32,
+            // Each round of a key costs the store a claim and a settlement: with 32,
+            // four relays draining 64 keys ran at half the bare relay's rate, with 128
+            // at 0.83x to 0.90x (benchmarks/history.md, 2026-12-04 (evening)). A key
+            // waiting for a slot waits at most one round of another key.
+            per_key: 128,
             max_round_bytes: DEFAULT_ROUND_BYTES,
             lease: Duration::from_secs(30),
             max_attempts: 5,
@@ -78,7 +82,7 @@ impl Default for RelayOptions {
 }
 
 impl RelayOptions {
-    /// Defaults: 64 keys a round, up to 32 messages a key and 64 MiB in all, a 30 s lease, park after 5
+    /// Defaults: 64 keys a round, up to 128 messages a key and 64 MiB in all, a 30 s lease, park after 5
     /// permanent failures, backoff 100 ms to 60 s, idle polls from 5 ms to 500 ms.
     pub fn new() -> Self {
         RelayOptions::default()
