@@ -131,14 +131,14 @@ async fn run_inner(args: OutboxBenchArgs) -> Result<(), Error> {
         bench.broker.reset().await?;
         let commits = Arc::new(std::sync::Mutex::new(Vec::new()));
         bench.write(0, messages, None, &commits).await?;
-        // Each relay its own store (pool, relay id, wake-ups), as relays in separate
-        // processes have; connected before the clock starts.
-        let mut outboxes = Vec::with_capacity(relays);
-        for _ in 0..relays {
+        // Each of the library's relays its own store (pool, relay id, wake-ups), as
+        // relays in separate processes have; connected before the clock starts.
+        let mut outboxes = Vec::new();
+        while !bench.raw && outboxes.len() < relays {
             outboxes.push(PostgresOutbox::connect(&args.store).await?);
         }
         let started = Instant::now();
-        bench.drain(outboxes).await?;
+        bench.drain(relays, outboxes).await?;
         let took = started.elapsed();
         let done = CancellationToken::new();
         done.cancel();
@@ -160,7 +160,7 @@ async fn run_inner(args: OutboxBenchArgs) -> Result<(), Error> {
         tokio::spawn(async move { broker.collect(stop).await })
     };
     let stop_relay = CancellationToken::new();
-    let relay = bench.spawn_relay(stop_relay.clone());
+    let relay = bench.spawn_relay(bench.outbox.clone(), stop_relay.clone());
     let live_messages = live_tps * live_secs;
     let commits = Arc::new(std::sync::Mutex::new(Vec::new()));
     let started = Instant::now();
@@ -346,22 +346,22 @@ impl Bench {
         Ok(())
     }
 
-    /// Drains the outbox with one relay per store in `outboxes`, all at once.
-    async fn drain(&self, outboxes: Vec<PostgresOutbox>) -> Result<(), Error> {
+    /// Drains the outbox with `relays` bare relays at once, or (the library) one relay
+    /// per store in `outboxes`.
+    async fn drain(&self, relays: usize, outboxes: Vec<PostgresOutbox>) -> Result<(), Error> {
         let mut tasks = tokio::task::JoinSet::new();
         let stop = CancellationToken::new();
-        for outbox in outboxes {
-            if self.raw {
+        if self.raw {
+            for _ in 0..relays {
                 let (pool, broker) = (self.pool.clone(), Arc::clone(&self.broker));
                 tasks.spawn(tokio::spawn(async move { raw_relay(&pool, &broker).await }));
-            } else {
-                // `Relay::run`, as a deployment runs it: a relay that finds nothing
-                // waits (for a commit or its idle poll) instead of claiming again at
-                // once, and leases more keys while the last ones publish.
-                let relay = self.relay(outbox);
-                let stop = stop.clone();
-                tasks.spawn(tokio::spawn(async move { relay.run(stop).await }));
             }
+        }
+        for outbox in outboxes {
+            // `Relay::run`, as a deployment runs it: a relay that finds nothing waits
+            // (for a commit or its idle poll) instead of claiming again at once, and
+            // leases more keys while the last ones publish.
+            tasks.spawn(self.spawn_relay(outbox, stop.clone()));
         }
         if !self.raw {
             // Drained when nothing is pending; the relays then finish what they have
@@ -387,8 +387,12 @@ impl Bench {
         )
     }
 
-    /// One relay running until `stop`.
-    fn spawn_relay(&self, stop: CancellationToken) -> tokio::task::JoinHandle<Result<(), Error>> {
+    /// One relay (the bare one, or the library's over `outbox`) running until `stop`.
+    fn spawn_relay(
+        &self,
+        outbox: PostgresOutbox,
+        stop: CancellationToken,
+    ) -> tokio::task::JoinHandle<Result<(), Error>> {
         if self.raw {
             let (pool, broker) = (self.pool.clone(), Arc::clone(&self.broker));
             tokio::spawn(async move {
@@ -399,7 +403,7 @@ impl Bench {
                 Ok(())
             })
         } else {
-            let relay = self.relay(self.outbox.clone());
+            let relay = self.relay(outbox);
             tokio::spawn(async move { relay.run(stop).await })
         }
     }
