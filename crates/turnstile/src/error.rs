@@ -18,7 +18,13 @@ pub enum ErrorKind {
     InvalidUrl,
     /// The store URL is valid but support for it was not compiled in (a cargo feature is off).
     UnsupportedStore,
-    /// The store could not be reached or did not answer in time. Usually worth retrying.
+    /// The store could not be reached, did not answer in time, or refused for now what
+    /// it can do later: a row lock not granted in time, a deadlock or serialization
+    /// failure, a read-only replica during a failover, memory full, a server loading or
+    /// shutting down (Redis `BUSY`, `LOADING`, `READONLY`, `OOM`, `MASTERDOWN`;
+    /// PostgreSQL 55P03, 40001, 40P01, 25006, 57014; MySQL 1205, 1213, 1290). Worth
+    /// retrying; Turnstile itself retries it where giving up would lose work (storing an
+    /// idempotent request's outcome).
     StoreUnavailable,
     /// The store refused this client for good: wrong credentials, an unknown database,
     /// a missing permission. Retrying does not help; the configuration must change.

@@ -40,8 +40,54 @@ fn is_configuration_error(db: &dyn sqlx::error::DatabaseError) -> bool {
         .is_some_and(|code| matches!(code.as_ref(), "28000" | "28P01" | "3D000" | "42501"))
 }
 
-/// Maps a driver error: connection trouble is [`ErrorKind::StoreUnavailable`]; a
-/// refusal that no retry can fix (credentials, unknown database, permissions) is
+/// SQLSTATE codes and classes (PostgreSQL) and error numbers (MySQL / MariaDB) of a
+/// refusal that says "not now" rather than "never": a row lock not granted in time, a
+/// serialization failure or deadlock, a read-only server (a failover in progress), a
+/// statement cancelled by a timeout, resources or connections exhausted, a server
+/// shutting down. The same statement can succeed when tried again, so every pillar
+/// treats these like a store that cannot be reached for a moment.
+fn is_transient_refusal(db: &dyn sqlx::error::DatabaseError) -> bool {
+    #[cfg(feature = "mysql")]
+    if let Some(mysql) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        // 1205 lock wait timeout, 1213 deadlock, 1021 disk full, 1040 too many
+        // connections, 1041 out of memory, 1053 shutdown in progress, 1290/1836/1792
+        // read-only server or transaction, 1317 query interrupted, 1637 too many
+        // transactions, 1927 connection killed, 1969 (MariaDB) and 3024 (MySQL)
+        // statement timeout, 4031 disconnected for inactivity.
+        return matches!(
+            mysql.number(),
+            1205 | 1213
+                | 1021
+                | 1040
+                | 1041
+                | 1053
+                | 1290
+                | 1836
+                | 1792
+                | 1317
+                | 1637
+                | 1927
+                | 1969
+                | 3024
+                | 4031
+        );
+    }
+    // 55P03 lock not available, 40001 serialization failure, 40P01 deadlock, 40003
+    // statement completion unknown, 25006 read-only transaction (a standby), 57014
+    // statement cancelled (statement_timeout), 57P01..57P03 shutdown and startup, class 08
+    // connection exceptions, class 53 insufficient resources.
+    db.code().is_some_and(|code| {
+        matches!(
+            code.as_ref(),
+            "55P03" | "40001" | "40P01" | "40003" | "25006" | "57014" | "57P01" | "57P02" | "57P03"
+        ) || code.starts_with("08")
+            || code.starts_with("53")
+    })
+}
+
+/// Maps a driver error: connection trouble and a refusal worth retrying (see
+/// `is_transient_refusal`) are [`ErrorKind::StoreUnavailable`]; a refusal that no retry
+/// can fix (credentials, unknown database, permissions) is
 /// [`ErrorKind::Configuration`], with the server's own sentence as the message.
 pub(crate) fn map_error(error: sqlx::Error, context: &str) -> Error {
     if let Some(db) = error.as_database_error()
@@ -64,7 +110,11 @@ pub(crate) fn map_error(error: sqlx::Error, context: &str) -> Error {
         {
             ErrorKind::StoreUnavailable
         }
-        sqlx::Error::Database(db) if ends_the_session(db.as_ref()) => ErrorKind::StoreUnavailable,
+        sqlx::Error::Database(db)
+            if ends_the_session(db.as_ref()) || is_transient_refusal(db.as_ref()) =>
+        {
+            ErrorKind::StoreUnavailable
+        }
         _ => ErrorKind::Store,
     };
     Error::new(kind, context.to_owned()).with_source(error)

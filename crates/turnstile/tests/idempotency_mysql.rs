@@ -226,3 +226,44 @@ async fn cursors_follow_each_keys_sequence() {
     })
     .await;
 }
+
+/// The work ran, then another transaction held the record's row past the store's own
+/// `innodb_lock_wait_timeout = 1` (error 1205): the completion is tried again until the
+/// row is free, so a repeat gets the replay, never a "not stored" answer and never a
+/// second run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_is_stored_once_a_row_lock_is_released() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+    let url = shared_mariadb().fresh_database("idemrowlock");
+    let keys = Idempotency::new(MysqlIdempotencyStore::connect(&url).await.unwrap())
+        .with_options(IdempotencyOptions::new().lease(Duration::from_secs(10)))
+        .unwrap();
+    let pool = sqlx::MySqlPool::connect(&url).await.unwrap();
+    let (scope, key) = (
+        Scope::new("tenant").unwrap(),
+        IdempotencyKey::new("pay").unwrap(),
+    );
+    let fingerprint = Fingerprint::of(&[b"x"]);
+    let runs = AtomicUsize::new(0);
+    for _ in 0..2 {
+        let value: u32 = keys
+            .run_once(&scope, &key, &fingerprint, async |_| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let mut holder = pool.begin().await.unwrap();
+                sqlx::query("SELECT 1 FROM turnstile_idempotency WHERE `key` = 'pay' FOR UPDATE")
+                    .fetch_one(&mut *holder)
+                    .await
+                    .unwrap();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(2_500)).await;
+                    holder.commit().await.unwrap();
+                });
+                Ok::<_, turnstile::Error>(7)
+            })
+            .await
+            .expect("the completion must wait for the row, not give up");
+        assert_eq!(value, 7);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
+}

@@ -85,6 +85,97 @@ async fn an_outcome_is_stored_once_the_store_is_back() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
 }
 
+/// The work ran, then the server refused writes for a moment (a replica during a
+/// failover answers `READONLY`; a full `noeviction` server answers `OOM`): the
+/// completion is tried again until the server takes it, so a repeat gets the replay,
+/// never a "not stored" answer and never a second run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_is_stored_once_the_server_takes_writes_again() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use turnstile::idempotency::IdempotencyOptions;
+    let server = turnstile_test_support::RedisServer::spawn();
+    let nowhere = turnstile_test_support::ClosedPort::bind();
+    let refuse: [(&str, Vec<Vec<String>>, Vec<Vec<String>>); 2] = [
+        (
+            "READONLY",
+            vec![vec![
+                "REPLICAOF".into(),
+                "127.0.0.1".into(),
+                nowhere.port().to_string(),
+            ]],
+            vec![vec!["REPLICAOF".into(), "NO".into(), "ONE".into()]],
+        ),
+        (
+            "OOM",
+            vec![vec![
+                "CONFIG".into(),
+                "SET".into(),
+                "maxmemory".into(),
+                "1".into(),
+            ]],
+            vec![vec![
+                "CONFIG".into(),
+                "SET".into(),
+                "maxmemory".into(),
+                "0".into(),
+            ]],
+        ),
+    ];
+    let admin = redis::Client::open(server.url()).unwrap();
+    for (fault, start, end) in refuse {
+        let keys = Idempotency::connect(&server.url())
+            .await
+            .unwrap()
+            .with_options(IdempotencyOptions::new().lease(Duration::from_secs(10)))
+            .unwrap();
+        let (scope, key) = (
+            Scope::new("tenant").unwrap(),
+            IdempotencyKey::new(format!("pay-{fault}")).unwrap(),
+        );
+        let fingerprint = Fingerprint::of(&[b"x"]);
+        let runs = AtomicUsize::new(0);
+        for _ in 0..2 {
+            let value: u32 = keys
+                .run_once(&scope, &key, &fingerprint, async |_| {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let mut connection = admin.get_multiplexed_async_connection().await.unwrap();
+                    for command in &start {
+                        let () = redis::cmd(&command[0])
+                            .arg(&command[1..])
+                            .query_async(&mut connection)
+                            .await
+                            .unwrap();
+                    }
+                    let end = end.clone();
+                    let admin = admin.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(1_500)).await;
+                        let mut connection =
+                            admin.get_multiplexed_async_connection().await.unwrap();
+                        for command in &end {
+                            let () = redis::cmd(&command[0])
+                                .arg(&command[1..])
+                                .query_async(&mut connection)
+                                .await
+                                .unwrap();
+                        }
+                    });
+                    Ok::<_, turnstile::Error>(7)
+                })
+                .await
+                .unwrap_or_else(|error| {
+                    panic!("under {fault} the completion must wait for the server: {error}")
+                });
+            assert_eq!(value, 7, "under {fault}");
+        }
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "under {fault} the work ran twice"
+        );
+    }
+}
+
 /// A store over a Redis server, with a plain connection beside it to read and write
 /// what the store keeps there, and the lease and retention the tests claim with.
 struct Raw {

@@ -25,12 +25,54 @@ pub(crate) fn map_error(error: redis::RedisError, context: &str) -> Error {
         || error.is_timeout()
         || error.is_connection_refusal()
         || error.is_connection_dropped()
+        || is_transient_refusal(&error)
     {
         ErrorKind::StoreUnavailable
     } else {
         ErrorKind::Store
     };
     Error::new(kind, context.to_owned()).with_source(error)
+}
+
+/// Whether Redis refused the command for now rather than for good: a script running too
+/// long (`BUSY`), a dataset loading (`LOADING`), a replica or a primary cut off from its
+/// replicas refusing writes (`READONLY`, `MASTERDOWN`, `NOREPLICAS`, `MISCONF` after a
+/// failed save), memory full under `noeviction` (`OOM`), a cluster resharding or down
+/// (`TRYAGAIN`, `CLUSTERDOWN`). The same command can succeed when tried again, so every
+/// pillar treats these like a store that cannot be reached for a moment. A script's
+/// refused write reaches the client as the script's error, whose text carries the
+/// server's code, so that is looked at too.
+fn is_transient_refusal(error: &redis::RedisError) -> bool {
+    const TRANSIENT: [&str; 9] = [
+        "BUSY",
+        "LOADING",
+        "READONLY",
+        "MASTERDOWN",
+        "NOREPLICAS",
+        "MISCONF",
+        "OOM",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+    ];
+    if error.code().is_some_and(|code| TRANSIENT.contains(&code)) {
+        return true;
+    }
+    // A refusal inside a pipeline or a transaction reaches the client as a list of the
+    // commands' errors, whose first one alone gives `code()` (and only when the driver
+    // knows its code: not `OOM`).
+    if let Some(errors) = error.clone().into_server_errors()
+        && errors
+            .iter()
+            .any(|(_, error)| TRANSIENT.contains(&error.code()))
+    {
+        return true;
+    }
+    // A Lua `redis.call` that meets one may fail the script with the code after a dash
+    // (`@user_script:12: -READONLY You can't write ...`).
+    let text = error.to_string();
+    TRANSIENT
+        .iter()
+        .any(|code| text.contains(&format!("-{code} ")))
 }
 
 /// Opens a client for a `redis://` or `rediss://` URL, checking it first.
