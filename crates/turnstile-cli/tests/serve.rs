@@ -53,7 +53,21 @@ impl Service {
         dir: Arc<tempfile::TempDir>,
         tokens: Option<&str>,
     ) -> Service {
+        Service::start_on(store, extra, dir, tokens, None)
+    }
+
+    /// Started on `clock` (the service's wall clock, which the test can move) when given.
+    fn start_on(
+        store: &str,
+        extra: &[&str],
+        dir: Arc<tempfile::TempDir>,
+        tokens: Option<&str>,
+        clock: Option<&turnstile_test_support::SteppableClock>,
+    ) -> Service {
         let mut command = Command::new(env!("CARGO_BIN_EXE_turnstile"));
+        if let Some(clock) = clock {
+            clock.apply(&mut command);
+        }
         command
             .args(["serve", "--store", store, "--listen", "127.0.0.1:0"])
             .args(extra)
@@ -2290,4 +2304,47 @@ async fn elections_refuse_bad_input_keep_tenants_apart_and_bound_their_streams()
     );
     let status = service.child.wait().unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// A Redis idempotency key's first token is the Redis server's `TIME`, read there: the
+/// service's own wall clock stepping back an hour after it connected changes nothing
+/// (a token made of this host's clock and an offset measured at connect came out an
+/// hour behind the server, smaller than tokens the server had issued before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_idempotency_tokens_ignore_the_service_clock() {
+    let clock = turnstile_test_support::SteppableClock::new();
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let store = format!(
+        "{}?turnstile_prefix={}",
+        shared_redis().url(),
+        unique_name("idemclock")
+    );
+    let service = Service::start_on(&store, &[], dir, None, Some(&clock));
+    let api = service.anonymous();
+    let mut redis = redis::Client::open(shared_redis().url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    for (n, offset) in [(0, 0), (1, -3_600), (2, -7_200)] {
+        clock.set_offset(offset);
+        let (seconds, micros): (u64, u64) = redis::cmd("TIME")
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        let before = seconds * 1_000_000 + micros;
+        let claimed = api
+            .post(
+                "/v1/idempotency/claim",
+                json!({"key": format!("k{n}"), "fingerprint": "a".repeat(64)}),
+            )
+            .await;
+        assert_eq!(claimed.status, StatusCode::OK, "{claimed:?}");
+        let token = claimed.body["token"].as_u64().unwrap();
+        assert!(
+            token >= before,
+            "with the service's clock {offset} s off, the token {token} is before the \
+             server's time {before}"
+        );
+    }
 }

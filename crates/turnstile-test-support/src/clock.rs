@@ -64,3 +64,44 @@ fn libfaketime() -> PathBuf {
             )
         })
 }
+
+/// A wall clock a test moves while a process runs (`redis-server` does not run under
+/// libfaketime; `turnstile` does): the process reads its offset from the host's clock
+/// from a file, on every reading (libfaketime's
+/// `FAKETIME_TIMESTAMP_FILE` without its cache). Its monotonic clock is left alone.
+pub struct SteppableClock {
+    file: tempfile::NamedTempFile,
+}
+
+impl Default for SteppableClock {
+    fn default() -> Self {
+        SteppableClock::new()
+    }
+}
+
+impl SteppableClock {
+    /// A clock on the host's time, until [`set_offset`](Self::set_offset) moves it.
+    pub fn new() -> SteppableClock {
+        let clock = SteppableClock {
+            file: tempfile::NamedTempFile::new().expect("cannot make the clock's file"),
+        };
+        clock.set_offset(0);
+        clock
+    }
+
+    /// Puts the server's wall clock `seconds` ahead of the host's (behind if negative),
+    /// from its next reading on.
+    pub fn set_offset(&self, seconds: i64) {
+        std::fs::write(self.file.path(), format!("{seconds:+}\n"))
+            .expect("cannot write the clock's file");
+    }
+
+    /// Sets `command` (a process about to start) to run on this clock.
+    pub fn apply(&self, command: &mut Command) {
+        command
+            .env("LD_PRELOAD", libfaketime())
+            .env("FAKETIME_TIMESTAMP_FILE", self.file.path())
+            .env("FAKETIME_NO_CACHE", "1")
+            .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+    }
+}

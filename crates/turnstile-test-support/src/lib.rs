@@ -28,7 +28,7 @@ mod redis_cluster;
 mod redis_sentinel;
 mod zookeeper;
 
-pub use clock::ServerClock;
+pub use clock::{ServerClock, SteppableClock};
 pub use etcd::{EtcdCluster, EtcdServer, shared_etcd};
 pub use mariadb::{MariaDbServer, shared_mariadb, shared_mariadb_on};
 pub use nats::NatsServer;

@@ -1,65 +1,45 @@
-//! Idempotency records in Redis: one round trip of plain commands for the first claim
-//! of a key, for a replay and for a completion; a Lua script for everything else
-//! (duplicates of a claim at work, reclaims, heartbeats, give-backs, a contested
-//! completion). Needs Redis 7.0 or newer (`SET … NX … GET`, `PEXPIRE … GT`).
+//! Idempotency records in Redis: every change of a record is one Lua script, which
+//! Redis runs alone. Needs Redis 7.0 or newer.
 //!
 //! A record is one string value at `P:idem:{H}:record`, where `P` is the prefix
 //! (`turnstile`, or the URL's `turnstile_prefix`) and `H` the first 32 hex digits of the
 //! SHA-256 of the scope and the key: fixed-length keys whatever the scope and key hold,
 //! and the `{H}` hash tag keeps every key of a record in one Cluster slot. The value is
 //! `STATE|FINGERPRINT|TOKEN|LEASE_UNTIL_MS|EXPIRES_MS|CREATED_MS|` (state `2` in
-//! progress, `3` in progress with a duplicate seen, `4` released), written by scripts
-//! with `SET … PXAT` so that the record and its expiry change in one command. The
-//! outcome is in its own slot, `P:idem:{H}:outcome`, as `TOKEN|OUTCOME`: the record is
-//! completed when the slot holds the outcome of the token the record names.
+//! progress, `3` in progress with a duplicate seen, `4` released), written with `SET …
+//! PXAT` so that the record and its expiry change in one command. The outcome is in its
+//! own slot, `P:idem:{H}:outcome`, as `TOKEN|OUTCOME`: the record is completed when the
+//! slot holds the outcome of the token the record names.
 //!
-//! **The first claim of a key** is one pipelined round trip: `GET outcome`, then `SET
-//! record "1|FP|TOKEN|LEASE_MS|RETENTION_MS|0|" NX PX max(lease, retention) GET` (the
-//! order matters: the claim's comments say why). It creates the record only if there is
-//! none; otherwise it reads the record that is there and the slot, so a replay and a
-//! mismatch (another fingerprint) are answered at once, and only a duplicate of a claim
-//! at work or a reclaim calls the claim script. A state `1` record keeps its lease and
-//! retention as lengths; the scripts read its times off the key's own expiry (`PTTL`),
-//! so the lease is still judged by the server's clock.
+//! **A claim** is the claim script: it creates a record where there is none (its token
+//! the server's `TIME` in µs), answers a replay, a mismatch or "in progress" from the
+//! record that is there, or takes a lapsed lease over with a larger token.
 //!
-//! **A completion** is one pipelined round trip: `SET outcome "TOKEN|OUTCOME" NX PX`
-//! (the retention, or the longest lease this store used, plus a second: it outlives its
-//! record), `PEXPIRE record retention GT`, `GET record`. No compare-and-set is needed on
-//! the way that is nearly always taken: the slot was free (a reclaim clears it) and the
-//! record read back names this claim, so the outcome is this claim's and is read as
-//! such. Otherwise (the slot held another token's outcome, or this claim's from an
-//! earlier try; or the record names another claim) a script decides, and takes this
-//! claim's outcome back out if it is not to be read ([`Finish::Fenced`]). Only when the
-//! record shows a duplicate saw the claim at work (state `3`) is the completion
-//! published on `P:idem:{H}:done`.
-//!
-//! Why plain commands where they suffice: each `redis.call` inside a script costs a few
-//! microseconds of the server's single thread, more than the command itself, and a
-//! script's own run as much again; a new key's claim and completion were two scripts.
+//! **A completion** is the completion script: only while the record names the claim's
+//! token and is in progress does it store the outcome, rewrite the record with its
+//! lease ended and its expiry the retention from now, and keep the outcome a second
+//! longer than the record; a completion whose record names another claim (or none)
+//! changes nothing. Only when the record shows a duplicate saw the claim at work (state
+//! `3`) is the completion published on `P:idem:{H}:done`.
 //!
 //! # Guarantees
-//! - **Atomicity**: the first claim is one `SET NX`, a completion one `SET NX` of the
-//!   outcome; every other change of a record or its outcome is one script, which Redis
-//!   runs alone.
+//! - **Atomicity**: every change of a record or its outcome is one script.
 //! - **Clock**: lease ends and retention are judged by the Redis server's clock
-//!   (`TIME`, and key expiry for a first claim); a record expires with the key, so
-//!   there is nothing to sweep. A completed record is kept for the retention from its
-//!   completion (the SQL stores keep it from its creation unless the work outlived
-//!   it). A stale claimer's fenced completion can lengthen a record's life (never
-//!   shorten it), and so a first claim's lease as the scripts read it: a duplicate
-//!   may then wait longer, never take a live lease.
-//! - **Tokens**: a reclaim takes `max(last + 1, server TIME in µs)`, so tokens of a key
-//!   strictly increase while its record lives. A first claim (no record) takes the
-//!   server's clock as this host reads it (its own clock plus the offset one `TIME`
-//!   measured at connect, within half a round trip and the two clocks' drift since),
-//!   never less than the last token this process handed out; nothing older than the
-//!   record can complete it, because an outcome is read only under the token the
-//!   record names.
+//!   (`TIME`); a record expires with the key, so there is nothing to sweep. A completed
+//!   record is kept for the retention from its completion (the SQL stores keep it from
+//!   its creation unless the work outlived it). A refused (fenced) completion changes
+//!   no record's life.
+//! - **Tokens**: a new record's token is the server's `TIME` in µs; a reclaim takes
+//!   `max(last + 1, server TIME in µs)`, so tokens of a key strictly increase while its
+//!   record lives, whatever the clients' clocks do. No host clock is read.
 //! - **Upgrades**: the records the script-only version wrote (letter states, the
-//!   outcome inline) are read and finished in their own form; that version's scripts
-//!   refuse this version's records as not idempotency records (a store error, so a 503
-//!   from the layer) rather than misread them. During a rolling upgrade a request can
-//!   so fail on an old process; it never runs twice because of the mix.
+//!   outcome inline) are read and finished in their own form, and so are the first
+//!   claims (state `1`, lease and retention as lengths read against the key's expiry)
+//!   and the pipelined completions of the version before this one; the script-only
+//!   version's scripts refuse this version's records as not idempotency records (a
+//!   store error, so a 503 from the layer) rather than misread them. During a rolling
+//!   upgrade a request can so fail on an old process; it never runs twice because of
+//!   the mix.
 //! - **Durability**: as Redis is configured. Without persistence, a restart forgets
 //!   every record (a retry then runs again), and asynchronous replication can lose the
 //!   last completions on failover: **Redis idempotency is best-effort across failures**;
@@ -69,7 +49,6 @@
 //!   claim's lease end.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
@@ -96,12 +75,13 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local function now_us()
   return time[1] .. string.format('%06d', tonumber(time[2]))
 end
--- States of the records this version writes: '1' a first claim (its lease and
--- retention as lengths), '2' in progress, '3' in progress with a duplicate seen, '4'
--- released. The letters p, w, r and c are records of the script-only version: they
--- keep their form while their token lives, so its processes can still finish them,
--- and its scripts refuse the digits (their pattern wants a letter) instead of
--- misreading a record this version completed.
+-- States of the records this version writes: '2' in progress, '3' in progress with a
+-- duplicate seen, '4' released; '1' is a first claim the previous version wrote with a
+-- plain SET (its lease and retention as lengths), read and rewritten as '2'. The
+-- letters p, w, r and c are records of the script-only version: they keep their form
+-- while their token lives, so its processes can still finish them, and its scripts
+-- refuse the digits (their pattern wants a letter) instead of misreading a record
+-- this version completed.
 local decode = {['1'] = 'n', ['2'] = 'p', ['3'] = 'w', ['4'] = 'r'}
 -- The outcome in an outcome slot (`TOKEN|OUTCOME`) if it is the claim with `token`'s.
 local function outcome_in(slot, token)
@@ -158,8 +138,7 @@ end
     };
 }
 
-/// KEYS[1] record, KEYS[2] outcome; ARGV fingerprint, lease ms, retention ms. Run when the first claim's
-/// `SET NX` found a record. Answers
+/// KEYS[1] record, KEYS[2] outcome; ARGV fingerprint, lease ms, retention ms. Answers
 /// `{'started', token}`, `{'replay', outcome}`, `{'in_progress', lease_left_ms}` or
 /// `{'mismatch'}`.
 const CLAIM: &str = concat!(
@@ -197,11 +176,17 @@ return {'started', token}
 "
 );
 
-/// KEYS[1] record, KEYS[2] outcome; ARGV token, lease ms. 1 renewed, -1 another claim holds it, 0 gone.
+/// KEYS[1] record, KEYS[2] outcome; ARGV token, lease ms. 1 renewed (or completed by this
+/// claim), -1 another claim holds it, 0 gone.
 const HEARTBEAT: &str = concat!(
     record_lua!(),
     r"
 local r = load()
+if r and r.state == 'c' and r.token == ARGV[1] then
+  -- This claim's own completion landed (its reply may have been lost): nothing was
+  -- taken from it.
+  return 1
+end
 if not r or not in_progress(r) then
   return 0
 end
@@ -214,11 +199,10 @@ return 1
 "
 );
 
-/// KEYS[1] record, KEYS[2] outcome; ARGV token, outcome, outcome ms, retention ms,
-/// channel. A completion whose plain `SET NX` of the outcome found the slot taken, or
-/// whose record named another claim: 1 stored (or already stored by this claim), 0
-/// refused (and this claim's outcome, if it is in the slot, removed).
-const COMPLETE_CONTESTED: &str = concat!(
+/// KEYS[1] record, KEYS[2] outcome; ARGV token, outcome, retention ms, channel. 1 stored
+/// (or already stored by this claim), 0 refused: the record names another claim, or
+/// none. A refused completion changes nothing but its own leftovers.
+const COMPLETE: &str = concat!(
     record_lua!(),
     r"
 local r = load()
@@ -227,14 +211,21 @@ if r and r.token == ARGV[1] and not r.legacy then
     return 1
   end
   if in_progress(r) then
-    redis.call('SET', KEYS[2], ARGV[1] .. '|' .. ARGV[2], 'PX', ARGV[3])
-    redis.call('PEXPIRE', KEYS[1], ARGV[4], 'GT')
-    if r.state == 'w' then
-      redis.call('PUBLISH', ARGV[5], 'completed')
+    -- Kept for the retention from now; the record is rewritten with its times, so
+    -- that nothing is read off the key's expiry again, and the outcome outlives it.
+    local waited = r.state == 'w'
+    local expire_at = now_ms + tonumber(ARGV[3])
+    r.lease_until, r.expires = now_ms, expire_at
+    store(r, expire_at)
+    redis.call('SET', KEYS[2], ARGV[1] .. '|' .. ARGV[2], 'PXAT', string.format('%d', expire_at + 1000))
+    if waited then
+      redis.call('PUBLISH', ARGV[4], 'completed')
     end
     return 1
   end
 end
+-- An outcome of this claim's that a version with a pipelined completion left in the
+-- slot is never to be read: take it out.
 if outcome_in(redis.call('GET', KEYS[2]), ARGV[1]) then
   redis.call('DEL', KEYS[2])
 end
@@ -300,7 +291,7 @@ return {state, r.fp, r.token, string.format('%d', math.max(0, r.lease_until - no
 
 struct Scripts {
     claim: Script,
-    complete_contested: Script,
+    complete: Script,
     heartbeat: Script,
     release: Script,
     forget: Script,
@@ -315,12 +306,6 @@ pub struct RedisIdempotencyStore {
     scripts: Arc<Scripts>,
     notifier: Arc<Notifier>,
     url: String,
-    /// The Redis server's clock minus this host's, in µs, read once at connect: a first
-    /// claim's token is this host's clock moved onto the server's.
-    clock_offset_us: i64,
-    /// The longest lease (ms) this store has claimed or renewed with: a completion keeps
-    /// the outcome at least that long, so it never expires before its record.
-    longest_lease_ms: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for RedisIdempotencyStore {
@@ -355,14 +340,13 @@ impl RedisIdempotencyStore {
         }
         let timeout = Duration::from_secs(3);
         let client = open_client(&driver_url, None)?;
-        let mut connection = connect_manager(client.clone(), &driver_url, timeout, timeout).await?;
-        let clock_offset_us = server_clock_offset(&mut connection).await?;
+        let connection = connect_manager(client.clone(), &driver_url, timeout, timeout).await?;
         Ok(RedisIdempotencyStore {
             connection,
             prefix,
             scripts: Arc::new(Scripts {
                 claim: Script::new(CLAIM),
-                complete_contested: Script::new(COMPLETE_CONTESTED),
+                complete: Script::new(COMPLETE),
                 heartbeat: Script::new(HEARTBEAT),
                 release: Script::new(RELEASE),
                 forget: Script::new(FORGET),
@@ -370,8 +354,6 @@ impl RedisIdempotencyStore {
             }),
             notifier: Notifier::new(client, timeout, timeout),
             url: crate::url::redact(&driver_url),
-            clock_offset_us,
-            longest_lease_ms: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -439,75 +421,6 @@ fn fingerprint_hex(fingerprint: &Fingerprint) -> String {
     crate::hex::hex(fingerprint.as_bytes())
 }
 
-/// The server's clock minus this host's, in µs: one `TIME`, taken against the middle of
-/// its round trip.
-async fn server_clock_offset(connection: &mut ConnectionManager) -> Result<i64> {
-    let sent = crate::clock::wall_clock().1;
-    let (seconds, micros): (i64, i64) = redis::cmd("TIME")
-        .query_async(connection)
-        .await
-        .map_err(|error| map_error(error, "cannot read the Redis server's clock"))?;
-    let answered = crate::clock::wall_clock().1;
-    let server = seconds.saturating_mul(1_000_000).saturating_add(micros);
-    Ok(server - (sent / 2 + answered / 2))
-}
-
-/// The token of a first claim: the server's clock in µs as this host reads it (its own
-/// clock plus the offset measured at connect), and never less than one more than the
-/// last token this function gave, so a process's tokens strictly increase even when
-/// its clock steps back. (A reclaim's token comes from the script, `max(last + 1,
-/// server TIME)`, above whatever a first claim took.)
-fn first_claim_token(clock_offset_us: i64) -> FencingToken {
-    static LAST: AtomicU64 = AtomicU64::new(0);
-    let now =
-        u64::try_from(crate::clock::wall_clock().1.saturating_add(clock_offset_us)).unwrap_or(0);
-    let previous = LAST
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
-            Some(now.max(last + 1))
-        })
-        .unwrap_or_else(|last| last);
-    FencingToken::new(now.max(previous + 1))
-}
-
-/// A record's value as the first claim reads it back: its state letter, fingerprint in
-/// hex, token, and what follows the sixth `|` (the outcome, in a record that holds it).
-struct RecordHeader<'v> {
-    state: u8,
-    fingerprint: &'v [u8],
-    token_text: &'v str,
-    token: u64,
-    outcome: &'v [u8],
-}
-
-/// The outcome in a slot (`TOKEN|OUTCOME`) if it is the claim with `token`'s.
-fn outcome_of<'s>(slot: &'s [u8], token: &str) -> Option<&'s [u8]> {
-    let rest = slot.strip_prefix(token.as_bytes())?;
-    rest.strip_prefix(b"|")
-}
-
-impl<'v> RecordHeader<'v> {
-    /// In progress, in this version's form (whose outcome goes to the outcome slot).
-    fn is_at_work(&self) -> bool {
-        matches!(self.state, b'1' | b'2' | b'3')
-    }
-
-    fn parse(value: &'v [u8]) -> Option<Self> {
-        let mut fields = value.splitn(7, |&byte| byte == b'|');
-        let state = *fields.next()?.first()?;
-        let fingerprint = fields.next()?;
-        let token_text = std::str::from_utf8(fields.next()?).ok()?;
-        let token = token_text.parse().ok()?;
-        let outcome = fields.nth(3)?;
-        Some(RecordHeader {
-            state,
-            fingerprint,
-            token_text,
-            token,
-            outcome,
-        })
-    }
-}
-
 impl IdempotencyStore for RedisIdempotencyStore {
     fn claim<'a>(
         &'a self,
@@ -522,54 +435,6 @@ impl IdempotencyStore for RedisIdempotencyStore {
             let mut connection = self.connection.clone();
             let fingerprint = fingerprint_hex(fingerprint);
             let (lease_ms, retention_ms) = (ceil_millis(lease), ceil_millis(retention));
-            // A key nobody holds is created by the SET; a record that is there comes
-            // back instead, with the outcome slot, and is decided here if it is
-            // completed or another request's, by the script below otherwise.
-            self.longest_lease_ms.fetch_max(lease_ms, Ordering::Relaxed);
-            let token = first_claim_token(self.clock_offset_us);
-            let first = format!("1|{fingerprint}|{token}|{lease_ms}|{retention_ms}|0|");
-            // The slot is read before the record, in the same pipeline (Redis runs a
-            // connection's commands in order), and its outcome is taken only under the
-            // token the record names. An outcome read first was stored before the
-            // record was read; a record that then still names its token was that
-            // claim's own, since a key's tokens only move forward: a stale claimer's
-            // fenced outcome is never under the token a later record names.
-            let (slot, existing): (Option<Vec<u8>>, Option<Vec<u8>>) = redis::pipe()
-                .cmd("GET")
-                .arg(&keys.outcome)
-                .cmd("SET")
-                .arg(&keys.record)
-                .arg(first)
-                .arg("NX")
-                .arg("PX")
-                .arg(lease_ms.max(retention_ms).max(1))
-                .arg("GET")
-                .query_async(&mut connection)
-                .await
-                .map_err(|error| map_error(error, "cannot claim the idempotency key"))?;
-            let Some(existing) = existing else {
-                return Ok(ClaimAnswer::Started { token });
-            };
-            if let Some(header) = RecordHeader::parse(&existing) {
-                if header.fingerprint != fingerprint.as_bytes() {
-                    return Ok(ClaimAnswer::Mismatch);
-                }
-                if header.state == b'c' {
-                    // Completed by the script-only version: the outcome is inline.
-                    return Ok(ClaimAnswer::Replay {
-                        outcome: header.outcome.to_vec(),
-                    });
-                }
-                if header.is_at_work()
-                    && let Some(outcome) = slot
-                        .as_deref()
-                        .and_then(|slot| outcome_of(slot, header.token_text))
-                {
-                    return Ok(ClaimAnswer::Replay {
-                        outcome: outcome.to_vec(),
-                    });
-                }
-            }
             let reply: Vec<Value> = self
                 .scripts
                 .claim
@@ -614,8 +479,6 @@ impl IdempotencyStore for RedisIdempotencyStore {
     ) -> BoxFuture<'a, Result<ExtendOutcome>> {
         Box::pin(async move {
             let keys = self.keys(scope, key);
-            self.longest_lease_ms
-                .fetch_max(ceil_millis(lease), Ordering::Relaxed);
             let mut connection = self.connection.clone();
             let answer: i64 = self
                 .scripts
@@ -647,67 +510,14 @@ impl IdempotencyStore for RedisIdempotencyStore {
             check_outcome(outcome)?;
             let keys = self.keys(scope, key);
             let retention_ms = ceil_millis(retention).max(1);
-            let token_text = token.get().to_string();
             let mut connection = self.connection.clone();
-            // The outcome outlives its record: that lives at most the longer of the
-            // retention from now and the lease of its last renewal (which this store
-            // gave), and the outcome a second more.
-            let outcome_ms = retention_ms
-                .max(self.longest_lease_ms.load(Ordering::Relaxed))
-                .saturating_add(1_000);
-            let mut slot = Vec::with_capacity(token_text.len() + 1 + outcome.len());
-            slot.extend_from_slice(token_text.as_bytes());
-            slot.push(b'|');
-            slot.extend_from_slice(outcome);
-            let (stored, now_named): (Option<String>, Option<Vec<u8>>) = redis::pipe()
-                .cmd("SET")
-                .arg(&keys.outcome)
-                .arg(slot)
-                .arg("NX")
-                .arg("PX")
-                .arg(outcome_ms)
-                .cmd("PEXPIRE")
-                .arg(&keys.record)
-                .arg(retention_ms)
-                .arg("GT")
-                .ignore()
-                .cmd("GET")
-                .arg(&keys.record)
-                .query_async(&mut connection)
-                .await
-                .map_err(|error| map_error(error, "cannot store the outcome"))?;
-            let header = now_named.as_deref().and_then(RecordHeader::parse);
-            if stored.is_some()
-                && let Some(header) = header
-                && header.token == token.get()
-                && header.is_at_work()
-            {
-                if header.state == b'3' {
-                    // A duplicate saw the claim at work and may be waiting. The outcome
-                    // is stored whatever this answers: a duplicate that misses it
-                    // learns at the lease's end.
-                    let published: redis::RedisResult<i64> = redis::cmd("PUBLISH")
-                        .arg(keys.channel())
-                        .arg("completed")
-                        .query_async(&mut connection)
-                        .await;
-                    if let Err(error) = published {
-                        tracing::warn!(%error, "cannot announce a stored outcome to waiting duplicates");
-                    }
-                }
-                return Ok(Finish::Done);
-            }
-            // The slot was taken (a stale claimer's outcome, or this claim's own from
-            // an earlier try), or the record names another claim: the script decides,
-            // and takes this claim's outcome back out if it is not to be read.
             let answer: i64 = self
                 .scripts
-                .complete_contested
+                .complete
                 .key(&keys.record)
                 .key(&keys.outcome)
-                .arg(&token_text)
+                .arg(token.get().to_string())
                 .arg(outcome)
-                .arg(outcome_ms)
                 .arg(retention_ms)
                 .arg(keys.channel())
                 .invoke_async(&mut connection)
