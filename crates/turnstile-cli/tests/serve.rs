@@ -2328,10 +2328,8 @@ async fn redis_idempotency_tokens_ignore_the_service_clock() {
         .unwrap();
     for (n, offset) in [(0, 0), (1, -3_600), (2, -7_200)] {
         clock.set_offset(offset);
-        let (seconds, micros): (u64, u64) = redis::cmd("TIME")
-            .query_async(&mut redis)
-            .await
-            .unwrap();
+        let (seconds, micros): (u64, u64) =
+            redis::cmd("TIME").query_async(&mut redis).await.unwrap();
         let before = seconds * 1_000_000 + micros;
         let claimed = api
             .post(

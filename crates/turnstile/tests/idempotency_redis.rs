@@ -247,20 +247,6 @@ impl Raw {
     async fn command<T: redis::FromRedisValue>(&mut self, command: &mut redis::Cmd) -> T {
         command.query_async(&mut self.connection).await.unwrap()
     }
-
-    /// How many scripts (`EVAL`, `EVALSHA`) the server has run, from `INFO commandstats`.
-    async fn scripts_run(&mut self) -> u64 {
-        let info: String = self.command(redis::cmd("INFO").arg("commandstats")).await;
-        info.lines()
-            .filter(|line| {
-                line.starts_with("cmdstat_eval:") || line.starts_with("cmdstat_evalsha:")
-            })
-            .map(|line| {
-                let calls = line.split("calls=").nth(1).unwrap();
-                calls[..calls.find(',').unwrap()].parse::<u64>().unwrap()
-            })
-            .sum()
-    }
 }
 
 fn key(name: &str) -> IdempotencyKey {

@@ -55,6 +55,9 @@ struct Sql {
     read: Statement,
     read_locked: Statement,
     heartbeat: Statement,
+    /// Whether the claim with a token completed the record (its completion's reply may
+    /// have been lost): a completion or heartbeat retried after that is no failure.
+    completed_by: Statement,
     taken: Statement,
     complete: Statement,
     release: Statement,
@@ -157,6 +160,10 @@ impl Sql {
             taken: statement(format!(
                 "SELECT COUNT(*) FROM {table}
                  WHERE scope = ? AND `key` = ? AND token <> ? AND state = 'in_progress'"
+            )),
+            completed_by: statement(format!(
+                "SELECT COUNT(*) FROM {table}
+                 WHERE scope = ? AND `key` = ? AND token = ? AND state = 'completed'"
             )),
             // Kept for the retention from its creation, or from its completion when the
             // work outlived the retention (the retry that is surely coming still gets
@@ -472,6 +479,24 @@ impl MysqlIdempotencyStore {
         Ok(Finish::Done)
     }
 
+    /// Whether the record names `token` and is completed (by that claim).
+    async fn completed_by<'e>(
+        &self,
+        executor: impl sqlx::Executor<'e, Database = sqlx::MySql>,
+        scope: &Scope,
+        key: &IdempotencyKey,
+        token: FencingToken,
+    ) -> Result<bool> {
+        Ok(sqlx::query_scalar::<_, i64>(self.sql.completed_by.sql())
+            .bind(scope.as_str())
+            .bind(key.as_str())
+            .bind(token.get())
+            .fetch_one(executor)
+            .await
+            .map_err(|error| map_error(error, "cannot read the record"))?
+            > 0)
+    }
+
     fn complete_query<'q>(
         &'q self,
         scope: &'q Scope,
@@ -618,11 +643,17 @@ impl TransactionalIdempotency for MysqlIdempotencyStore {
                 .rows_affected();
             // Waiters in this process re-check now and wait on the row until the commit.
             self.signals.notify(&Self::signal_key(scope, key));
-            Ok(if changed == 1 {
-                Finish::Done
-            } else {
-                Finish::Fenced
-            })
+            Ok(
+                if changed == 1
+                    || self
+                        .completed_by(&mut *connection, scope, key, token)
+                        .await?
+                {
+                    Finish::Done
+                } else {
+                    Finish::Fenced
+                },
+            )
         })
     }
 }
@@ -672,7 +703,8 @@ impl IdempotencyStore for MysqlIdempotencyStore {
                 .await
                 .map_err(fail)?
                 .rows_affected()
-                == 1;
+                == 1
+                || self.completed_by(&self.pool, scope, key, token).await?;
             let taken = !renewed
                 && sqlx::query_scalar::<_, i64>(self.sql.taken.sql())
                     .bind(scope.as_str())
@@ -696,8 +728,15 @@ impl IdempotencyStore for MysqlIdempotencyStore {
     ) -> BoxFuture<'a, Result<Finish>> {
         Box::pin(async move {
             let query = self.complete_query(scope, key, token, outcome, retention)?;
-            self.finish(scope, key, query, "cannot store the outcome")
-                .await
+            match self
+                .finish(scope, key, query, "cannot store the outcome")
+                .await?
+            {
+                Finish::Fenced if self.completed_by(&self.pool, scope, key, token).await? => {
+                    Ok(Finish::Done)
+                }
+                finished => Ok(finished),
+            }
         })
     }
 

@@ -156,7 +156,11 @@ impl Sql {
                         expires_at = GREATEST(expires_at, {now} + {lease})
                     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'
                     RETURNING 1)
-                 SELECT EXISTS (SELECT 1 FROM renewed) AS renewed,
+                 SELECT EXISTS (SELECT 1 FROM renewed)
+                        -- This claim's own completion landed (its reply may have been
+                        -- lost): nothing was taken from it.
+                        OR EXISTS (SELECT 1 FROM {table} WHERE scope = $1 AND key = $2
+                                AND token = $3 AND state = 'completed') AS renewed,
                         EXISTS (SELECT 1 FROM {table} WHERE scope = $1 AND key = $2
                                 AND token <> $3 AND state = 'in_progress') AS taken",
                 lease = secs(4),
@@ -175,7 +179,13 @@ impl Sql {
                     WHERE scope = $1 AND key = $2 AND token = $3 AND state = 'in_progress'
                     RETURNING waiting_until),
                  notified AS ({notify})
-                 SELECT (SELECT count(*) FROM done) AS done, (SELECT count(*) FROM notified) AS notified,
+                 SELECT (SELECT count(*) FROM done)
+                        -- Completed by this claim already (a retry after a lost reply):
+                        -- the outcome is recorded, so it is a success. (The statement's
+                        -- snapshot does not see its own update.)
+                        + (SELECT count(*) FROM {table} WHERE scope = $1 AND key = $2
+                           AND token = $3 AND state = 'completed') AS done,
+                    (SELECT count(*) FROM notified) AS notified,
                     set_config('synchronous_commit', 'on', true) AS durable",
                 retention = secs(5),
                 notify = notify("done"),

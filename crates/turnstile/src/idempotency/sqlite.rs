@@ -266,6 +266,28 @@ fn complete_statement<'q>(
     .bind(millis_i64(retention)))
 }
 
+/// Whether the record names `token` and is completed (by that claim; its completion's
+/// reply may have been lost): a completion or heartbeat retried after that is no
+/// failure.
+async fn completed_by<'e>(
+    executor: impl sqlx::Executor<'e, Database = sqlx::Sqlite>,
+    scope: &Scope,
+    key: &IdempotencyKey,
+    token: FencingToken,
+) -> Result<bool> {
+    Ok(sqlx::query_scalar::<_, i64>(
+        "SELECT COUNT(*) FROM turnstile_idempotency
+         WHERE scope = ?1 AND key = ?2 AND token = ?3 AND state = 'completed'",
+    )
+    .bind(scope.as_str())
+    .bind(key.as_str())
+    .bind(token.to_i64()?)
+    .fetch_one(executor)
+    .await
+    .map_err(|error| map_error(error, "cannot read the record"))?
+        > 0)
+}
+
 impl TransactionalIdempotency for SqliteIdempotencyStore {
     type Connection = SqliteConnection;
 
@@ -383,11 +405,13 @@ impl TransactionalIdempotency for SqliteIdempotencyStore {
             // Waiters in this process re-check now and find the record once the
             // transaction commits (they wait on SQLite's write lock meanwhile).
             self.signals.notify(&Self::signal_key(scope, key));
-            Ok(if changed == 1 {
-                Finish::Done
-            } else {
-                Finish::Fenced
-            })
+            Ok(
+                if changed == 1 || completed_by(&mut *connection, scope, key, token).await? {
+                    Finish::Done
+                } else {
+                    Finish::Fenced
+                },
+            )
         })
     }
 }
@@ -492,6 +516,7 @@ impl IdempotencyStore for SqliteIdempotencyStore {
     ) -> BoxFuture<'a, Result<ExtendOutcome>> {
         Box::pin(async move {
             let fail = |error| map_error(error, "cannot renew the idempotency claim");
+            let claim = token;
             let token = token.to_i64()?;
             let (now_ms, _) = wall_clock();
             let renewed = sqlx::query(
@@ -506,7 +531,7 @@ impl IdempotencyStore for SqliteIdempotencyStore {
             .await
             .map_err(fail)?
             .rows_affected();
-            if renewed == 1 {
+            if renewed == 1 || completed_by(&self.pool, scope, key, claim).await? {
                 return Ok(ExtendOutcome::Extended);
             }
             let newer: Option<i64> = sqlx::query_scalar(
@@ -533,8 +558,15 @@ impl IdempotencyStore for SqliteIdempotencyStore {
     ) -> BoxFuture<'a, Result<Finish>> {
         Box::pin(async move {
             let statement = complete_statement(scope, key, token, outcome, retention)?;
-            self.finish(scope, key, statement, "cannot store the outcome")
-                .await
+            match self
+                .finish(scope, key, statement, "cannot store the outcome")
+                .await?
+            {
+                Finish::Fenced if completed_by(&self.pool, scope, key, token).await? => {
+                    Ok(Finish::Done)
+                }
+                finished => Ok(finished),
+            }
         })
     }
 

@@ -196,6 +196,48 @@ pub async fn a_failure_gives_the_key_back(store: impl TestStore) {
     );
 }
 
+/// A completion tried again by the claim that made it (its first reply was lost) is a
+/// success, not "fenced", and leaves the first outcome in place; a heartbeat that
+/// finds its own claim completed is no loss. No caller is told to compensate for a
+/// request that is in fact recorded.
+pub async fn a_completion_retried_by_its_claim_succeeds(store: impl TestStore) {
+    let client = store.client().await;
+    let backend = client.store().clone();
+    let (scope, key, fingerprint) = (scope("retried"), key(), request("x"));
+    let (lease, day) = (Duration::from_secs(10), Duration::from_secs(86_400));
+    let ClaimAnswer::Started { token } = backend
+        .claim(&scope, &key, &fingerprint, lease, day)
+        .await
+        .unwrap()
+    else {
+        panic!("the key was free");
+    };
+    for outcome in [&b"\"first\""[..], b"\"again\""] {
+        assert_eq!(
+            backend
+                .complete(&scope, &key, token, outcome, day)
+                .await
+                .unwrap(),
+            Finish::Done,
+            "a completion by the claim that completed the record"
+        );
+    }
+    assert_eq!(
+        backend.heartbeat(&scope, &key, token, lease).await.unwrap(),
+        ExtendOutcome::Extended,
+        "a heartbeat of the claim that completed the record"
+    );
+    assert_eq!(
+        backend
+            .claim(&scope, &key, &fingerprint, lease, day)
+            .await
+            .unwrap(),
+        ClaimAnswer::Replay {
+            outcome: b"\"first\"".to_vec()
+        }
+    );
+}
+
 /// A worker whose lease ran out cannot store its outcome once another claim took the
 /// key over; tokens increase; the newer claim's outcome is the one replayed.
 pub async fn a_stale_worker_cannot_complete(store: impl TestStore) {
@@ -621,6 +663,7 @@ macro_rules! idempotency_conformance_tests {
             keys_are_bound_to_their_request_and_scope,
             a_failure_gives_the_key_back,
             a_stale_worker_cannot_complete,
+            a_completion_retried_by_its_claim_succeeds,
             a_dead_workers_key_is_claimable_after_its_lease,
             the_lease_is_renewed_while_the_work_runs,
             retention_ends_and_sweeping_removes,
