@@ -70,6 +70,32 @@ async fn app(
                         )
                             .into_response();
                     }
+                    if body.contains("panic") {
+                        panic!("the handler panicked after its effect");
+                    }
+                    if body.contains("timeout") {
+                        // What a timeout layer inside this one answers once it dropped
+                        // the handler mid-way.
+                        return (StatusCode::REQUEST_TIMEOUT, "cut off").into_response();
+                    }
+                    if body.contains("trailers") {
+                        // A failure signalled in trailers, as gRPC does.
+                        let mut trailers = http::HeaderMap::new();
+                        trailers.insert("grpc-status", http::HeaderValue::from_static("13"));
+                        let frames: [Result<http_body::Frame<bytes::Bytes>, std::io::Error>; 2] = [
+                            Ok(http_body::Frame::data(bytes::Bytes::from_static(
+                                b"partial",
+                            ))),
+                            Ok(http_body::Frame::trailers(trailers)),
+                        ];
+                        return (
+                            StatusCode::OK,
+                            Body::new(http_body_util::StreamBody::new(futures_util::stream::iter(
+                                frames,
+                            ))),
+                        )
+                            .into_response();
+                    }
                     if body.contains("huge") {
                         return (StatusCode::CREATED, "x".repeat(4096)).into_response();
                     }
@@ -358,27 +384,123 @@ async fn a_policy_can_give_server_errors_back() {
 }
 
 /// A response body that breaks off half way is not a response: the client's body
-/// breaks off too, nothing is stored, and the retry runs the handler again instead of
-/// getting the half body replayed as a complete 201.
+/// breaks off too, and it is not replayed as a complete 201. The handler ran, with its
+/// effects, so a retry is told the first attempt's outcome is unknown (422,
+/// `types::OUTCOME_UNKNOWN`) and the handler does not run again.
 #[tokio::test]
-async fn a_body_that_breaks_half_way_is_neither_stored_nor_replayed() {
+async fn a_body_that_breaks_half_way_is_recorded_as_outcome_unknown() {
     let app = app(|layer| layer, IdempotencyOptions::new()).await;
-    for run in 1..=2 {
-        let response = app
-            .router
-            .clone()
-            .oneshot(request("/payments", "acme", Some("torn"), "break"))
-            .await
-            .unwrap();
-        assert_eq!(response.headers()["idempotent-replayed"], "false");
-        let body = response.into_body().collect().await;
-        assert!(
-            body.is_err(),
-            "run {run}: a torn body was passed on as complete: {:?}",
-            body.map(|collected| collected.to_bytes())
-        );
-        assert_eq!(app.runs.load(Ordering::SeqCst), run);
+    let response = app
+        .router
+        .clone()
+        .oneshot(request("/payments", "acme", Some("torn"), "break"))
+        .await
+        .unwrap();
+    assert_eq!(response.headers()["idempotent-replayed"], "false");
+    let body = response.into_body().collect().await;
+    assert!(
+        body.is_err(),
+        "a torn body was passed on as complete: {:?}",
+        body.map(|collected| collected.to_bytes())
+    );
+    for _ in 0..2 {
+        let (status, _, body) = send(
+            &app.router,
+            request("/payments", "acme", Some("torn"), "break"),
+        )
+        .await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert_eq!(problem_type(&body), types::OUTCOME_UNKNOWN);
     }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran again");
+}
+
+/// A handler that panics after its effect, and one cut off by a timeout layer inside
+/// (408): in the lease mode neither gives the key back, so a retry is told the outcome
+/// is unknown instead of running the effect again.
+#[tokio::test]
+async fn a_panic_or_a_timeout_inside_is_recorded_as_outcome_unknown() {
+    let app = app(|layer| layer, IdempotencyOptions::new()).await;
+    let (status, _, body) = send(
+        &app.router,
+        request("/payments", "acme", Some("boom"), "panic"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+    assert_eq!(problem_type(&body), types::OUTCOME_UNKNOWN);
+    let (status, _, body) = send(
+        &app.router,
+        request("/payments", "acme", Some("slow"), "timeout"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::REQUEST_TIMEOUT, "{body}");
+    for (key, body) in [("boom", "panic"), ("slow", "timeout")] {
+        let (status, _, answer) =
+            send(&app.router, request("/payments", "acme", Some(key), body)).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{key}: {answer}");
+        assert_eq!(problem_type(&answer), types::OUTCOME_UNKNOWN, "{key}");
+    }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2, "a handler ran again");
+}
+
+/// A response that ends with trailers is passed on with them, but not stored as a
+/// success without them (a failure can be signalled there): a retry is told the
+/// response was not stored, and the handler does not run again.
+#[tokio::test]
+async fn a_response_with_trailers_is_passed_on_and_not_replayed_without_them() {
+    let app = app(|layer| layer, IdempotencyOptions::new()).await;
+    let response = app
+        .router
+        .clone()
+        .oneshot(request("/payments", "acme", Some("grpc"), "trailers"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let collected = response.into_body().collect().await.unwrap();
+    assert_eq!(
+        collected
+            .trailers()
+            .and_then(|trailers| trailers.get("grpc-status")),
+        Some(&http::HeaderValue::from_static("13")),
+        "the trailers were dropped"
+    );
+    assert_eq!(&collected.to_bytes()[..], b"partial");
+    let (status, _, body) = send(
+        &app.router,
+        request("/payments", "acme", Some("grpc"), "trailers"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(problem_type(&body), types::NOT_REPLAYABLE);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+/// A request body that breaks off is a 400 (`types::REQUEST_BODY_UNREADABLE`), not
+/// "too large"; nothing is claimed and the handler does not run.
+#[tokio::test]
+async fn a_request_body_that_breaks_off_is_a_400() {
+    let app = app(|layer| layer, IdempotencyOptions::new()).await;
+    let chunks: [Result<&'static str, std::io::Error>; 2] =
+        [Ok("10 E"), Err(std::io::Error::other("client reset"))];
+    let torn = Request::post("/payments")
+        .header(header::AUTHORIZATION, "Bearer acme")
+        .header("idempotency-key", "torn-request")
+        .body(Body::from_stream(futures_util::stream::iter(chunks)))
+        .unwrap();
+    let (status, _, body) = send(&app.router, torn).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(problem_type(&body), types::REQUEST_BODY_UNREADABLE);
+    let (status, _, _) = send(
+        &app.router,
+        request("/payments", "acme", Some("torn-request"), "10 EUR"),
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "the torn request claimed the key"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
 }
 
 /// A store that is down: 503 with `Retry-After`, and the handler never runs.

@@ -196,6 +196,43 @@ pub async fn a_failure_gives_the_key_back(store: impl TestStore) {
     );
 }
 
+/// A key given back after a failure keeps its request's fingerprint until the
+/// retention ends: the same request claims it again, another request under that key is
+/// a mismatch (a key names one request for its whole life).
+pub async fn a_given_back_key_keeps_its_fingerprint(store: impl TestStore) {
+    let client = store.client().await;
+    let backend = client.store().clone();
+    let (scope, key) = (scope("givenback"), key());
+    let (lease, day) = (Duration::from_secs(10), Duration::from_secs(86_400));
+    let ClaimAnswer::Started { token } = backend
+        .claim(&scope, &key, &request("x"), lease, day)
+        .await
+        .unwrap()
+    else {
+        panic!("the key was free");
+    };
+    assert_eq!(
+        backend.release(&scope, &key, token).await.unwrap(),
+        Finish::Done
+    );
+    assert_eq!(
+        backend
+            .claim(&scope, &key, &request("y"), lease, day)
+            .await
+            .unwrap(),
+        ClaimAnswer::Mismatch,
+        "another request took a given-back key"
+    );
+    let again = backend
+        .claim(&scope, &key, &request("x"), lease, day)
+        .await
+        .unwrap();
+    assert!(
+        matches!(again, ClaimAnswer::Started { token: next } if next > token),
+        "{again:?}"
+    );
+}
+
 /// A completion tried again by the claim that made it (its first reply was lost) is a
 /// success, not "fenced", and leaves the first outcome in place; a heartbeat that
 /// finds its own claim completed is no loss. No caller is told to compensate for a
@@ -664,6 +701,7 @@ macro_rules! idempotency_conformance_tests {
             a_failure_gives_the_key_back,
             a_stale_worker_cannot_complete,
             a_completion_retried_by_its_claim_succeeds,
+            a_given_back_key_keeps_its_fingerprint,
             a_dead_workers_key_is_claimable_after_its_lease,
             the_lease_is_renewed_while_the_work_runs,
             retention_ends_and_sweeping_removes,

@@ -47,8 +47,18 @@
 //!   handler may have had effects (a charged card) before it failed, and a retry must
 //!   not repeat them. In the same-transaction mode a 5xx rolls the handler's writes
 //!   back and gives the key back. [`IdempotencyLayer::store_status`] sets another
-//!   policy. A response whose body fails half way is neither stored nor passed on as
-//!   whole: the key goes back and the client's response breaks off too. Replays carry
+//!   policy.
+//! - A first attempt that ran but did not end as a whole response — the handler
+//!   panicked, its response body broke off half way (the client's response breaks off
+//!   too), or, with the default policy, a timeout layer inside this one answered 408
+//!   after dropping the handler mid-way — has effects nobody can tell. In the lease
+//!   mode the key records that: a retry gets 422 `types::OUTCOME_UNKNOWN` and the
+//!   handler never runs twice (a panicking first attempt itself gets 500 of that
+//!   type). In the same-transaction mode the rollback undid the writes and the key
+//!   goes back. A response that ends with trailers is passed on whole but not stored
+//!   (a failure can be signalled in trailers): a retry gets 422
+//!   `types::NOT_REPLAYABLE`. A request body that breaks off is a 400
+//!   (`types::REQUEST_BODY_UNREADABLE`) and claims nothing. Replays carry
 //!   the stored status, an allow-list of headers (`Content-Type`, `Location`,
 //!   `Content-Location`, `ETag`, `Last-Modified`, `Link`) and the body, plus
 //!   `Idempotent-Replayed: true` (first answers carry `false`).
@@ -75,7 +85,7 @@ use std::task::{Context, Poll};
 use axum::body::Body;
 use axum::extract::MatchedPath;
 use bytes::Bytes;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode, header};
 use http_body_util::BodyExt;
@@ -137,7 +147,9 @@ impl fmt::Debug for IdempotencyLayer {
 
 /// Whether a response is stored and replayed by default in the lease mode: every
 /// status but 408, 409, 425 and 429 (answers that ask the client to come back), **5xx
-/// included**. A handler that charged a card through a provider and then failed its
+/// included**. (A 408 is not replayed, but with this default policy the layer records
+/// the key's outcome as unknown rather than give it back: a 408 from inside the layer
+/// is a timeout that dropped the handler mid-way.) A handler that charged a card through a provider and then failed its
 /// own write answers 500 after an effect that nothing undoes; giving the key back
 /// would let the retry charge again (Stripe stores 5xx for the same reason).
 pub fn stored_by_default(status: StatusCode) -> bool {
@@ -527,11 +539,20 @@ where
     };
     let body = match read_limited(body, config.max_request_body).await {
         Ok(body) => body,
-        Err(detail) => {
+        Err(BodyRefused::TooLarge(detail)) => {
             return problem(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 types::REQUEST_TOO_LARGE,
                 "The request body is too large",
+                &detail,
+                None,
+            );
+        }
+        Err(BodyRefused::Unreadable(detail)) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                types::REQUEST_BODY_UNREADABLE,
+                "The request body could not be read",
                 &detail,
                 None,
             );
@@ -590,9 +611,38 @@ where
             claim.give_back().await;
             return error_response(&Error::lost(reason));
         }
-        response = call(&mut inner, request) => response,
+        response = std::panic::AssertUnwindSafe(call(&mut inner, request)).catch_unwind() => response,
     };
     let in_transaction = finisher.as_ref().is_some_and(|finisher| finisher.asked());
+    let response = match response {
+        Ok(response) => response,
+        // In the same-transaction mode the rollback undoes the handler's writes, so the
+        // key goes back; in the lease mode its effects may have happened, and a retry
+        // must not repeat them.
+        Err(_) if in_transaction => {
+            if let Some(finisher) = finisher {
+                finisher.rollback().await;
+            }
+            claim.give_back().await;
+            tracing::error!(
+                "the handler panicked; its transaction is rolled back and the Idempotency-Key given back"
+            );
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                types::STORE_UNAVAILABLE,
+                "The handler failed",
+                "the handler panicked; its writes were rolled back, and a retry with this key runs it again",
+                None,
+            );
+        }
+        Err(_) => {
+            if let Some(finisher) = finisher {
+                finisher.rollback().await;
+            }
+            record_outcome_unknown(claim, "the first attempt's handler panicked").await;
+            return handler_panicked();
+        }
+    };
     let stored = config.store_status.unwrap_or(if in_transaction {
         stored_in_transactions_by_default
     } else {
@@ -602,21 +652,51 @@ where
         if let Some(finisher) = finisher {
             finisher.rollback().await;
         }
-        claim.give_back().await;
+        // With the default policy, a 408 in the lease mode is a timeout layer inside
+        // this one that dropped the handler mid-way: how far it got is unknown.
+        if response.status() == StatusCode::REQUEST_TIMEOUT
+            && config.store_status.is_none()
+            && !in_transaction
+        {
+            record_outcome_unknown(
+                claim,
+                "the first attempt's handler was cut off by a timeout (408)",
+            )
+            .await;
+        } else {
+            claim.give_back().await;
+        }
         return mark(response, false);
     }
     let (head, body) = response.into_parts();
-    let (prefix, rest) = match read_prefix(body, config.max_response_body).await {
+    let ReadBody {
+        prefix,
+        trailers,
+        rest,
+    } = match read_prefix(body, config.max_response_body).await {
         Ok(read) => read,
         // The body broke off: what was read is no answer to store or to pass on as
-        // whole. The key goes back (nothing is recorded), and the client's response
-        // breaks off the same way, so that it retries instead of trusting half a body.
+        // whole, and the client's response breaks off the same way, so that it does
+        // not trust half a body. In the same-transaction mode the rollback undoes the
+        // writes and the key goes back; in the lease mode the handler's effects may
+        // have happened, so a retry is told the outcome is unknown, never run again.
         Err((prefix, error)) => {
-            if let Some(finisher) = finisher {
-                finisher.rollback().await;
+            if in_transaction {
+                if let Some(finisher) = finisher {
+                    finisher.rollback().await;
+                }
+                claim.give_back().await;
+                tracing::warn!(%error, "the handler's response body failed; its transaction is rolled back and the Idempotency-Key given back");
+            } else {
+                if let Some(finisher) = finisher {
+                    finisher.rollback().await;
+                }
+                record_outcome_unknown(
+                    claim,
+                    "the first attempt's response body broke off half way",
+                )
+                .await;
             }
-            claim.give_back().await;
-            tracing::warn!(%error, "the handler's response body failed; the Idempotency-Key is given back");
             let body = Body::from_stream(futures_util::stream::iter([
                 Ok::<_, axum::Error>(prefix),
                 Err(error),
@@ -624,12 +704,17 @@ where
             return mark(Response::from_parts(head, body), false);
         }
     };
-    let outcome = match &rest {
-        None => replay::encode(head.status, &head.headers, &config.replay_headers, &prefix),
-        Some(_) => replay::encode_not_stored(&format!(
+    let outcome = match (&rest, &trailers) {
+        (None, None) => replay::encode(head.status, &head.headers, &config.replay_headers, &prefix),
+        (Some(_), _) => replay::encode_not_stored(&format!(
             "the first response's body was over the {} bytes this route stores",
             config.max_response_body
         )),
+        // A failure can be signalled in trailers (gRPC's status): a replay without
+        // them could read as a success, so the response is not stored.
+        (None, Some(_)) => replay::encode_not_stored(
+            "the first response ended with trailers, which this layer does not store",
+        ),
     };
     match finisher.filter(|finisher| finisher.opened()) {
         // The handler's writes and the response commit together, or its answer does
@@ -652,9 +737,15 @@ where
                 .await;
         }
     }
-    let body = match rest {
-        None => Body::from(prefix),
-        Some(rest) => Body::from_stream(
+    let body = match (rest, trailers) {
+        (None, None) => Body::from(prefix),
+        (None, Some(trailers)) => Body::new(http_body_util::StreamBody::new(
+            futures_util::stream::iter([
+                Ok::<_, axum::Error>(http_body::Frame::data(prefix)),
+                Ok(http_body::Frame::trailers(trailers)),
+            ]),
+        )),
+        (Some(rest), _) => Body::from_stream(
             futures_util::stream::once(async move { Ok::<_, axum::Error>(prefix) })
                 .chain(rest.into_data_stream()),
         ),
@@ -709,6 +800,16 @@ fn replay(outcome: &[u8]) -> Response<Body> {
             &format!("{reason}; use a new Idempotency-Key to make a new request"),
             None,
         ),
+        Some(Stored::Unknown { what_happened }) => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            types::OUTCOME_UNKNOWN,
+            "The request was processed, but how far it got is unknown",
+            &format!(
+                "{what_happened}, so its effects may or may not have happened and it is not \
+                 run again; check what happened, then use a new Idempotency-Key for a new request"
+            ),
+            None,
+        ),
         None => problem(
             StatusCode::INTERNAL_SERVER_ERROR,
             types::STORE_UNAVAILABLE,
@@ -719,37 +820,98 @@ fn replay(outcome: &[u8]) -> Response<Body> {
     }
 }
 
-/// The whole body if it is at most `limit` bytes; otherwise a sentence saying so.
-async fn read_limited(body: Body, limit: usize) -> Result<Bytes, String> {
+/// Why a request body was not read whole.
+enum BodyRefused {
+    /// Over the limit (413).
+    TooLarge(String),
+    /// Broken off or malformed (400).
+    Unreadable(String),
+}
+
+/// The whole body if it is at most `limit` bytes.
+async fn read_limited(body: Body, limit: usize) -> Result<Bytes, BodyRefused> {
     match http_body_util::Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(_) => Err(format!(
-            "the body is over the {limit} bytes read to check the Idempotency-Key"
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => Err(BodyRefused::TooLarge(
+            format!("the body is over the {limit} bytes read to check the Idempotency-Key"),
         )),
+        Err(error) => Err(BodyRefused::Unreadable(format!(
+            "the body broke off before its end ({error}); send the request again"
+        ))),
     }
+}
+
+/// A response body as far as the layer read it.
+struct ReadBody {
+    /// Up to the limit, and a little more.
+    prefix: Bytes,
+    /// The trailers that ended the body, if any (gRPC-style status, a checksum).
+    trailers: Option<http::HeaderMap>,
+    /// What follows the prefix when the body is over the limit, to pass on unread.
+    rest: Option<Body>,
 }
 
 /// Up to `limit` bytes of the body; if there is more, what was read and the rest of
 /// the body (to pass on unread). A body that fails before its end is an error, with
 /// what was read before it: a stream error is never taken for the end of the body.
-async fn read_prefix(
-    mut body: Body,
-    limit: usize,
-) -> Result<(Bytes, Option<Body>), (Bytes, axum::Error)> {
+async fn read_prefix(mut body: Body, limit: usize) -> Result<ReadBody, (Bytes, axum::Error)> {
     let mut prefix = Vec::new();
+    let mut trailers = None;
     while let Some(frame) = body.frame().await {
         let frame = match frame {
             Ok(frame) => frame,
             Err(error) => return Err((Bytes::from(prefix), error)),
         };
-        if let Ok(data) = frame.into_data() {
-            prefix.extend_from_slice(&data);
-            if prefix.len() > limit {
-                return Ok((Bytes::from(prefix), Some(body)));
+        match frame.into_data() {
+            Ok(data) => {
+                prefix.extend_from_slice(&data);
+                if prefix.len() > limit {
+                    return Ok(ReadBody {
+                        prefix: Bytes::from(prefix),
+                        trailers: None,
+                        rest: Some(body),
+                    });
+                }
+            }
+            Err(frame) => {
+                if let Ok(more) = frame.into_trailers() {
+                    trailers
+                        .get_or_insert_with(http::HeaderMap::new)
+                        .extend(more);
+                }
             }
         }
     }
-    Ok((Bytes::from(prefix), None))
+    Ok(ReadBody {
+        prefix: Bytes::from(prefix),
+        trailers,
+        rest: None,
+    })
+}
+
+/// Records that the handler ran but its outcome is unknown (`what_happened`): a retry
+/// is told so and does not run it again.
+async fn record_outcome_unknown(claim: super::RunningClaim, what_happened: &str) {
+    tracing::warn!(
+        what_happened,
+        "the handler's outcome is unknown; the Idempotency-Key records that instead of running it again"
+    );
+    let _ = claim
+        .complete_or(&replay::encode_unknown(what_happened), |error| {
+            replay::encode_not_stored(&format!("the outcome could not be stored: {error}"))
+        })
+        .await;
+}
+
+/// The first attempt's answer when its handler panicked in the lease mode.
+fn handler_panicked() -> Response<Body> {
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        types::OUTCOME_UNKNOWN,
+        "The handler failed",
+        "the handler panicked; its effects are unknown, so this Idempotency-Key will not run it again",
+        None,
+    )
 }
 
 #[cfg(test)]

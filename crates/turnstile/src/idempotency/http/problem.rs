@@ -26,6 +26,16 @@ pub mod types {
     /// 422: the first response to this key was too large to store, so it cannot be
     /// replayed; the request was processed once.
     pub const NOT_REPLAYABLE: &str = "urn:turnstile:problem:idempotency-response-not-stored";
+    /// 422 for a repeat (500 for the first attempt): the first request's handler ran but
+    /// did not finish as a response — it panicked, its response body broke off half
+    /// way, or a timeout layer inside the idempotency layer cut it off (408). Its effects
+    /// may or may not have happened, so it is not run again under this key: check what
+    /// happened, then use a new key for a new request. (In the same-transaction mode the
+    /// rollback undid the handler's writes and the key is given back instead.)
+    pub const OUTCOME_UNKNOWN: &str = "urn:turnstile:problem:idempotency-outcome-unknown";
+    /// 400: the request body could not be read (the client broke it off or sent it
+    /// malformed).
+    pub const REQUEST_BODY_UNREADABLE: &str = "urn:turnstile:problem:request-body-unreadable";
     /// 503: the claim on the key was lost while the handler ran (renewals failed); the
     /// handler was cancelled. Retry with the same key.
     pub const CLAIM_LOST: &str = "urn:turnstile:problem:idempotency-claim-lost";

@@ -3,13 +3,16 @@
 //! The encoding is private to this layer: `TSR1`, the status (2 bytes), the header
 //! count (2 bytes), each header as name length (2), name, value length (4), value, then
 //! the body. A response too large to keep is stored as `TSX1` and the reason, so that a
-//! repeat is told so instead of running the handler again.
+//! repeat is told so instead of running the handler again; a first attempt whose outcome
+//! is unknown (the handler panicked, its body broke off, a timeout layer inside cut it
+//! off) as `TSU1` and what happened.
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 
 const STORED: &[u8; 4] = b"TSR1";
 const NOT_STORED: &[u8; 4] = b"TSX1";
+const UNKNOWN: &[u8; 4] = b"TSU1";
 
 /// A response as replayed.
 pub(crate) enum Stored {
@@ -20,6 +23,11 @@ pub(crate) enum Stored {
     },
     NotStored {
         reason: String,
+    },
+    /// The handler ran, but how far is unknown: its effects may or may not have
+    /// happened, so it is not run again.
+    Unknown {
+        what_happened: String,
     },
 }
 
@@ -55,7 +63,18 @@ pub(crate) fn encode_not_stored(reason: &str) -> Vec<u8> {
     out
 }
 
+pub(crate) fn encode_unknown(what_happened: &str) -> Vec<u8> {
+    let mut out = UNKNOWN.to_vec();
+    out.extend_from_slice(what_happened.as_bytes());
+    out
+}
+
 pub(crate) fn decode(stored: &[u8]) -> Option<Stored> {
+    if let Some(what) = stored.strip_prefix(UNKNOWN) {
+        return Some(Stored::Unknown {
+            what_happened: String::from_utf8_lossy(what).into_owned(),
+        });
+    }
     if let Some(reason) = stored.strip_prefix(NOT_STORED) {
         return Some(Stored::NotStored {
             reason: String::from_utf8_lossy(reason).into_owned(),
@@ -116,6 +135,10 @@ mod tests {
         assert!(matches!(
             decode(&encode_not_stored("too big")),
             Some(Stored::NotStored { .. })
+        ));
+        assert!(matches!(
+            decode(&encode_unknown("the handler panicked")),
+            Some(Stored::Unknown { what_happened }) if what_happened == "the handler panicked"
         ));
         assert!(decode(b"garbage").is_none());
         assert!(decode(b"TSR1\x00").is_none());
