@@ -357,3 +357,41 @@ async fn an_inbox_can_start_a_key_at_its_first_message_seen() {
     assert_eq!(step(&from_now, "m6", 6).await, Delivery::Processed(()));
     assert_eq!(step(&from_now, "m6", 6).await, Delivery::Duplicate);
 }
+
+/// The cursor only moves forward: a message numbered below it but new to the consumer
+/// (a competing consumer got ahead, a first delivery failed and came back later) is
+/// handled, and the key's later messages still follow on from the highest number seen
+/// (moving the cursor back to it left every later message `Early` for good).
+#[tokio::test]
+async fn an_inbox_cursor_never_moves_backwards() {
+    use turnstile::idempotency::inbox::{Delivery, Inbox};
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteIdempotencyStore::open(dir.path().join("in.db"))
+        .await
+        .unwrap();
+    let step = async |inbox: &Inbox<SqliteIdempotencyStore>, id: &str, seq: u64| {
+        let mut transaction = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+        let delivery = inbox
+            .process_in_order(&mut transaction, id, "key", seq, async |_| {
+                Ok::<_, turnstile::Error>(())
+            })
+            .await
+            .unwrap();
+        transaction.commit().await.unwrap();
+        delivery
+    };
+    let inbox = Inbox::new(store.clone(), "from-now")
+        .unwrap()
+        .start_at_first_seen(true);
+    // Message 5's first delivery failed; 6 arrived first and started the key.
+    assert_eq!(step(&inbox, "m6", 6).await, Delivery::Processed(()));
+    assert_eq!(step(&inbox, "m5", 5).await, Delivery::Processed(()));
+    assert_eq!(step(&inbox, "m5", 5).await, Delivery::Duplicate);
+    assert_eq!(step(&inbox, "m6", 6).await, Delivery::Duplicate);
+    assert_eq!(
+        step(&inbox, "m7", 7).await,
+        Delivery::Processed(()),
+        "the cursor moved back to 5"
+    );
+    assert_eq!(step(&inbox, "m8", 8).await, Delivery::Processed(()));
+}

@@ -116,9 +116,11 @@ impl<S: TransactionalIdempotency> Inbox<S> {
     /// [`Incoming::inbox_id`](crate::outbox::Incoming::inbox_id) as `message_id`: both
     /// carry the producing outbox's identity, so two outboxes using the same keys keep
     /// two cursors. A number the cursor has passed is a duplicate only if its id was
-    /// recorded: a message never seen with such a number comes from a producer whose
-    /// numbering went back (its database restored from a backup), and it is handled,
-    /// the key's cursor moving back to it, instead of being acknowledged and dropped.
+    /// recorded: a message never seen with such a number (from a producer whose
+    /// numbering went back after its database was restored from a backup, or one a
+    /// competing consumer got ahead of) is handled instead of being acknowledged and
+    /// dropped, out of order. The cursor only moves forward, so such a message never
+    /// leaves the key's later messages waiting for good.
     pub async fn process_in_order<T, E, F>(
         &self,
         connection: &mut S::Connection,
@@ -144,16 +146,17 @@ impl<S: TransactionalIdempotency> Inbox<S> {
             CursorStep::Next => self.process(connection, message_id, handle).await,
             CursorStep::Seen => {
                 let delivery = self.process(connection, message_id, handle).await?;
+                // The cursor stays where it is: it only moves forward. Moving it back to
+                // this number would leave every later message of the key `Early` once
+                // it had been passed (a message handled out of turn by a competing
+                // consumer, a first delivery that failed under `start_at_first_seen`).
                 if !delivery.is_duplicate() {
                     tracing::warn!(
                         consumer = %self.consumer, key, seq, message_id,
-                        "a message new to this consumer comes with a number its key has passed: \
-                         the producer's numbering went back (a restored database); handled, and \
-                         the key's order continues from it"
+                        "a message new to this consumer comes with a number its key has passed \
+                         (a competing consumer got ahead, or the producer's numbering went back \
+                         after a restore): handled out of order; the key's cursor stays"
                     );
-                    self.store
-                        .set_cursor(connection, &self.consumer, key, seq)
-                        .await?;
                 }
                 Ok(delivery)
             }
