@@ -1830,3 +1830,78 @@ async fn copies_past_the_duplicate_window_are_handled_once_by_the_inbox() {
     let handled = consume_in_order(&publisher, &stream_name, "effects", &keys, &inbox).await;
     assert_eq!(handled.len(), 6, "an effect happened twice: {handled:?}");
 }
+
+/// Header names the relay and NATS rely on are refused at enqueue, in any case
+/// (`turnstile-seq`, `Nats-Msg-Id`, ...); a row an older version stored with one is
+/// published with the relay's own id and sequence, never the application's, so the
+/// inbox does not take an unhandled message for a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserved_header_names_never_win_over_the_relays() {
+    use turnstile::outbox::nats::JetStreamConsumer;
+    for name in [
+        "turnstile-seq",
+        "Turnstile-Id",
+        "TURNSTILE-KEY",
+        "nats-msg-id",
+        "Nats-Expected-Stream",
+        "turnstile-dead-letter-reason",
+    ] {
+        let refused = Message::json("t", "k", &1)
+            .unwrap()
+            .header(name, "7")
+            .unwrap_err();
+        assert_eq!(refused.kind(), turnstile::ErrorKind::InvalidName, "{name}");
+    }
+    let (publisher, stream_name, subject) = fresh_stream("reserved").await;
+    let outbox = Sqlite::new().await;
+    let message = Message::json(format!("{subject}.created").as_str(), "account-1", &1).unwrap();
+    outbox.enqueue_one(&message, true).await;
+    // As an older version could have stored it.
+    sqlx::query(
+        "UPDATE turnstile_outbox SET headers = \
+         '{\"turnstile-seq\":\"99\",\"nats-msg-id\":\"forged\",\"x-app\":\"kept\"}'",
+    )
+    .execute(outbox.outbox.pool())
+    .await
+    .unwrap();
+    let relay = Relay::new(outbox.store(), publisher.clone());
+    while relay.run_once().await.unwrap().keys > 0 {}
+    let consumer = JetStreamConsumer::durable(
+        publisher.jetstream(),
+        &stream_name,
+        "reserved",
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..20 {
+        consumer
+            .process(
+                10,
+                Duration::from_millis(200),
+                Duration::from_millis(10),
+                async |incoming| {
+                    seen.push((
+                        incoming.id.clone(),
+                        incoming.seq,
+                        incoming.header("x-app").map(str::to_owned),
+                    ));
+                    Ok::<_, turnstile::Error>(())
+                },
+            )
+            .await
+            .unwrap();
+        if !seen.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(
+        seen,
+        vec![(
+            Some(message.id().to_owned()),
+            Some(1),
+            Some("kept".to_owned())
+        )]
+    );
+}

@@ -100,7 +100,7 @@ impl Publisher for KafkaPublisher {
         Box::pin(async move {
             let seq_text = seq.to_string();
             let mut headers = OwnedHeaders::new_with_capacity(message.headers().len() + 3);
-            for (name, value) in message.headers() {
+            for (name, value) in super::user_headers(message) {
                 headers = headers.insert(Header {
                     key: name,
                     value: Some(value.as_str()),
@@ -385,10 +385,13 @@ impl KafkaConsumer {
                     headers.push((header.key.to_owned(), value));
                 }
             }
+            // The relay's own headers come after the application's, so the last one of
+            // a name (in any case) is the relay's.
             let header = |name: &str| {
                 headers
                     .iter()
-                    .find(|(key, _)| key == name)
+                    .rev()
+                    .find(|(key, _)| key.eq_ignore_ascii_case(name))
                     .map(|(_, value)| value.clone())
             };
             let deliveries = failed_before + 1;

@@ -261,6 +261,16 @@ impl Message {
                 format!("the outbox header {PRODUCER_HEADER} is the outbox's own (its identity)"),
             ));
         }
+        if is_reserved_header(&name) {
+            return Err(Error::new(
+                ErrorKind::InvalidName,
+                format!(
+                    "the outbox header {name} is reserved: names that start with turnstile- \
+                     (the relay's id, key, sequence and dead-letter notes) or nats- (NATS's \
+                     own, such as Nats-Msg-Id), in any case, are set by the relay and the broker"
+                ),
+            ));
+        }
         if name.is_empty() || !name.chars().all(token) || name.len() > MAX_KEY_LEN {
             return Err(Error::new(
                 ErrorKind::InvalidName,
@@ -498,6 +508,28 @@ pub struct Status {
     /// to the limit asked for, most behind first: a key that keeps being passed over
     /// shows here while the totals look healthy.
     pub lagging: Vec<LaggingKey>,
+}
+
+/// Whether a header name is the relay's or a broker's own (`turnstile-…`, `nats-…`, in
+/// any case): refused at enqueue, and left out when a message from an older version's
+/// rows is published, so that a user header never wins over the relay's id, key or
+/// sequence (an inbox would drop an unhandled message as a duplicate).
+pub(crate) fn is_reserved_header(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    (lower.starts_with("turnstile-") && lower != PRODUCER_HEADER) || lower.starts_with("nats-")
+}
+
+/// The headers a publisher sends from `message`: all but the reserved ones, which the
+/// publisher sets itself (the producer's identity is kept).
+#[cfg_attr(
+    not(any(feature = "nats", feature = "kafka", feature = "rabbitmq")),
+    allow(dead_code)
+)]
+pub(crate) fn user_headers(message: &Message) -> impl Iterator<Item = &(String, String)> {
+    message
+        .headers()
+        .iter()
+        .filter(|(name, _)| !is_reserved_header(name))
 }
 
 /// The header that names the outbox a message came from (its identity, a UUID kept

@@ -83,7 +83,7 @@ impl Publisher for JetStreamPublisher {
     ) -> BoxFuture<'a, std::result::Result<(), Failure>> {
         Box::pin(async move {
             let mut headers = async_nats::HeaderMap::new();
-            for (name, value) in message.headers() {
+            for (name, value) in super::user_headers(message) {
                 headers.append(name.as_str(), value.as_str());
             }
             headers.insert("Nats-Msg-Id", message.id());

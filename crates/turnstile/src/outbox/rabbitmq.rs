@@ -243,7 +243,7 @@ impl Publisher for RabbitMqPublisher {
             })?;
             let channel = self.channel().await?;
             let mut headers = FieldTable::default();
-            for (name, value) in message.headers() {
+            for (name, value) in super::user_headers(message) {
                 headers.insert(ShortString::from(name.as_str()), long(value));
             }
             headers.insert(ShortString::from("turnstile-key"), long(message.key()));
