@@ -1905,3 +1905,45 @@ async fn reserved_header_names_never_win_over_the_relays() {
         )]
     );
 }
+
+/// A relay that starts while the broker is down has not checked its topics yet: the
+/// check's request fails (no responders, a timeout), which is a broker outage, not a
+/// missing stream, so no key parks however often it fails, and everything goes out
+/// once the broker is back (the check's failure used to count as permanent and park
+/// every key after `max_attempts`). The outage lasts past two of the client's 5 s
+/// request timeouts, so that two checks fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_started_during_an_outage_parks_nothing() {
+    let nats = NatsServer::spawn();
+    let publisher = connect(&nats).await;
+    stream(&publisher, "BLIP", "blip.>", Duration::from_secs(120)).await;
+    let outbox = Sqlite::new().await;
+    let store = outbox.store();
+    nats.stop();
+    let committed = enqueue(&outbox, "blip.entry", 3, 5).await;
+    let shutdown = CancellationToken::new();
+    let relay = Relay::new(store.clone(), publisher.clone()).with_options(
+        RelayOptions::new().max_attempts(2).backoff(Backoff {
+            base: Duration::from_millis(50),
+            max: Duration::from_millis(200),
+        }),
+    );
+    let running = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move { relay.run(shutdown).await })
+    };
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let status = store.status(10).await.unwrap();
+    assert!(
+        status.parked.is_empty(),
+        "an outage parked keys: {:?}",
+        status.parked
+    );
+    assert!(status.pending > 0);
+    nats.start_again();
+    wait_until_empty(&store).await;
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    assert!(store.status(10).await.unwrap().parked.is_empty());
+    check_delivery(&read_all(&publisher, "BLIP").await, &committed);
+}

@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishErrorKind};
 
 use super::relay::Publisher;
 use super::telemetry;
@@ -119,15 +119,26 @@ impl Publisher for JetStreamPublisher {
                 .jetstream
                 .stream_by_subject(topic.to_owned())
                 .await
-                .map_err(|error| {
-                    Error::new(
+                .map_err(|error| match error.kind() {
+                    // Only a stream that is really missing is an operator's fix; a request
+                    // that timed out or found no responders (a broker restarting, a
+                    // network blip) is tried again, and never parks a key.
+                    GetStreamByNameErrorKind::NotFound
+                    | GetStreamByNameErrorKind::InvalidSubject => Error::new(
                         ErrorKind::Configuration,
                         format!(
-                            "no JetStream stream at {} takes subject {topic:?} ({error}); create one \
-                             before relaying",
+                            "no JetStream stream at {} takes subject {topic:?} ({error}); \
+                                 create one before relaying",
                             self.url
                         ),
-                    )
+                    ),
+                    _ => Error::new(
+                        ErrorKind::StoreUnavailable,
+                        format!(
+                            "cannot ask {} which stream takes subject {topic:?}: {error}",
+                            self.url
+                        ),
+                    ),
                 })?;
             let info = self
                 .jetstream

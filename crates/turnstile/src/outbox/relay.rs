@@ -277,8 +277,10 @@ impl Relay {
         for key in leased {
             let publisher = Arc::clone(&self.publisher);
             let refused = Arc::clone(&refused);
+            let checked = Arc::clone(&self.checked);
             tasks.spawn(async move {
-                let (settlement, published) = publish_key(publisher, key, deadline, refused).await;
+                let (settlement, published) =
+                    publish_key(publisher, key, deadline, refused, checked).await;
                 KeyDone {
                     settlement,
                     published,
@@ -565,6 +567,7 @@ async fn publish_key(
     key: LeasedKey,
     deadline: PublishDeadline,
     refused: Arc<HashMap<String, Failure>>,
+    checked: Arc<Mutex<HashSet<String>>>,
 ) -> (Settlement, usize) {
     let mut settlement = Settlement {
         key: key.key,
@@ -619,6 +622,13 @@ async fn publish_key(
             }
             Err(failure) => {
                 telemetry::failed(&stored.message, stored.seq, &failure);
+                // The topic is checked again before its next publish: a stream deleted
+                // since it was checked then parks its keys with that reason, instead of
+                // failing them as "transient" for ever.
+                checked
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .remove(stored.message.topic());
                 settlement.failure = Some(failure);
                 return (settlement, published);
             }
