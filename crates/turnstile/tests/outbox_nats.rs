@@ -4,6 +4,7 @@
 //! duplicate window too short for the relay's redelivery is refused.
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
@@ -1946,4 +1947,79 @@ async fn a_relay_started_during_an_outage_parks_nothing() {
     running.await.unwrap().unwrap();
     assert!(store.status(10).await.unwrap().parked.is_empty());
     check_delivery(&read_all(&publisher, "BLIP").await, &committed);
+}
+
+/// An application transaction that holds one key's row while a relay settles a round
+/// delays only that key: the other key of the round is recorded as delivered while the
+/// row is still held, and nothing is published twice. On MySQL the settlement used to
+/// wait out the server's 50 s lock wait with every key of the round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_locked_key_row_delays_only_its_key() {
+    let outbox = Arc::new(Mysql::new().await);
+    let (nats, stream_name, subject) = fresh_stream("lockedrow").await;
+    let topic = format!("{subject}.entry");
+    let (locked, free) = (format!("{subject}-locked"), format!("{subject}-free"));
+    let mut committed = HashSet::new();
+    for key in [&locked, &free] {
+        let message = Message::new(topic.as_str(), key.as_str(), b"first".to_vec()).unwrap();
+        outbox.enqueue_one(&message, true).await;
+        committed.insert(message.id().to_owned());
+    }
+    let next = Message::new(topic.as_str(), locked.as_str(), b"next".to_vec()).unwrap();
+    committed.insert(next.id().to_owned());
+    // Between the claim and the settlement, an application transaction takes the
+    // locked key's row (enqueueing its next message) and holds it for 6 s.
+    let holder: Arc<std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>> = Arc::default();
+    let publisher = BeforeEach {
+        inner: nats.clone(),
+        hook: {
+            let (outbox, locked, next, holder) = (
+                Arc::clone(&outbox),
+                locked.clone(),
+                next.clone(),
+                Arc::clone(&holder),
+            );
+            Box::new(move |message| {
+                let start = message.key() == locked && holder.lock().unwrap().is_none();
+                if start {
+                    let (outbox, next) = (Arc::clone(&outbox), next.clone());
+                    *holder.lock().unwrap() = Some(tokio::spawn(async move {
+                        outbox.enqueue_holding(&next, Duration::from_secs(6)).await;
+                    }));
+                }
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                })
+            })
+        },
+    };
+    let relay = Relay::new(outbox.store(), publisher)
+        .with_options(RelayOptions::new().lease(Duration::from_secs(20)));
+    let started = std::time::Instant::now();
+    let round = tokio::spawn(async move { relay.run_once().await });
+    let acked = async |key: &str| -> i64 {
+        sqlx::query_scalar("SELECT acked_seq FROM turnstile_outbox_keys WHERE ordering_key = ?")
+            .bind(key.as_bytes())
+            .fetch_one(&outbox.pool)
+            .await
+            .unwrap()
+    };
+    while acked(&free).await < 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the free key waited for the locked one's row"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(round.await.unwrap().is_ok());
+    let held = holder.lock().unwrap().take().unwrap();
+    held.await.unwrap();
+    wait_for_relay(&outbox, &nats).await;
+    check_delivery(&read_all(&nats, &stream_name).await, &committed);
+}
+
+/// Drains `outbox` with a plain relay.
+async fn wait_for_relay(outbox: &Mysql, nats: &JetStreamPublisher) {
+    let relay = Relay::new(outbox.store(), nats.clone());
+    while relay.run_once().await.unwrap().keys > 0 {}
 }

@@ -464,6 +464,7 @@ async fn open_transaction(connection: &mut MySqlConnection) -> Result<bool> {
 impl MysqlOutbox {
     async fn settle_once(
         &self,
+        connection: &mut sqlx::MySqlConnection,
         settlements: &[Settlement],
         max_attempts: u32,
         backoff: Backoff,
@@ -475,7 +476,9 @@ impl MysqlOutbox {
         let max_us = i64::try_from(backoff.max.as_micros())
             .unwrap_or(i64::MAX)
             .max(1);
-        let mut transaction = self.pool.begin().await.map_err(fail(what))?;
+        let mut transaction = Connection::begin(&mut *connection)
+            .await
+            .map_err(fail(what))?;
         // Keys in one order in every relay's settlement, so two never wait on each other.
         let mut order: Vec<usize> = (0..settlements.len()).collect();
         order.sort_by(|a, b| settlements[*a].key.cmp(&settlements[*b].key));
@@ -752,16 +755,34 @@ impl OutboxStore for MysqlOutbox {
             // InnoDB may pick this transaction as a deadlock victim (its index updates
             // meet other relays' claims); it is rolled back whole, and settling again is
             // harmless (tokens and GREATEST make it idempotent).
+            let what = "cannot record delivered outbox messages";
+            let mut connection = self.pool.acquire().await.map_err(fail(what))?;
+            // A key row an application's transaction holds makes the settlement wait
+            // at most two seconds, not the server's 50 s (longer than the lease): the
+            // relay then settles the other keys on their own and retries this one.
+            sqlx::query("SET SESSION innodb_lock_wait_timeout = 2")
+                .execute(&mut *connection)
+                .await
+                .map_err(fail(what))?;
             let mut attempt = 0;
-            loop {
-                match self.settle_once(settlements, max_attempts, backoff).await {
+            let settled = loop {
+                match self
+                    .settle_once(&mut connection, settlements, max_attempts, backoff)
+                    .await
+                {
                     Err(error) if attempt < 5 && is_deadlock(&error) => {
                         attempt += 1;
                         tokio::time::sleep(Duration::from_millis(2 * attempt)).await;
                     }
-                    other => return other,
+                    other => break other,
                 }
-            }
+            };
+            // The connection goes back to the pool with the server's own lock wait.
+            sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+                .execute(&mut *connection)
+                .await
+                .map_err(fail(what))?;
+            settled
         })
     }
     fn redrive<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool>> {

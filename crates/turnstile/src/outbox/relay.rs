@@ -357,22 +357,54 @@ impl Relay {
     /// a settlement given up on publishes the round again, and a copy the broker keeps
     /// past its duplicate window reaches consumers twice. After the lease the store
     /// would refuse the settlement anyway (another relay may hold the keys).
+    ///
+    /// The keys are settled together in one transaction; if that fails (one key's row
+    /// locked by an application's long transaction, say), each key is settled on its
+    /// own and only the ones that fail are tried again: one locked row delays only its
+    /// key, and never makes the others publish their round again.
     async fn settle(&self, settlements: &[Settlement], lease_end: Instant) -> Result<Vec<Settled>> {
+        let (max_attempts, backoff) = (self.options.max_attempts, self.options.backoff);
+        let error = match self.store.settle(settlements, max_attempts, backoff).await {
+            Ok(answers) => return Ok(answers),
+            Err(error) => error,
+        };
+        telemetry::settle_retried(&error);
+        let mut answers: Vec<Option<Settled>> = vec![None; settlements.len()];
+        let mut last = error;
         let mut pause = Duration::from_millis(10);
         loop {
-            match self
-                .store
-                .settle(settlements, self.options.max_attempts, self.options.backoff)
-                .await
-            {
-                Ok(answers) => return Ok(answers),
-                Err(error) if Instant::now() + pause < lease_end => {
-                    telemetry::settle_retried(&error);
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(1));
+            for (settlement, answer) in settlements.iter().zip(answers.iter_mut()) {
+                if answer.is_some() {
+                    continue;
                 }
-                Err(error) => return Err(error),
+                match self
+                    .store
+                    .settle(std::slice::from_ref(settlement), max_attempts, backoff)
+                    .await
+                {
+                    Ok(mut one) => *answer = one.pop(),
+                    Err(error) => {
+                        telemetry::settle_retried(&error);
+                        last = error;
+                    }
+                }
             }
+            if answers.iter().all(Option::is_some) {
+                return Ok(answers.into_iter().flatten().collect());
+            }
+            if Instant::now() + pause >= lease_end {
+                let left = answers.iter().filter(|answer| answer.is_none()).count();
+                return Err(Error::new(
+                    last.kind(),
+                    format!(
+                        "{left} of {} keys could not be settled before their lease ended",
+                        settlements.len()
+                    ),
+                )
+                .with_source(last));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
         }
     }
 
