@@ -95,30 +95,18 @@ async fn an_outcome_is_stored_once_the_server_takes_writes_again() {
     use turnstile::idempotency::IdempotencyOptions;
     let server = turnstile_test_support::RedisServer::spawn();
     let nowhere = turnstile_test_support::ClosedPort::bind();
-    let refuse: [(&str, Vec<Vec<String>>, Vec<Vec<String>>); 2] = [
+    let port = nowhere.port().to_string();
+    // Each fault: its name, the command that starts it, the command that ends it.
+    let refuse: [(&str, Vec<&str>, Vec<&str>); 2] = [
         (
             "READONLY",
-            vec![vec![
-                "REPLICAOF".into(),
-                "127.0.0.1".into(),
-                nowhere.port().to_string(),
-            ]],
-            vec![vec!["REPLICAOF".into(), "NO".into(), "ONE".into()]],
+            vec!["REPLICAOF", "127.0.0.1", port.as_str()],
+            vec!["REPLICAOF", "NO", "ONE"],
         ),
         (
             "OOM",
-            vec![vec![
-                "CONFIG".into(),
-                "SET".into(),
-                "maxmemory".into(),
-                "1".into(),
-            ]],
-            vec![vec![
-                "CONFIG".into(),
-                "SET".into(),
-                "maxmemory".into(),
-                "0".into(),
-            ]],
+            vec!["CONFIG", "SET", "maxmemory", "1"],
+            vec!["CONFIG", "SET", "maxmemory", "0"],
         ),
     ];
     let admin = redis::Client::open(server.url()).unwrap();
@@ -139,26 +127,22 @@ async fn an_outcome_is_stored_once_the_server_takes_writes_again() {
                 .run_once(&scope, &key, &fingerprint, async |_| {
                     runs.fetch_add(1, Ordering::SeqCst);
                     let mut connection = admin.get_multiplexed_async_connection().await.unwrap();
-                    for command in &start {
-                        let () = redis::cmd(&command[0])
-                            .arg(&command[1..])
-                            .query_async(&mut connection)
-                            .await
-                            .unwrap();
-                    }
-                    let end = end.clone();
+                    let () = redis::cmd(start[0])
+                        .arg(&start[1..])
+                        .query_async(&mut connection)
+                        .await
+                        .unwrap();
+                    let end: Vec<String> = end.iter().map(|part| (*part).to_owned()).collect();
                     let admin = admin.clone();
                     tokio::spawn(async move {
                         tokio::time::sleep(Duration::from_millis(1_500)).await;
                         let mut connection =
                             admin.get_multiplexed_async_connection().await.unwrap();
-                        for command in &end {
-                            let () = redis::cmd(&command[0])
-                                .arg(&command[1..])
-                                .query_async(&mut connection)
-                                .await
-                                .unwrap();
-                        }
+                        let () = redis::cmd(&end[0])
+                            .arg(&end[1..])
+                            .query_async(&mut connection)
+                            .await
+                            .unwrap();
                     });
                     Ok::<_, turnstile::Error>(7)
                 })

@@ -93,7 +93,7 @@ use tower::{Layer, Service};
 
 use problem::problem;
 pub use problem::types;
-use replay::Stored;
+use replay::StoredOutcome;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub use transaction::{IdempotentTransaction, TransactionRejection};
 
@@ -783,7 +783,7 @@ where
 
 fn replay(outcome: &[u8]) -> Response<Body> {
     match replay::decode(outcome) {
-        Some(Stored::Response {
+        Some(StoredOutcome::Response {
             status,
             headers,
             body,
@@ -793,14 +793,14 @@ fn replay(outcome: &[u8]) -> Response<Body> {
             *response.headers_mut() = headers;
             mark(response, true)
         }
-        Some(Stored::NotStored { reason }) => problem(
+        Some(StoredOutcome::NotStored { reason }) => problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             types::NOT_REPLAYABLE,
             "The request was processed, but its response was not stored",
             &format!("{reason}; use a new Idempotency-Key to make a new request"),
             None,
         ),
-        Some(Stored::Unknown { what_happened }) => problem(
+        Some(StoredOutcome::Unknown { what_happened }) => problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             types::OUTCOME_UNKNOWN,
             "The request was processed, but how far it got is unknown",

@@ -15,7 +15,7 @@ const NOT_STORED: &[u8; 4] = b"TSX1";
 const UNKNOWN: &[u8; 4] = b"TSU1";
 
 /// A response as replayed.
-pub(crate) enum Stored {
+pub(crate) enum StoredOutcome {
     Response {
         status: StatusCode,
         headers: HeaderMap,
@@ -69,14 +69,14 @@ pub(crate) fn encode_unknown(what_happened: &str) -> Vec<u8> {
     out
 }
 
-pub(crate) fn decode(stored: &[u8]) -> Option<Stored> {
+pub(crate) fn decode(stored: &[u8]) -> Option<StoredOutcome> {
     if let Some(what) = stored.strip_prefix(UNKNOWN) {
-        return Some(Stored::Unknown {
+        return Some(StoredOutcome::Unknown {
             what_happened: String::from_utf8_lossy(what).into_owned(),
         });
     }
     if let Some(reason) = stored.strip_prefix(NOT_STORED) {
-        return Some(Stored::NotStored {
+        return Some(StoredOutcome::NotStored {
             reason: String::from_utf8_lossy(reason).into_owned(),
         });
     }
@@ -96,7 +96,7 @@ pub(crate) fn decode(stored: &[u8]) -> Option<Stored> {
         let value = HeaderValue::from_bytes(take(value_len)?).ok()?;
         headers.append(name, value);
     }
-    Some(Stored::Response {
+    Some(StoredOutcome::Response {
         status,
         headers,
         body: Bytes::copy_from_slice(rest),
@@ -119,7 +119,7 @@ mod tests {
         headers.insert(header::SET_COOKIE, HeaderValue::from_static("secret=1"));
         let keep = [header::CONTENT_TYPE, header::LOCATION];
         let stored = encode(StatusCode::CREATED, &headers, &keep, b"{\"id\":7}");
-        let Some(Stored::Response {
+        let Some(StoredOutcome::Response {
             status,
             headers,
             body,
@@ -134,11 +134,11 @@ mod tests {
         assert_eq!(&body[..], b"{\"id\":7}");
         assert!(matches!(
             decode(&encode_not_stored("too big")),
-            Some(Stored::NotStored { .. })
+            Some(StoredOutcome::NotStored { .. })
         ));
         assert!(matches!(
             decode(&encode_unknown("the handler panicked")),
-            Some(Stored::Unknown { what_happened }) if what_happened == "the handler panicked"
+            Some(StoredOutcome::Unknown { what_happened }) if what_happened == "the handler panicked"
         ));
         assert!(decode(b"garbage").is_none());
         assert!(decode(b"TSR1\x00").is_none());
