@@ -1001,3 +1001,90 @@ async fn an_unfenced_lock_is_a_bare_set_with_no_token() {
     assert_eq!(guard.release().await.unwrap(), ReleaseOutcome::Released);
     assert!(locker.status(&name).await.unwrap().is_none());
 }
+
+/// An election and a fenced resource of the same name keep their data apart: the
+/// leader's value does not overwrite the resource's data (both used `P:{R}:value`), and
+/// the resource's writes do not change the leader's value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_election_and_a_fenced_resource_of_one_name_keep_apart() {
+    use turnstile::election::Election;
+    let store = shared().await;
+    // Under the election's own prefix, as an application that shares one would.
+    let fenced =
+        RedisFencedStore::connect(&format!("{}?turnstile_prefix={}", store.url, store.prefix))
+            .await
+            .unwrap();
+    let name = unique_name("ledger");
+    let election = Election::new(store.locker().await);
+    let leadership = election
+        .campaign(
+            name.as_str(),
+            "leader-A",
+            &LockOptions::new().ttl(Duration::from_secs(5)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        fenced
+            .write(&name, leadership.epoch(), b"balance=10")
+            .await
+            .unwrap(),
+        FenceOutcome::Applied
+    );
+    let mut leadership = leadership;
+    leadership.proclaim("leader-A2").await.unwrap();
+    assert_eq!(
+        fenced.read(&name).await.unwrap().as_deref(),
+        Some(&b"balance=10"[..]),
+        "the leader's value overwrote the fenced data"
+    );
+    let leader = election.leader(name.as_str()).await.unwrap().unwrap();
+    assert_eq!(leader.value.as_deref(), Some("leader-A2"));
+    leadership.resign().await.unwrap();
+}
+
+/// A resource a version before the key split wrote (its value at `P:{R}:value`) is
+/// still read until its next write, which moves it to its own key.
+#[tokio::test]
+async fn a_fenced_value_written_before_the_key_split_is_still_read() {
+    let store = shared().await;
+    // Under the election's own prefix, as an application that shares one would.
+    let fenced =
+        RedisFencedStore::connect(&format!("{}?turnstile_prefix={}", store.url, store.prefix))
+            .await
+            .unwrap();
+    let resource = unique_name("old");
+    let mut connection = redis::Client::open(store.url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let prefix = &store.prefix;
+    let () = redis::pipe()
+        .cmd("SET")
+        .arg(format!("{prefix}:{{{resource}}}:fence-token"))
+        .arg("5")
+        .ignore()
+        .cmd("SET")
+        .arg(format!("{prefix}:{{{resource}}}:value"))
+        .arg("old")
+        .ignore()
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(
+        fenced.read(&resource).await.unwrap().as_deref(),
+        Some(&b"old"[..])
+    );
+    assert_eq!(
+        fenced
+            .write(&resource, turnstile::FencingToken::new(6), b"new")
+            .await
+            .unwrap(),
+        FenceOutcome::Applied
+    );
+    assert_eq!(
+        fenced.read(&resource).await.unwrap().as_deref(),
+        Some(&b"new"[..])
+    );
+}

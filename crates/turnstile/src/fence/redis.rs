@@ -36,15 +36,31 @@ redis.call('SET', KEYS[2], ARGV[2])
 return {1, ARGV[1]}
 ";
 
+// KEYS[1] fence token, KEYS[2] value, KEYS[3] where versions before the key spaces
+// were split kept the value (`P:{R}:value`, an election's leader value key too): read
+// only for a resource written before, until its next write.
+const READ: &str = r"
+local value = redis.call('GET', KEYS[2])
+if value or redis.call('EXISTS', KEYS[1]) == 0 then
+  return value
+end
+return redis.call('GET', KEYS[3])
+";
+
 /// A key-value store in Redis whose writes are fenced by token.
 ///
-/// Resource `R` under prefix `P` keeps its value at `P:{R}:value` and the largest
-/// token it has accepted at `P:{R}:fence-token` (one Cluster slot).
+/// Resource `R` under prefix `P` keeps its value at `P:{R}:fenced-value` and the
+/// largest token it has accepted at `P:{R}:fence-token` (one Cluster slot): keys of
+/// their own, apart from every lock's, semaphore's and election's under the same
+/// prefix (an election's leader value for the lock `R` is `P:{R}:value`, where earlier
+/// versions kept the resource's value too; a resource written by one is read from
+/// there until its next write).
 #[derive(Clone)]
 pub struct RedisFencedStore {
     connection: ConnectionManager,
     prefix: String,
     write: Script,
+    read: Script,
 }
 
 impl std::fmt::Debug for RedisFencedStore {
@@ -81,13 +97,14 @@ impl RedisFencedStore {
             connection,
             prefix: prefix.into(),
             write: Script::new(WRITE),
+            read: Script::new(READ),
         }
     }
 
     fn keys(&self, resource: &str) -> (String, String) {
         (
             format!("{}:{{{resource}}}:fence-token", self.prefix),
-            format!("{}:{{{resource}}}:value", self.prefix),
+            format!("{}:{{{resource}}}:fenced-value", self.prefix),
         )
     }
 
@@ -126,11 +143,13 @@ impl RedisFencedStore {
     /// The value last written to `resource`.
     pub async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>> {
         validate_resource(resource)?;
-        let (_, value_key) = self.keys(resource);
+        let (fence_key, value_key) = self.keys(resource);
         let mut connection = self.connection.clone();
-        redis::cmd("GET")
-            .arg(value_key)
-            .query_async(&mut connection)
+        self.read
+            .key(fence_key)
+            .key(value_key)
+            .key(format!("{}:{{{resource}}}:value", self.prefix))
+            .invoke_async(&mut connection)
             .await
             .map_err(|error| map_error(error, "cannot read the fenced value"))
     }
