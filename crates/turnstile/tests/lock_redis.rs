@@ -575,7 +575,7 @@ async fn the_url_sets_the_key_prefix() {
         .await
         .unwrap();
     let exists: bool = redis::cmd("EXISTS")
-        .arg(format!("{prefix}:{{res}}:value"))
+        .arg(format!("{prefix}:{{res}}:fenced-value"))
         .query_async(&mut connection)
         .await
         .unwrap();
