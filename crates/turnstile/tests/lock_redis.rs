@@ -1043,8 +1043,9 @@ async fn an_election_and_a_fenced_resource_of_one_name_keep_apart() {
     leadership.resign().await.unwrap();
 }
 
-/// A resource a version before the key split wrote (its value at `P:{R}:value`) is
-/// still read until its next write, which moves it to its own key.
+/// A resource a version before the key split wrote (its value at `P:{R}:value`, with
+/// no expiry) is still read until its next write, which moves it to its own key; a
+/// leader's value at that key (always with an expiry) never is.
 #[tokio::test]
 async fn a_fenced_value_written_before_the_key_split_is_still_read() {
     let store = shared().await;
@@ -1075,6 +1076,28 @@ async fn a_fenced_value_written_before_the_key_split_is_still_read() {
     assert_eq!(
         fenced.read(&resource).await.unwrap().as_deref(),
         Some(&b"old"[..])
+    );
+    // An election of the same name proclaims there (its values always expire): that is
+    // never read as the resource's data.
+    let other = unique_name("oldelection");
+    let () = redis::pipe()
+        .cmd("SET")
+        .arg(format!("{prefix}:{{{other}}}:fence-token"))
+        .arg("5")
+        .ignore()
+        .cmd("SET")
+        .arg(format!("{prefix}:{{{other}}}:value"))
+        .arg("owner:leader-value")
+        .arg("PX")
+        .arg(604_800_000)
+        .ignore()
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(
+        fenced.read(&other).await.unwrap(),
+        None,
+        "a leader's value was read as the resource's data"
     );
     assert_eq!(
         fenced

@@ -38,13 +38,18 @@ return {1, ARGV[1]}
 
 // KEYS[1] fence token, KEYS[2] value, KEYS[3] where versions before the key spaces
 // were split kept the value (`P:{R}:value`, an election's leader value key too): read
-// only for a resource written before, until its next write.
+// only for a resource written before, until its next write, and only if that key has
+// no expiry. The old fenced write was a plain SET (no expiry); a leader's value always
+// has one, so it is never read as the resource's data.
 const READ: &str = r"
 local value = redis.call('GET', KEYS[2])
 if value or redis.call('EXISTS', KEYS[1]) == 0 then
   return value
 end
-return redis.call('GET', KEYS[3])
+if redis.call('PTTL', KEYS[3]) == -1 then
+  return redis.call('GET', KEYS[3])
+end
+return false
 ";
 
 /// A key-value store in Redis whose writes are fenced by token.
