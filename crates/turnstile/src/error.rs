@@ -50,6 +50,13 @@ pub enum ErrorKind {
     /// (too large for the store): repeats are told so and do not run again; use a new
     /// key for a new request.
     OutcomeNotStored,
+    /// (Consumers) A message came before an earlier message of its ordering key was
+    /// handled ([`Delivery::Early`](crate::idempotency::inbox::Delivery::Early)): a
+    /// handler returns it (see [`Error::out_of_order`]) so that the consumer sends the
+    /// message back for later without counting the delivery toward its
+    /// `max_deliveries`: waiting for its turn is not failing, and a message that only
+    /// waited is never dead-lettered.
+    OutOfOrder,
 }
 
 impl ErrorKind {
@@ -70,6 +77,7 @@ impl ErrorKind {
             ErrorKind::LockLost => "lock lost",
             ErrorKind::Fencing => "fencing error",
             ErrorKind::OutcomeNotStored => "outcome not stored",
+            ErrorKind::OutOfOrder => "message out of order",
         }
     }
 }
@@ -120,6 +128,22 @@ impl Error {
         self
     }
 
+    /// What a consumer's handler returns for a message of `key` numbered `seq` that
+    /// came while its key waits for message `expected`
+    /// ([`Delivery::Early`](crate::idempotency::inbox::Delivery::Early)): the consumer
+    /// sends it back for later and does not count the delivery as a failure
+    /// ([`ErrorKind::OutOfOrder`]).
+    pub fn out_of_order(key: &str, seq: u64, expected: u64) -> Self {
+        Error::new(
+            ErrorKind::OutOfOrder,
+            format!(
+                "message {seq} of key {key:?} came before message {expected}: it waits for its \
+                 turn (if message {expected} was dead-lettered, replay its copy or skip it with \
+                 Inbox::skip)"
+            ),
+        )
+    }
+
     pub(crate) fn lost(reason: LossReason) -> Self {
         let mut error = Error::new(ErrorKind::LockLost, reason.to_string());
         error.loss = Some(reason);
@@ -157,6 +181,7 @@ impl Error {
                 | ErrorKind::Held
                 | ErrorKind::Conflict
                 | ErrorKind::InProgress
+                | ErrorKind::OutOfOrder
         )
     }
 }

@@ -281,7 +281,8 @@ async fn a_poison_message_is_retried_after_a_delay_then_dead_lettered() {
         turnstile::outbox::Processed {
             acked: 11,
             retried: 2,
-            dead_lettered: 1
+            dead_lettered: 1,
+            early: 0
         }
     );
     // Nothing comes back: the consumer does not loop.

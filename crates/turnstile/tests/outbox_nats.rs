@@ -1488,10 +1488,11 @@ async fn a_consumer_can_insist_on_key_order() {
                     transaction.commit().await.unwrap();
                     match delivery {
                         Delivery::Processed(seq) => handled.push(seq),
-                        Delivery::Early { .. } => {
-                            return Err(turnstile::Error::new(
-                                turnstile::ErrorKind::InProgress,
-                                "not its turn yet",
+                        Delivery::Early { expected } => {
+                            return Err(turnstile::Error::out_of_order(
+                                "acct-1",
+                                incoming.seq.unwrap(),
+                                expected,
                             ));
                         }
                         _ => {}

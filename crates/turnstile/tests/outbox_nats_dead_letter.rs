@@ -2,6 +2,8 @@
 //! handler keeps failing is sent back with a delay, tried `max_deliveries` times, then
 //! copied to a dead-letter subject and terminated only once a stream took the copy.
 
+mod outbox_in_order;
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -136,7 +138,8 @@ async fn a_poison_message_is_retried_after_a_delay_then_dead_lettered() {
         Processed {
             acked: 9,
             retried: 2,
-            dead_lettered: 1
+            dead_lettered: 1,
+            early: 0
         }
     );
     // Nothing comes back: the consumer does not loop.
@@ -316,4 +319,52 @@ fn without_a_dead_letter_stream_the_message_is_kept_and_retried() {
         Some(&1),
         "{seen:?}"
     );
+}
+
+impl outbox_in_order::Consumer for JetStreamConsumer {
+    async fn process_batch<F>(
+        &self,
+        retry_after: Duration,
+        handle: F,
+    ) -> turnstile::Result<Processed>
+    where
+        F: AsyncFnMut(&turnstile::outbox::Incoming) -> turnstile::Result<()>,
+    {
+        self.process(20, Duration::from_millis(100), retry_after, handle)
+            .await
+    }
+}
+
+/// A message its handler always fails is dead-lettered; the key's later messages, which
+/// come back as out of order meanwhile (JetStream counts those deliveries), are never
+/// dead-lettered, and go on in order once the inbox skips the dead one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_lettered_message_parks_its_key_until_skipped() {
+    let publisher = connect().await;
+    let (stream_name, subject) = names("parked");
+    stream(&publisher, &stream_name, &format!("{subject}.>")).await;
+    stream(
+        &publisher,
+        &format!("{stream_name}_DLQ"),
+        &format!("dead-letter.{subject}.>"),
+    )
+    .await;
+    let consumer = JetStreamConsumer::durable(
+        publisher.jetstream(),
+        &stream_name,
+        "parked",
+        // A delivery to a pull request that expired as it was sent is redelivered
+        // after the ack wait: short, so that the test does not wait long for it.
+        Duration::from_secs(2),
+    )
+    .await
+    .unwrap()
+    .max_deliveries(3);
+    outbox_in_order::a_dead_lettered_message_parks_its_key_until_skipped(
+        &publisher,
+        &format!("{subject}.x"),
+        &consumer,
+        3,
+    )
+    .await;
 }

@@ -2,6 +2,7 @@
 //! the inbox: Redis keeps every copy a relay publishes, and the inbox is what makes
 //! handling effectively once.
 
+mod outbox_in_order;
 mod outbox_projection;
 
 use std::collections::{BTreeMap, HashSet};
@@ -389,7 +390,8 @@ async fn a_poison_entry_is_retried_after_a_delay_then_dead_lettered() {
         turnstile::outbox::Processed {
             acked: 9,
             retried: 2,
-            dead_lettered: 1
+            dead_lettered: 1,
+            early: 0
         }
     );
     // Nothing comes back: the consumer does not loop.
@@ -445,4 +447,36 @@ async fn a_poison_entry_is_retried_after_a_delay_then_dead_lettered() {
         stream.as_bytes()
     );
     assert!(copy.contains_key(turnstile::outbox::DEAD_LETTER_POSITION_HEADER));
+}
+
+impl outbox_in_order::Consumer for RedisStreamsConsumer {
+    async fn process_batch<F>(
+        &self,
+        retry_after: Duration,
+        handle: F,
+    ) -> turnstile::Result<turnstile::outbox::Processed>
+    where
+        F: AsyncFnMut(&turnstile::outbox::Incoming) -> turnstile::Result<()>,
+    {
+        self.process(20, Duration::from_millis(100), retry_after, handle)
+            .await
+    }
+}
+
+/// An entry its handler always fails is dead-lettered; the key's later entries, which
+/// come back as out of order meanwhile (Redis's delivery count is put back each time),
+/// are never dead-lettered, and go on in order once the inbox skips the dead one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_lettered_message_parks_its_key_until_skipped() {
+    let redis = shared_redis();
+    let stream = turnstile_test_support::unique_name("parked");
+    let publisher = RedisStreamsPublisher::connect(&redis.url()).await.unwrap();
+    let consumer = RedisStreamsConsumer::connect(&redis.url(), &stream, "projection", "c1")
+        .await
+        .unwrap()
+        .max_deliveries(3);
+    outbox_in_order::a_dead_lettered_message_parks_its_key_until_skipped(
+        &publisher, &stream, &consumer, 3,
+    )
+    .await;
 }

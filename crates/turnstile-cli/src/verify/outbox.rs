@@ -624,9 +624,8 @@ async fn consume(
                         Delivery::Duplicate => skipped += 1,
                         // Its predecessor comes first: the broker delivers it again.
                         Delivery::Early { expected } => {
-                            return Err(turnstile::Error::new(
-                                turnstile::ErrorKind::InProgress,
-                                format!("{cursor}: waiting for message {expected}"),
+                            return Err(turnstile::Error::out_of_order(
+                                &cursor, position, expected,
                             ));
                         }
                         _ => {}

@@ -49,7 +49,9 @@ pub enum Delivery<T> {
     Duplicate,
     /// ([`Inbox::process_in_order`]) An earlier message of its key has not been handled
     /// yet: the handler did not run. Roll back and let the broker deliver it again
-    /// later (fail the broker handler).
+    /// later: return [`Error::out_of_order`] from the consumer's handler, which sends
+    /// the message back without counting the delivery toward `max_deliveries` (any
+    /// other error counts, and dead-letters a message that only waited for its turn).
     Early {
         /// The sequence number its key waits for.
         expected: u64,
@@ -164,6 +166,44 @@ impl<S: TransactionalIdempotency> Inbox<S> {
                 tracing::debug!(consumer = %self.consumer, key, seq, expected, "message ahead of its key's order; left for later");
                 Ok(Delivery::Early { expected })
             }
+        }
+    }
+
+    /// Moves `key`'s cursor past message `seq`, its next expected number, without
+    /// handling it, so that the key's later messages go on: for a message that was
+    /// dead-lettered (a consumer's handler kept failing on it) and that the operator
+    /// decides to drop rather than replay. In the caller's transaction: commit it.
+    /// Returns `false` if the cursor had passed `seq` already (nothing changes). A
+    /// message its key does not wait for yet (a number past the next) is refused
+    /// ([`ErrorKind::InvalidOptions`]): skipping it would skip the ones before it too.
+    ///
+    /// A copy of the skipped message replayed later is handled, out of order, as any
+    /// message whose number the cursor has passed but whose id is new.
+    pub async fn skip(&self, connection: &mut S::Connection, key: &str, seq: u64) -> Result<bool> {
+        let start = if self.start_at_first_seen {
+            seq.saturating_sub(1)
+        } else {
+            0
+        };
+        match self
+            .store
+            .advance_cursor(connection, &self.consumer, key, seq, start)
+            .await?
+        {
+            CursorStep::Next => {
+                metrics::counter!("turnstile_inbox_skipped_total").increment(1);
+                tracing::warn!(consumer = %self.consumer, key, seq, "message skipped by the inbox: the key goes on with the next one");
+                Ok(true)
+            }
+            CursorStep::Seen => Ok(false),
+            CursorStep::Early { expected } => Err(Error::new(
+                ErrorKind::InvalidOptions,
+                format!(
+                    "key {key:?} of consumer {} waits for message {expected}, not {seq}: skip \
+                     {expected} first",
+                    self.consumer
+                ),
+            )),
         }
     }
 

@@ -193,6 +193,9 @@ struct KafkaState {
     failures: std::collections::HashMap<(String, i32), (i64, u64)>,
     /// Paused partitions: (topic, partition, the offset to go back to, when).
     paused: Vec<(String, i32, i64, tokio::time::Instant)>,
+    /// Deliveries answered "out of order", by message, for the log only: Kafka has no
+    /// delivery count, and the failures above leave them out.
+    early: super::EarlyDeliveries,
 }
 
 impl std::fmt::Debug for KafkaConsumer {
@@ -412,8 +415,31 @@ impl KafkaConsumer {
                     self.consumer
                         .commit_message(&message, CommitMode::Sync)
                         .map_err(unavailable)?;
-                    self.state().failures.remove(&place);
+                    let mut state = self.state();
+                    state.failures.remove(&place);
+                    state
+                        .early
+                        .forget(&format!("{}/{}/{}", place.0, place.1, message.offset()));
+                    drop(state);
                     processed.acked += 1;
+                }
+                Err(error) if error.kind() == ErrorKind::OutOfOrder => {
+                    // Not a failure: the count of failures stays, and the partition
+                    // comes back to the message after the delay.
+                    let early = {
+                        let mut state = self.state();
+                        state
+                            .early
+                            .record(&format!("{}/{}/{}", place.0, place.1, message.offset()))
+                    };
+                    telemetry::early("kafka", &incoming, early, &error);
+                    self.pause(
+                        message.topic(),
+                        message.partition(),
+                        message.offset(),
+                        retry_after,
+                    );
+                    processed.early += 1;
                 }
                 Err(error) if deliveries >= u64::from(self.max_deliveries) => {
                     let note = DeadLetterNote::new(
@@ -429,12 +455,7 @@ impl KafkaConsumer {
                                 .commit_message(&message, CommitMode::Sync)
                                 .map_err(unavailable)?;
                             self.state().failures.remove(&place);
-                            telemetry::dead_lettered(
-                                "kafka",
-                                incoming.id.as_deref(),
-                                &note,
-                                &destination,
-                            );
+                            telemetry::dead_lettered("kafka", &incoming, &note, &destination);
                             processed.dead_lettered += 1;
                         }
                         Err(failure) => {

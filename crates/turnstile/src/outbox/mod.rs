@@ -560,7 +560,9 @@ pub struct Incoming {
     /// The payload.
     pub payload: Vec<u8>,
     /// How many times the broker has delivered it to this consumer (1 the first time;
-    /// at least 2 for a redelivery where the broker does not count).
+    /// at least 2 for a redelivery where the broker does not count), less the
+    /// deliveries its handler answered [`ErrorKind::OutOfOrder`] in this process: the
+    /// count compared with the consumer's `max_deliveries`.
     pub deliveries: u64,
 }
 
@@ -622,6 +624,10 @@ pub struct Processed {
     /// `max_deliveries`): copied to the consumer's dead-letter destination, where an
     /// operator can see and replay them, and only then acknowledged at the source.
     pub dead_lettered: usize,
+    /// Messages whose handler answered [`ErrorKind::OutOfOrder`] (an earlier message of
+    /// their key comes first): sent back for redelivery after the delay, not counted as
+    /// failures.
+    pub early: usize,
 }
 
 /// How many deliveries a consumer gives a message whose handler keeps failing before it
@@ -718,6 +724,73 @@ impl DeadLetterNote {
             headers.push((DEAD_LETTER_POSITION_HEADER, position.clone()));
         }
         headers
+    }
+}
+
+/// How many messages a consumer remembers the early deliveries of
+/// ([`ErrorKind::OutOfOrder`]); past it, the one longest unseen is forgotten (its early
+/// deliveries then count as failures again, in this process).
+pub const MAX_COUNTED_EARLY: usize = 10_000;
+
+/// Deliveries a consumer's handler answered [`ErrorKind::OutOfOrder`], by message:
+/// they are taken off the broker's delivery count before it is compared with
+/// `max_deliveries`, so that a message that only waited for its turn is never
+/// dead-lettered. Kept in memory: after a restart, the early deliveries before it count.
+#[cfg_attr(
+    not(any(
+        feature = "nats",
+        feature = "rabbitmq",
+        feature = "kafka",
+        feature = "redis"
+    )),
+    allow(dead_code)
+)]
+#[derive(Debug, Default)]
+pub(crate) struct EarlyDeliveries {
+    counts: std::collections::HashMap<String, (u64, std::time::Instant)>,
+}
+
+#[cfg_attr(
+    not(any(
+        feature = "nats",
+        feature = "rabbitmq",
+        feature = "kafka",
+        feature = "redis"
+    )),
+    allow(dead_code)
+)]
+impl EarlyDeliveries {
+    /// The deliveries to count as failures of `message`, which the broker has delivered
+    /// `deliveries` times (this one included): never less than 1.
+    pub(crate) fn failures(&self, message: &str, deliveries: u64) -> u64 {
+        let early = self.counts.get(message).map_or(0, |(early, _)| *early);
+        deliveries.saturating_sub(early).max(1)
+    }
+
+    /// Records an early delivery of `message` and returns how many it has had.
+    pub(crate) fn record(&mut self, message: &str) -> u64 {
+        if self.counts.len() >= MAX_COUNTED_EARLY && !self.counts.contains_key(message) {
+            let oldest = self
+                .counts
+                .iter()
+                .min_by_key(|(_, (_, at))| *at)
+                .map(|(key, _)| key.clone());
+            if let Some(oldest) = oldest {
+                self.counts.remove(&oldest);
+            }
+        }
+        let entry = self
+            .counts
+            .entry(message.to_owned())
+            .or_insert((0, std::time::Instant::now()));
+        entry.0 += 1;
+        entry.1 = std::time::Instant::now();
+        entry.0
+    }
+
+    /// Forgets `message` (acknowledged or dead-lettered).
+    pub(crate) fn forget(&mut self, message: &str) {
+        self.counts.remove(message);
     }
 }
 

@@ -236,6 +236,7 @@ pub struct JetStreamConsumer {
     name: String,
     max_deliveries: u32,
     dead_letter: DeadLetterSubject,
+    early: std::sync::Mutex<super::EarlyDeliveries>,
 }
 
 impl JetStreamConsumer {
@@ -275,6 +276,7 @@ impl JetStreamConsumer {
             name: name.to_owned(),
             max_deliveries: DEFAULT_MAX_DELIVERIES,
             dead_letter: DeadLetterSubject::default(),
+            early: std::sync::Mutex::default(),
         })
     }
 
@@ -324,14 +326,32 @@ impl JetStreamConsumer {
         let mut processed = Processed::default();
         while let Some(message) = messages.next().await {
             let message = message.map_err(|error| unavailable(error.to_string()))?;
-            let incoming = incoming(&message);
+            let mut incoming = incoming(&message);
+            // JetStream counts the deliveries a handler answered "out of order" too:
+            // those it made in this process are taken off.
+            let place = message
+                .info()
+                .map_or_else(|_| String::new(), |info| info.stream_sequence.to_string());
+            incoming.deliveries = self
+                .early_deliveries()
+                .failures(&place, incoming.deliveries);
             match handle(&incoming).await {
                 Ok(()) => {
                     message
                         .double_ack()
                         .await
                         .map_err(|error| unavailable(error.to_string()))?;
+                    self.early_deliveries().forget(&place);
                     processed.acked += 1;
+                }
+                Err(error) if error.kind() == ErrorKind::OutOfOrder => {
+                    let early = self.early_deliveries().record(&place);
+                    telemetry::early("nats", &incoming, early, &error);
+                    message
+                        .ack_with(async_nats::jetstream::AckKind::Nak(Some(retry_after)))
+                        .await
+                        .map_err(|error| unavailable(error.to_string()))?;
+                    processed.early += 1;
                 }
                 Err(error) if incoming.deliveries >= u64::from(self.max_deliveries) => {
                     let position = message
@@ -351,12 +371,8 @@ impl JetStreamConsumer {
                                 .double_ack_with(async_nats::jetstream::AckKind::Term)
                                 .await
                                 .map_err(|error| unavailable(error.to_string()))?;
-                            telemetry::dead_lettered(
-                                "nats",
-                                incoming.id.as_deref(),
-                                &note,
-                                &destination,
-                            );
+                            self.early_deliveries().forget(&place);
+                            telemetry::dead_lettered("nats", &incoming, &note, &destination);
                             processed.dead_lettered += 1;
                         }
                         Err(failure) => {
@@ -392,6 +408,12 @@ impl JetStreamConsumer {
             }
         }
         Ok(processed)
+    }
+
+    fn early_deliveries(&self) -> std::sync::MutexGuard<'_, super::EarlyDeliveries> {
+        self.early
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Publishes the dead-letter copy of `message` to `destination` and waits for a

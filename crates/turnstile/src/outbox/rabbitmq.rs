@@ -367,6 +367,9 @@ struct ConsumerState {
     held: Vec<Held>,
     /// Deliveries so far of messages whose handler failed, by message.
     failures: std::collections::HashMap<String, (u64, std::time::Instant)>,
+    /// Deliveries the handler answered "out of order", by message: the broker's own
+    /// count includes them.
+    early: super::EarlyDeliveries,
     /// A confirming channel for dead-letter copies, opened again after it closed.
     dead_letters: Option<Channel>,
 }
@@ -515,6 +518,7 @@ impl RabbitMqConsumer {
                 deliveries,
                 held: Vec::new(),
                 failures: std::collections::HashMap::new(),
+                early: super::EarlyDeliveries::default(),
                 dead_letters: Some(dead_letters),
             }),
         })
@@ -592,9 +596,12 @@ impl RabbitMqConsumer {
             }
             let counted_by = failure_key(&delivery);
             let failed_before = state.failures.get(&counted_by).map_or(0, |(n, _)| *n);
-            let deliveries = (failed_before + 1)
-                .max(broker_count(&table).map_or(1, |n| n.saturating_add(1)))
+            let counted_by_broker = broker_count(&table)
+                .map_or(1, |n| n.saturating_add(1))
                 .max(if delivery.redelivered { 2 } else { 1 });
+            // The broker's count, less the deliveries answered "out of order" here.
+            let deliveries =
+                (failed_before + 1).max(state.early.failures(&counted_by, counted_by_broker));
             let incoming = Incoming {
                 // Without a message_id the message has no id: a delivery tag restarts
                 // with every channel, and a redelivery gets a new one.
@@ -617,7 +624,17 @@ impl RabbitMqConsumer {
                         .await
                         .map_err(unavailable)?;
                     state.failures.remove(&counted_by);
+                    state.early.forget(&counted_by);
                     processed.acked += 1;
+                }
+                Err(error) if error.kind() == ErrorKind::OutOfOrder => {
+                    let early = state.early.record(&counted_by);
+                    telemetry::early("rabbitmq", &incoming, early, &error);
+                    state.held.push(Held {
+                        due: tokio::time::Instant::now() + retry_after,
+                        delivery,
+                    });
+                    processed.early += 1;
                 }
                 Err(error) if deliveries >= u64::from(self.max_deliveries) => {
                     let note = DeadLetterNote::new(&error, deliveries, self.queue.as_str(), None);
@@ -628,9 +645,10 @@ impl RabbitMqConsumer {
                                 .await
                                 .map_err(unavailable)?;
                             state.failures.remove(&counted_by);
+                            state.early.forget(&counted_by);
                             telemetry::dead_lettered(
                                 "rabbitmq",
-                                incoming.id.as_deref(),
+                                &incoming,
                                 &note,
                                 &self.dead_letter_queue,
                             );

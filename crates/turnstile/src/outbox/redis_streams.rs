@@ -17,7 +17,7 @@ use super::relay::Publisher;
 use super::telemetry;
 use super::{DEFAULT_MAX_DELIVERIES, DeadLetterNote, Failure, Incoming, Message, Processed};
 use crate::engine::redis::{connect_manager, map_error, open_client};
-use crate::error::Result;
+use crate::error::{ErrorKind, Result};
 use crate::future::BoxFuture;
 
 /// A Redis Streams publisher.
@@ -119,6 +119,11 @@ impl Publisher for RedisStreamsPublisher {
 /// `{stream}:dead-letter`, and the original is acknowledged (`XACK`). The dead-letter
 /// stream is not trimmed: an operator reads it (`XRANGE`), replays what should be, and
 /// deletes it.
+///
+/// **Order.** A delivery its handler answers [`ErrorKind::OutOfOrder`]
+/// ([`Error::out_of_order`](crate::Error::out_of_order), for a message whose key waits for an earlier one) is not
+/// counted: Redis's delivery count of the entry is put one back, so a message that only
+/// waited for its turn is never dead-lettered.
 #[derive(Debug)]
 pub struct RedisStreamsConsumer {
     connection: MultiplexedConnection,
@@ -236,6 +241,20 @@ for i = 4, #ARGV do
 end
 redis.call('XADD', KEYS[2], '*', unpack(fields))
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+return 1
+";
+
+/// A delivery the handler answered "out of order" is not counted: Redis's delivery
+/// count of the entry (still pending with this consumer) goes one back, and its idle
+/// time starts again, so it comes back after the delay. KEYS: stream; ARGV: group,
+/// consumer, entry id.
+const EARLY_SCRIPT: &str = r"
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1, ARGV[2])
+if #pending == 0 then
+  return 0
+end
+local count = tonumber(pending[1][4])
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'RETRYCOUNT', math.max(count - 1, 0), 'JUSTID')
 return 1
 ";
 
@@ -394,6 +413,21 @@ impl RedisStreamsConsumer {
                         .map_err(|error| map_error(error, "cannot acknowledge the entry"))?;
                     processed.acked += 1;
                 }
+                Err(error) if error.kind() == ErrorKind::OutOfOrder => {
+                    // Redis keeps the count: this delivery is taken off it, for every
+                    // consumer of the group, restarts included.
+                    redis::Script::new(EARLY_SCRIPT)
+                        .key(&self.stream)
+                        .arg(&self.group)
+                        .arg(&self.consumer)
+                        .arg(&entry.id)
+                        .invoke_async::<i64>(&mut connection)
+                        .await
+                        .map_err(|error| map_error(error, "cannot send the entry back"))?;
+                    // Redis does not keep how often it waited: logged at debug level.
+                    telemetry::early("redis", incoming, 1, &error);
+                    processed.early += 1;
+                }
                 Err(error) if incoming.deliveries >= u64::from(self.max_deliveries) => {
                     let note = DeadLetterNote::new(
                         &error,
@@ -418,12 +452,7 @@ impl RedisStreamsConsumer {
                     }
                     match script.invoke_async::<i64>(&mut connection).await {
                         Ok(1) => {
-                            telemetry::dead_lettered(
-                                "redis",
-                                incoming.id.as_deref(),
-                                &note,
-                                &destination,
-                            );
+                            telemetry::dead_lettered("redis", incoming, &note, &destination);
                             processed.dead_lettered += 1;
                         }
                         Ok(_) => {

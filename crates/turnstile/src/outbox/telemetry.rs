@@ -133,22 +133,68 @@ pub(crate) fn status(status: &super::Status) {
 )]
 pub(crate) fn dead_lettered(
     broker: &'static str,
-    id: Option<&str>,
+    incoming: &super::Incoming,
     note: &super::DeadLetterNote,
     destination: &str,
 ) {
     metrics::counter!("turnstile_outbox_dead_lettered_total", "broker" => broker).increment(1);
     tracing::error!(
         broker,
-        id,
+        id = incoming.id.as_deref(),
+        key = incoming.key.as_deref(),
+        seq = incoming.seq,
         source = %note.source,
         position = note.position.as_deref(),
         deliveries = note.deliveries,
         destination,
         reason = %note.reason,
         "the handler failed on the message's last allowed delivery: it was dead-lettered \
-         (copied to the destination, then acknowledged), to be seen and replayed there"
+         (copied to the destination, then acknowledged), to be seen and replayed there; a \
+         consumer that handles its key in order (Inbox::process_in_order) holds the key's \
+         later messages back until the copy is replayed or the inbox skips it (Inbox::skip)"
     );
+}
+
+/// A consumer's handler answered that a message came before its turn
+/// ([`ErrorKind::OutOfOrder`](crate::ErrorKind::OutOfOrder)): it is sent back for later,
+/// not counted as a failure.
+#[cfg_attr(
+    not(any(
+        feature = "nats",
+        feature = "rabbitmq",
+        feature = "kafka",
+        feature = "redis"
+    )),
+    allow(dead_code)
+)]
+pub(crate) fn early(
+    broker: &'static str,
+    incoming: &super::Incoming,
+    early: u64,
+    error: &crate::Error,
+) {
+    metrics::counter!("turnstile_outbox_consumer_early_total", "broker" => broker).increment(1);
+    // Every 20th wait of one message is worth a look: its predecessor may be dead-lettered.
+    if early.is_multiple_of(20) {
+        tracing::warn!(
+            broker,
+            id = incoming.id.as_deref(),
+            key = incoming.key.as_deref(),
+            seq = incoming.seq,
+            early,
+            %error,
+            "a message keeps waiting for its turn; not counted toward max_deliveries"
+        );
+    } else {
+        tracing::debug!(
+            broker,
+            id = incoming.id.as_deref(),
+            key = incoming.key.as_deref(),
+            seq = incoming.seq,
+            early,
+            "message before its turn: sent back for later, not counted as a failure"
+        );
+    }
 }
 
 /// A dead-letter copy was not stored: the message stays at its source and is retried
