@@ -135,11 +135,7 @@ impl<S: TransactionalIdempotency> Inbox<S> {
         E: From<Error>,
         F: AsyncFnOnce(&mut S::Connection) -> std::result::Result<T, E>,
     {
-        let start = if self.start_at_first_seen {
-            seq.saturating_sub(1)
-        } else {
-            0
-        };
+        let start = self.cursor_start(seq);
         match self
             .store
             .advance_cursor(connection, &self.consumer, key, seq, start)
@@ -169,6 +165,15 @@ impl<S: TransactionalIdempotency> Inbox<S> {
         }
     }
 
+    /// Where the cursor of a key never seen starts, when message `seq` comes first.
+    fn cursor_start(&self, seq: u64) -> u64 {
+        if self.start_at_first_seen {
+            seq.saturating_sub(1)
+        } else {
+            0
+        }
+    }
+
     /// Moves `key`'s cursor past message `seq`, its next expected number, without
     /// handling it, so that the key's later messages go on: for a message that was
     /// dead-lettered (a consumer's handler kept failing on it) and that the operator
@@ -180,11 +185,7 @@ impl<S: TransactionalIdempotency> Inbox<S> {
     /// A copy of the skipped message replayed later is handled, out of order, as any
     /// message whose number the cursor has passed but whose id is new.
     pub async fn skip(&self, connection: &mut S::Connection, key: &str, seq: u64) -> Result<bool> {
-        let start = if self.start_at_first_seen {
-            seq.saturating_sub(1)
-        } else {
-            0
-        };
+        let start = self.cursor_start(seq);
         match self
             .store
             .advance_cursor(connection, &self.consumer, key, seq, start)
