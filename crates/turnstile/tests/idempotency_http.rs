@@ -28,7 +28,7 @@ fn tenant(parts: &http::request::Parts) -> Option<Scope> {
 struct App {
     router: Router,
     runs: Arc<AtomicUsize>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 async fn app(
@@ -69,6 +69,19 @@ async fn app(
                             Body::from_stream(futures_util::stream::iter(chunks)),
                         )
                             .into_response();
+                    }
+                    if body.contains("linger") {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                    }
+                    if body.contains("unwind") {
+                        // A body stream that panics on its first frame: the handler's
+                        // own code, run after its effect.
+                        let frames = futures_util::stream::poll_fn(
+                            |_| -> std::task::Poll<Option<Result<&'static str, std::io::Error>>> {
+                                panic!("the response body panicked after the handler's effect")
+                            },
+                        );
+                        return (StatusCode::CREATED, Body::from_stream(frames)).into_response();
                     }
                     if body.contains("panic") {
                         panic!("the handler panicked after its effect");
@@ -116,11 +129,7 @@ async fn app(
             post(|| async { (StatusCode::CREATED, "refund") }),
         )
         .route_layer(layer);
-    App {
-        router,
-        runs,
-        _dir: dir,
-    }
+    App { router, runs, dir }
 }
 
 fn request(path: &str, tenant: &str, key: Option<&str>, body: &str) -> Request<Body> {
@@ -441,6 +450,75 @@ async fn a_panic_or_a_timeout_inside_is_recorded_as_outcome_unknown() {
         assert_eq!(problem_type(&answer), types::OUTCOME_UNKNOWN, "{key}");
     }
     assert_eq!(app.runs.load(Ordering::SeqCst), 2, "a handler ran again");
+}
+
+/// A response body whose stream panics is the handler's code failing after its
+/// effect: the key records that the outcome is unknown, so a retry, even one after the
+/// lease would have run out, is told so instead of running the handler again.
+#[tokio::test]
+async fn a_body_that_panics_is_recorded_as_outcome_unknown() {
+    let app = app(
+        |layer| layer,
+        IdempotencyOptions::new().lease(Duration::from_secs(1)),
+    )
+    .await;
+    let (status, _, body) = send(
+        &app.router,
+        request("/payments", "acme", Some("unwound"), "unwind"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+    assert_eq!(problem_type(&body), types::OUTCOME_UNKNOWN);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (status, _, answer) = send(
+        &app.router,
+        request("/payments", "acme", Some("unwound"), "unwind"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{answer}");
+    assert_eq!(problem_type(&answer), types::OUTCOME_UNKNOWN);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran again");
+}
+
+/// A claim lost while its handler runs (renewals blocked past the lease by a writer
+/// holding the database) drops the handler mid-way, after effects it may have had: in
+/// the lease mode the key records that the outcome is unknown once the store answers,
+/// so the retry is told so instead of running the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_lost_mid_handler_is_recorded_as_outcome_unknown() {
+    use sqlx::Connection;
+    let app = app(
+        |layer| layer,
+        IdempotencyOptions::new().lease(Duration::from_secs(1)),
+    )
+    .await;
+    let router = app.router.clone();
+    let first = tokio::spawn(async move {
+        send(
+            &router,
+            request("/payments", "acme", Some("held"), "linger"),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let url = format!("sqlite://{}", app.dir.path().join("keys.db").display());
+    let mut writer = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN EXCLUSIVE")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sqlx::query("COMMIT").execute(&mut writer).await.unwrap();
+    let (status, _, body) = first.await.unwrap();
+    assert!(status.is_server_error(), "{status}: {body}");
+    let (status, _, answer) = send(
+        &app.router,
+        request("/payments", "acme", Some("held"), "linger"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{answer}");
+    assert_eq!(problem_type(&answer), types::OUTCOME_UNKNOWN);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran again");
 }
 
 /// A response that ends with trailers is passed on with them, but not stored as a

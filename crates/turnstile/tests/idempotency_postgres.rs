@@ -433,3 +433,75 @@ async fn an_outcome_is_stored_once_a_row_lock_is_released() {
     }
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
 }
+
+/// A refusal that only looks transient and never ends: every completion of this
+/// outcome hits a statement timeout (SQLSTATE 57014, raised here by a trigger as a too
+/// slow write of a large outcome would) while lease renewals get through. The
+/// completion is retried for one lease length, then the small "not stored" marker is
+/// recorded: the call returns, and a repeat is told, never run. If even the marker is
+/// refused, the call still returns (an error) instead of retrying for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_refused_for_a_whole_lease_records_the_outcome_as_not_stored() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+    use turnstile::ErrorKind;
+    use turnstile::idempotency::{Fingerprint, IdempotencyKey, IdempotencyOptions, Scope};
+    let url = shared_postgres().fresh_database("idemslowout");
+    let keys = Idempotency::new(PostgresIdempotencyStore::connect(&url).await.unwrap())
+        .with_options(IdempotencyOptions::new().lease(Duration::from_secs(2)))
+        .unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    // Refuses real outcomes (a marker starts with a NUL byte); `all` refuses markers too.
+    sqlx::query(
+        "CREATE FUNCTION refuse_outcome() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           IF NEW.state = 'completed' AND (NEW.key = 'all' OR get_byte(NEW.outcome, 0) <> 0) THEN
+             RAISE EXCEPTION 'canceling statement due to statement timeout' USING ERRCODE = '57014';
+           END IF;
+           RETURN NEW;
+         END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER refuse_outcome BEFORE UPDATE ON turnstile_idempotency
+         FOR EACH ROW EXECUTE FUNCTION refuse_outcome()",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let scope = Scope::new("tenant").unwrap();
+    let fingerprint = Fingerprint::of(&[b"x"]);
+    let runs = &AtomicUsize::new(0);
+    let work = move |_| async move {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, turnstile::Error>(7u32)
+    };
+    let marked = IdempotencyKey::new("big").unwrap();
+    let value = tokio::time::timeout(
+        Duration::from_secs(10),
+        keys.run_once(&scope, &marked, &fingerprint, work),
+    )
+    .await
+    .expect("the completion was retried for ever")
+    .unwrap();
+    assert_eq!(value, 7);
+    let repeat = keys
+        .run_once(&scope, &marked, &fingerprint, work)
+        .await
+        .unwrap_err();
+    assert_eq!(repeat.kind(), ErrorKind::OutcomeNotStored, "{repeat}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the work ran twice");
+
+    let refused = IdempotencyKey::new("all").unwrap();
+    let error = tokio::time::timeout(
+        Duration::from_secs(10),
+        keys.run_once(&scope, &refused, &fingerprint, work),
+    )
+    .await
+    .expect("the marker was retried for ever")
+    .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::StoreUnavailable, "{error}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}

@@ -613,10 +613,14 @@ impl Idempotency {
     /// - The claim lost while `work` runs (its lease taken over after renewals failed):
     ///   `work` is cancelled and the result is [`ErrorKind::LockLost`]; a completion the
     ///   store refuses because a newer claim holds the key is [`ErrorKind::Fencing`].
-    /// - After `work` returned `Ok`, a store that cannot be reached is tried again (the
-    ///   lease renewed meanwhile) until the outcome lands or the claim is lost; an
-    ///   outcome too large to store is recorded as not stored, and repeats get
-    ///   [`ErrorKind::OutcomeNotStored`] instead of running `work` again.
+    /// - After `work` returned `Ok`, a transient refusal (store unreachable, busy, a
+    ///   lock or statement timeout) is tried again, the lease renewed meanwhile, until
+    ///   the outcome lands, the claim is lost, or one lease length has passed. An
+    ///   outcome refused for good (too large) or for that whole length is recorded as
+    ///   not stored, and repeats get [`ErrorKind::OutcomeNotStored`] instead of running
+    ///   `work` again; if even that record is refused, the result is
+    ///   [`ErrorKind::StoreUnavailable`] and the lease is left to run out, after which
+    ///   a repeat runs `work` again.
     pub async fn run_once<T, E, F, Fut>(
         &self,
         scope: &Scope,
@@ -967,6 +971,17 @@ fn fenced(scope: &Scope, key: &IdempotencyKey) -> Error {
     )
 }
 
+fn not_stored_before_loss(lease: &Lease, error: Error) -> Error {
+    let reason = lease
+        .loss_reason()
+        .map_or_else(|| "lease ended".to_owned(), |reason| reason.to_string());
+    Error::new(
+        ErrorKind::StoreUnavailable,
+        format!("the outcome was not stored before the claim was lost ({reason})"),
+    )
+    .with_source(error)
+}
+
 /// Where a message stands against its key's cursor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CursorStep {
@@ -1025,10 +1040,11 @@ impl RunningClaim {
     }
 
     /// Stores `outcome`: [`ErrorKind::Fencing`] if a newer claim holds the key. A
-    /// store that cannot be reached is tried again, the lease renewed meanwhile, until
-    /// the claim is lost: the work has run, and a completion dropped here would let a
-    /// retry run it again. An outcome the store refuses for good (too large) is
-    /// replaced by `not_stored(error)`, so that repeats are told, not run again.
+    /// transient refusal is tried again, the lease renewed meanwhile, until the claim
+    /// is lost or one lease length has passed: the work has run, and a completion
+    /// dropped here would let a retry run it again. An outcome the store refuses for
+    /// good (too large), or for that whole length, is replaced by `not_stored(error)`,
+    /// so that repeats are told, not run again.
     pub(crate) async fn complete_or(
         mut self,
         outcome: &[u8],
@@ -1036,11 +1052,12 @@ impl RunningClaim {
     ) -> Result<()> {
         let mut finished = self.store_outcome(outcome).await;
         if let Err(error) = &finished
-            && !matches!(
-                error.kind(),
-                ErrorKind::StoreUnavailable | ErrorKind::LockLost
-            )
+            && error.kind() != ErrorKind::LockLost
+            && !self.lease.is_lost()
         {
+            // Refused for good (too large), or refused as transient for a whole lease
+            // length while the lease held (a statement timeout the outcome itself
+            // causes): a small marker tells repeats, instead of retrying for ever.
             telemetry::not_stored(&self.scope, &self.key, error);
             finished = self.store_outcome(&not_stored(error)).await;
         }
@@ -1062,12 +1079,16 @@ impl RunningClaim {
         }
     }
 
-    /// One outcome stored, retrying an unreachable store with a growing pause while
-    /// the watchdog keeps the lease; gives up when the claim is lost.
+    /// One outcome stored, retrying a transient refusal with a growing pause while the
+    /// watchdog keeps the lease, for one lease length at most: a refusal that lasts
+    /// that long while renewals get through is taken as caused by this outcome. Gives
+    /// up at once when the claim is lost.
     async fn store_outcome(&self, outcome: &[u8]) -> Result<Finish> {
         let (scope, key) = (&self.scope, &self.key);
         let lost = self.lease.lost_signal();
         tokio::pin!(lost);
+        let window = self.lease.ttl;
+        let deadline = Instant::now() + window;
         let mut pause = Duration::from_millis(20);
         loop {
             let error = match self
@@ -1078,17 +1099,25 @@ impl RunningClaim {
                 Err(error) if error.kind() == ErrorKind::StoreUnavailable => error,
                 finished => return finished,
             };
+            if self.lease.is_lost() {
+                return Err(not_stored_before_loss(&self.lease, error));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::new(
+                    ErrorKind::StoreUnavailable,
+                    format!(
+                        "the store refused the outcome for {} while the claim was kept",
+                        crate::lock::describe_wait(window)
+                    ),
+                )
+                .with_source(error));
+            }
             telemetry::completion_retried(scope, key, &error);
             tokio::select! {
                 biased;
-                reason = &mut lost => {
-                    return Err(Error::new(
-                        ErrorKind::StoreUnavailable,
-                        format!("the outcome was not stored before the claim was lost ({reason})"),
-                    )
-                    .with_source(error));
-                }
-                () = tokio::time::sleep(pause) => {}
+                _ = &mut lost => return Err(not_stored_before_loss(&self.lease, error)),
+                () = tokio::time::sleep(pause.min(left)) => {}
             }
             pause = (pause * 2).min(Duration::from_secs(1));
         }

@@ -595,11 +595,9 @@ impl MysqlOutbox {
     /// application transaction that holds its row; `None` if it is no longer due.
     async fn lease_waiting(&self, key: &str, lease: Duration) -> Result<Option<LeasedRow>> {
         let what = "cannot claim a passed-over outbox key";
-        let mut connection = self.pool.acquire().await.map_err(fail(what))?;
-        sqlx::query("SET SESSION innodb_lock_wait_timeout = 1")
-            .execute(&mut *connection)
-            .await
-            .map_err(fail(what))?;
+        let mut connection =
+            ShortLockWait::set(&self.pool, "SET SESSION innodb_lock_wait_timeout = 1", what)
+                .await?;
         let leased = async {
             let mut transaction = Connection::begin(&mut *connection)
                 .await
@@ -614,12 +612,65 @@ impl MysqlOutbox {
             Ok(keys.into_iter().next())
         }
         .await;
-        // The connection goes back to the pool with the server's own lock wait.
-        sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT")
-            .execute(&mut *connection)
+        connection.reset(what).await?;
+        leased
+    }
+}
+
+/// A pooled connection whose `innodb_lock_wait_timeout` is cut short for one job. It
+/// goes back to the pool only once [`ShortLockWait::reset`] restored the server's own
+/// wait; dropped otherwise (the job cancelled, or the reset refused), it is closed, so
+/// that no later statement on the pool meets the short wait.
+struct ShortLockWait {
+    connection: sqlx::pool::PoolConnection<MySql>,
+    reset: bool,
+}
+
+impl ShortLockWait {
+    async fn set(
+        pool: &MySqlPool,
+        statement: &'static str,
+        what: &'static str,
+    ) -> Result<ShortLockWait> {
+        let mut connection = ShortLockWait {
+            connection: pool.acquire().await.map_err(fail(what))?,
+            reset: false,
+        };
+        sqlx::query(statement)
+            .execute(&mut *connection.connection)
             .await
             .map_err(fail(what))?;
-        leased
+        Ok(connection)
+    }
+
+    async fn reset(&mut self, what: &'static str) -> Result<()> {
+        sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+            .execute(&mut *self.connection)
+            .await
+            .map_err(fail(what))?;
+        self.reset = true;
+        Ok(())
+    }
+}
+
+impl std::ops::Deref for ShortLockWait {
+    type Target = MySqlConnection;
+    fn deref(&self) -> &MySqlConnection {
+        &self.connection
+    }
+}
+
+impl std::ops::DerefMut for ShortLockWait {
+    fn deref_mut(&mut self) -> &mut MySqlConnection {
+        &mut self.connection
+    }
+}
+
+impl Drop for ShortLockWait {
+    fn drop(&mut self) {
+        if !self.reset {
+            self.connection.close_on_drop();
+        }
     }
 }
 
@@ -756,14 +807,12 @@ impl OutboxStore for MysqlOutbox {
             // meet other relays' claims); it is rolled back whole, and settling again is
             // harmless (tokens and GREATEST make it idempotent).
             let what = "cannot record delivered outbox messages";
-            let mut connection = self.pool.acquire().await.map_err(fail(what))?;
             // A key row an application's transaction holds makes the settlement wait
             // at most two seconds, not the server's 50 s (longer than the lease): the
             // relay then settles the other keys on their own and retries this one.
-            sqlx::query("SET SESSION innodb_lock_wait_timeout = 2")
-                .execute(&mut *connection)
-                .await
-                .map_err(fail(what))?;
+            let mut connection =
+                ShortLockWait::set(&self.pool, "SET SESSION innodb_lock_wait_timeout = 2", what)
+                    .await?;
             let mut attempt = 0;
             let settled = loop {
                 match self
@@ -777,11 +826,7 @@ impl OutboxStore for MysqlOutbox {
                     other => break other,
                 }
             };
-            // The connection goes back to the pool with the server's own lock wait.
-            sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT")
-                .execute(&mut *connection)
-                .await
-                .map_err(fail(what))?;
+            connection.reset(what).await?;
             settled
         })
     }

@@ -605,43 +605,34 @@ where
     let response = tokio::select! {
         biased;
         reason = lost => {
+            // The handler was dropped mid-way. In the same-transaction mode its writes
+            // roll back and the key goes back; in the lease mode its effects may have
+            // happened, so the store is asked once to record that the outcome is
+            // unknown (it refuses if a newer claim already holds the key).
+            let in_transaction = finisher.as_ref().is_some_and(|finisher| finisher.asked());
             if let Some(finisher) = finisher {
                 finisher.rollback().await;
             }
-            claim.give_back().await;
+            if in_transaction {
+                claim.give_back().await;
+            } else {
+                record_outcome_unknown(claim, "the first attempt's claim was lost while its handler ran").await;
+            }
             return error_response(&Error::lost(reason));
         }
         response = std::panic::AssertUnwindSafe(call(&mut inner, request)).catch_unwind() => response,
     };
     let in_transaction = finisher.as_ref().is_some_and(|finisher| finisher.asked());
-    let response = match response {
-        Ok(response) => response,
-        // In the same-transaction mode the rollback undoes the handler's writes, so the
-        // key goes back; in the lease mode its effects may have happened, and a retry
-        // must not repeat them.
-        Err(_) if in_transaction => {
-            if let Some(finisher) = finisher {
-                finisher.rollback().await;
-            }
-            claim.give_back().await;
-            tracing::error!(
-                "the handler panicked; its transaction is rolled back and the Idempotency-Key given back"
-            );
-            return problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                types::STORE_UNAVAILABLE,
-                "The handler failed",
-                "the handler panicked; its writes were rolled back, and a retry with this key runs it again",
-                None,
-            );
+    let Ok(response) = response else {
+        if let Some(finisher) = finisher {
+            finisher.rollback().await;
         }
-        Err(_) => {
-            if let Some(finisher) = finisher {
-                finisher.rollback().await;
-            }
-            record_outcome_unknown(claim, "the first attempt's handler panicked").await;
-            return handler_panicked();
-        }
+        return panicked(
+            claim,
+            in_transaction,
+            "the first attempt's handler panicked",
+        )
+        .await;
     };
     let stored = config.store_status.unwrap_or(if in_transaction {
         stored_in_transactions_by_default
@@ -673,14 +664,29 @@ where
         prefix,
         trailers,
         rest,
-    } = match read_prefix(body, config.max_response_body).await {
-        Ok(read) => read,
+    } = match std::panic::AssertUnwindSafe(read_prefix(body, config.max_response_body))
+        .catch_unwind()
+        .await
+    {
+        // A body stream is the handler's code run late: its panic is the handler's.
+        Err(_) => {
+            if let Some(finisher) = finisher {
+                finisher.rollback().await;
+            }
+            return panicked(
+                claim,
+                in_transaction,
+                "the first attempt's response body panicked",
+            )
+            .await;
+        }
+        Ok(Ok(read)) => read,
         // The body broke off: what was read is no answer to store or to pass on as
         // whole, and the client's response breaks off the same way, so that it does
         // not trust half a body. In the same-transaction mode the rollback undoes the
         // writes and the key goes back; in the lease mode the handler's effects may
         // have happened, so a retry is told the outcome is unknown, never run again.
-        Err((prefix, error)) => {
+        Ok(Err((prefix, error))) => {
             if in_transaction {
                 if let Some(finisher) = finisher {
                     finisher.rollback().await;
@@ -903,8 +909,31 @@ async fn record_outcome_unknown(claim: super::RunningClaim, what_happened: &str)
         .await;
 }
 
-/// The first attempt's answer when its handler panicked in the lease mode.
-fn handler_panicked() -> Response<Body> {
+/// Settles a claim whose handler (or its response body) panicked, its transaction
+/// already rolled back, and answers. In the same-transaction mode the rollback undid
+/// the handler's writes, so the key goes back; in the lease mode its effects may have
+/// happened, and a retry must not repeat them: the key records that the outcome is
+/// unknown.
+async fn panicked(
+    claim: super::RunningClaim,
+    in_transaction: bool,
+    what_happened: &str,
+) -> Response<Body> {
+    if in_transaction {
+        claim.give_back().await;
+        tracing::error!(
+            what_happened,
+            "the handler panicked; its transaction is rolled back and the Idempotency-Key given back"
+        );
+        return problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            types::STORE_UNAVAILABLE,
+            "The handler failed",
+            "the handler panicked; its writes were rolled back, and a retry with this key runs it again",
+            None,
+        );
+    }
+    record_outcome_unknown(claim, what_happened).await;
     problem(
         StatusCode::INTERNAL_SERVER_ERROR,
         types::OUTCOME_UNKNOWN,
