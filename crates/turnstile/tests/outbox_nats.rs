@@ -2024,3 +2024,77 @@ async fn wait_for_relay(outbox: &Mysql, nats: &JetStreamPublisher) {
     let relay = Relay::new(outbox.store(), nats.clone());
     while relay.run_once().await.unwrap().keys > 0 {}
 }
+
+/// A relay whose NATS connection broke, and whose client is reconnecting through a
+/// network that swallows everything: a publish it makes meanwhile must complete inside
+/// its lease or never be sent (async-nats queues commands while it reconnects and sends
+/// them once it is back). Another relay then publishes the key's messages; when the
+/// first relay's network heals, past the stream's duplicate window, no stale copy of
+/// the key's head lands after its later messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_never_lands_after_its_lease() {
+    use turnstile_test_support::TcpProxy;
+    let nats = shared_nats();
+    let direct = connect(nats).await;
+    let (stream_name, subject) = names("stale");
+    let window = Duration::from_secs(2);
+    stream(&direct, &stream_name, &format!("{subject}.>"), window).await;
+    let proxy = TcpProxy::start(nats.port());
+    let cut_off = JetStreamPublisher::connect(&proxy.url_for(&nats.url()), Duration::from_secs(1))
+        .await
+        .unwrap();
+    let outbox = Sqlite::new().await;
+    let store = outbox.store();
+    let topic = format!("{subject}.entry");
+    let options = RelayOptions::new()
+        .lease(Duration::from_secs(1))
+        .backoff(Backoff {
+            base: Duration::from_millis(10),
+            max: Duration::from_millis(100),
+        });
+    // The first relay checks the topic and publishes while its network is whole.
+    let stale = Relay::new(store.clone(), cut_off.clone()).with_options(options.clone());
+    let warm = Message::json(topic.as_str(), "warm", &0).unwrap();
+    outbox.enqueue_one(&warm, true).await;
+    assert_eq!(stale.run_once().await.unwrap().published, 1);
+    let first = Message::json(topic.as_str(), "k", &1).unwrap();
+    outbox.enqueue_one(&first, true).await;
+    proxy.cut();
+    proxy.close_connections();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let round = stale.run_once().await.unwrap();
+    assert_eq!(round.keys, 1);
+    // Its lease over, a relay with a working network publishes the head and the next.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let second = Message::json(topic.as_str(), "k", &2).unwrap();
+    outbox.enqueue_one(&second, true).await;
+    let fresh = Relay::new(store.clone(), direct.clone()).with_options(options);
+    wait_until_empty_relaying(&fresh, &store).await;
+    tokio::time::sleep(window + Duration::from_millis(500)).await;
+    proxy.heal();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let delivered = read_all(&direct, &stream_name).await;
+    let seqs: Vec<u64> = delivered
+        .iter()
+        .filter(|(key, _, _)| key == "k")
+        .map(|(_, seq, _)| *seq)
+        .collect();
+    assert_eq!(
+        seqs,
+        [1, 2],
+        "a publish landed after its lease: {delivered:?}"
+    );
+}
+
+/// Runs `relay` round after round until `store` holds nothing to publish.
+async fn wait_until_empty_relaying(relay: &Relay, store: &impl OutboxStore) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while store.status(1).await.unwrap().pending > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the relay did not catch up"
+        );
+        let _ = relay.run_once().await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -11,6 +11,7 @@
 //! (lease + longest backoff): otherwise a redelivery could land outside it, and the
 //! relay refuses to run ([`ErrorKind::Configuration`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishErrorKind};
@@ -22,10 +23,45 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::future::BoxFuture;
 
 /// A JetStream publisher.
+///
+/// Publishes go over a connection of their own that never reconnects by itself:
+/// async-nats queues what it is asked to send while it reconnects and sends it once it
+/// is back, which for a relay cut off from NATS would be a key's head landing after
+/// its lease, behind later messages another relay published. So a publish is handed to
+/// that connection only while it is connected; one found down, or whose publish was
+/// cut off or timed out, is dropped with whatever it held (it gives up after a single
+/// reconnect attempt, within the connect timeout), and the next publish opens a new
+/// one. What is left: bytes already handed to TCP when a silent partition began can
+/// still arrive when it heals, until the server drops the stale connection (its
+/// `ping_interval` × `ping_max`, 4 minutes by default); the stream's duplicate window
+/// absorbs them if it is longer, and [`Inbox`](crate::idempotency::inbox::Inbox) drops
+/// them in any case (its cursor only moves forward).
 #[derive(Clone)]
 pub struct JetStreamPublisher {
+    /// The application's context (it reconnects on its own): stream checks, and what
+    /// [`JetStreamPublisher::jetstream`] hands out.
     jetstream: async_nats::jetstream::Context,
+    publishing: Arc<Publishing>,
     url: String,
+}
+
+/// The publishing connection, replaced whenever it cannot be trusted to send now.
+struct Publishing {
+    /// The server's address with its credentials, to open the next connection.
+    address: String,
+    timeout: Duration,
+    current: std::sync::Mutex<Option<PublishConnection>>,
+    /// Held while a new connection is opened: other publishes meanwhile fail at once
+    /// (and back off) instead of queueing behind a broker that may not answer.
+    opening: tokio::sync::Mutex<()>,
+    generation: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Clone)]
+struct PublishConnection {
+    client: async_nats::Client,
+    jetstream: async_nats::jetstream::Context,
+    generation: u64,
 }
 
 impl std::fmt::Debug for JetStreamPublisher {
@@ -41,33 +77,127 @@ impl JetStreamPublisher {
     /// answer within `timeout`.
     pub async fn connect(url: &str, timeout: Duration) -> Result<Self> {
         let redacted = crate::url::redact(url);
-        let options = async_nats::ConnectOptions::new()
-            .connection_timeout(timeout)
-            .request_timeout(Some(timeout));
-        let client = match tokio::time::timeout(timeout, options.connect(url)).await {
-            Ok(Ok(client)) => client,
-            Ok(Err(error)) => {
-                return Err(Error::new(
-                    ErrorKind::StoreUnavailable,
-                    format!("cannot connect to NATS at {redacted}: {error}"),
-                ));
-            }
-            Err(_) => {
-                return Err(Error::new(
-                    ErrorKind::StoreUnavailable,
-                    format!("NATS at {redacted} did not answer within {timeout:?}"),
-                ));
-            }
-        };
-        Ok(JetStreamPublisher {
+        let client = open(url, &redacted, timeout, false).await?;
+        let publishing = Arc::new(Publishing {
+            address: url.to_owned(),
+            timeout,
+            current: std::sync::Mutex::new(None),
+            opening: tokio::sync::Mutex::new(()),
+            generation: std::sync::atomic::AtomicU64::new(0),
+        });
+        let publisher = JetStreamPublisher {
             jetstream: async_nats::jetstream::new(client),
+            publishing,
             url: redacted,
-        })
+        };
+        publisher.publish_connection().await?;
+        Ok(publisher)
     }
 
-    /// The JetStream context, for the application's own streams and consumers.
+    /// The JetStream context, for the application's own streams and consumers (on a
+    /// connection of its own that reconnects by itself, not the one publishes use).
     pub fn jetstream(&self) -> &async_nats::jetstream::Context {
         &self.jetstream
+    }
+
+    /// The publishing connection if it is connected now, or a new one.
+    async fn publish_connection(&self) -> Result<PublishConnection> {
+        let publishing = &self.publishing;
+        // Read out first: the guard must not live on into `discard`, which locks too.
+        let current = publishing.slot().clone();
+        if let Some(connection) = current {
+            if connection.client.connection_state() == async_nats::connection::State::Connected {
+                return Ok(connection);
+            }
+            publishing.discard(connection.generation);
+        }
+        let Ok(_opening) = publishing.opening.try_lock() else {
+            return Err(Error::new(
+                ErrorKind::StoreUnavailable,
+                format!(
+                    "the connection to NATS at {} is being opened again",
+                    self.url
+                ),
+            ));
+        };
+        let opened = publishing.slot().clone();
+        if let Some(connection) = opened {
+            return Ok(connection);
+        }
+        let client = open(&publishing.address, &self.url, publishing.timeout, true).await?;
+        let connection = PublishConnection {
+            jetstream: async_nats::jetstream::new(client.clone()),
+            client,
+            generation: publishing
+                .generation
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+        };
+        *publishing.slot() = Some(connection.clone());
+        Ok(connection)
+    }
+}
+
+impl Publishing {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<PublishConnection>> {
+        self.current
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Drops connection `generation` if it is still the current one; what it queued
+    /// goes with it once its single reconnect attempt fails.
+    fn discard(&self, generation: u64) {
+        let mut slot = self.slot();
+        if slot
+            .as_ref()
+            .is_some_and(|connection| connection.generation == generation)
+        {
+            *slot = None;
+        }
+    }
+}
+
+/// Drops the publishing connection unless the publish it guards finished: a publish cut
+/// off (its future dropped at the lease's end) or timed out may still sit in the
+/// client, to be sent whenever it gets through.
+struct InFlight<'a> {
+    publishing: &'a Publishing,
+    generation: u64,
+    finished: bool,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.publishing.discard(self.generation);
+        }
+    }
+}
+
+/// Opens a client; `publishing` clients make one reconnect attempt at most, so that
+/// nothing they queued is sent long after it was asked for.
+async fn open(
+    url: &str,
+    redacted: &str,
+    timeout: Duration,
+    publishing: bool,
+) -> Result<async_nats::Client> {
+    let mut options = async_nats::ConnectOptions::new()
+        .connection_timeout(timeout)
+        .request_timeout(Some(timeout));
+    if publishing {
+        options = options.max_reconnects(1);
+    }
+    match tokio::time::timeout(timeout, options.connect(url)).await {
+        Ok(Ok(client)) => Ok(client),
+        Ok(Err(error)) => Err(Error::new(
+            ErrorKind::StoreUnavailable,
+            format!("cannot connect to NATS at {redacted}: {error}"),
+        )),
+        Err(_) => Err(Error::new(
+            ErrorKind::StoreUnavailable,
+            format!("NATS at {redacted} did not answer within {timeout:?}"),
+        )),
     }
 }
 
@@ -89,6 +219,15 @@ impl Publisher for JetStreamPublisher {
             headers.insert("Nats-Msg-Id", message.id());
             headers.insert("Turnstile-Key", message.key());
             headers.insert("Turnstile-Seq", seq.to_string().as_str());
+            let connection = self
+                .publish_connection()
+                .await
+                .map_err(|error| failure(false, error.to_string()))?;
+            let mut in_flight = InFlight {
+                publishing: &self.publishing,
+                generation: connection.generation,
+                finished: false,
+            };
             let classify = |kind: PublishErrorKind, error: String| match kind {
                 // The broker refuses this message for good.
                 PublishErrorKind::MaxPayloadExceeded
@@ -98,7 +237,17 @@ impl Publisher for JetStreamPublisher {
                 // unreachable or slow: try again later.
                 _ => failure(false, error),
             };
-            let ack = self
+            // A broker's answer leaves the connection fit; no answer (a timeout, a
+            // broken connection) may leave the message queued in it.
+            let settled = |kind: PublishErrorKind| {
+                !matches!(
+                    kind,
+                    PublishErrorKind::TimedOut
+                        | PublishErrorKind::BrokenPipe
+                        | PublishErrorKind::Other
+                )
+            };
+            let ack = match connection
                 .jetstream
                 .publish_with_headers(
                     message.topic().to_owned(),
@@ -106,8 +255,18 @@ impl Publisher for JetStreamPublisher {
                     bytes::Bytes::copy_from_slice(message.payload()),
                 )
                 .await
-                .map_err(|error| classify(error.kind(), error.to_string()))?;
-            ack.await
+            {
+                Ok(ack) => ack,
+                Err(error) => {
+                    in_flight.finished = settled(error.kind());
+                    return Err(classify(error.kind(), error.to_string()));
+                }
+            };
+            let acked = ack.await;
+            in_flight.finished = acked
+                .as_ref()
+                .map_or_else(|error| settled(error.kind()), |_| true);
+            acked
                 .map(|_| ())
                 .map_err(|error| classify(error.kind(), error.to_string()))
         })
