@@ -554,6 +554,16 @@ impl PostgresOutbox {
     /// key's last message. It is published once the transaction commits; a rollback
     /// takes it back. Enqueue last in the transaction: the key's row stays locked until
     /// it ends.
+    ///
+    /// Under `REPEATABLE READ` or `SERIALIZABLE` the enqueue updates the key's row,
+    /// which a relay updates too whenever it leases or settles the key: if a relay
+    /// touched it after the transaction's snapshot was taken, PostgreSQL refuses the
+    /// update with a serialization failure (SQLSTATE 40001), reported as
+    /// [`ErrorKind::StoreUnavailable`](crate::ErrorKind::StoreUnavailable). Nothing is
+    /// enqueued and the transaction is aborted: roll it back and run the whole
+    /// transaction again (not the enqueue alone), as for any serialization failure.
+    /// Under the default `READ COMMITTED` the enqueue waits for the relay's row lock
+    /// instead and never fails for this.
     pub async fn enqueue(&self, connection: &mut PgConnection, message: &Message) -> Result<u64> {
         super::check_size(message, self.max_message)?;
         let row = sqlx::query(self.sql.enqueue.sql())
