@@ -24,18 +24,20 @@ use crate::future::BoxFuture;
 
 /// A JetStream publisher.
 ///
-/// Publishes go over a connection of their own that never reconnects by itself:
-/// async-nats queues what it is asked to send while it reconnects and sends it once it
-/// is back, which for a relay cut off from NATS would be a key's head landing after
-/// its lease, behind later messages another relay published. So a publish is handed to
-/// that connection only while it is connected; one found down, or whose publish was
-/// cut off or timed out, is dropped with whatever it held (it gives up after a single
-/// reconnect attempt, within the connect timeout), and the next publish opens a new
-/// one. What is left: bytes already handed to TCP when a silent partition began can
-/// still arrive when it heals, until the server drops the stale connection (its
-/// `ping_interval` × `ping_max`, 4 minutes by default); the stream's duplicate window
-/// absorbs them if it is longer, and [`Inbox`](crate::idempotency::inbox::Inbox) drops
-/// them in any case (its cursor only moves forward).
+/// Publishes go over a connection of their own that never reconnects by itself for
+/// long: async-nats queues what it is asked to send while it reconnects and sends it
+/// once it is back, which for a relay cut off from NATS would be a key's head landing
+/// after its lease, behind later messages another relay published. So a publish is
+/// handed to that connection only while it is connected; one found down, or whose
+/// publish was cut off or timed out, is set aside (it makes a single reconnect attempt,
+/// bounded by the connect timeout, then gives up), and the next publish opens a new
+/// one. What is not covered: a command async-nats had already taken into a connection
+/// whose writes stall (a silent partition with a full send buffer) stays in that
+/// client, which async-nats offers no way to empty, and can still go out when the
+/// partition heals or over its one reconnect; so can bytes already handed to TCP. The
+/// stream's duplicate window absorbs such a copy if it lands inside it, and
+/// [`Inbox`](crate::idempotency::inbox::Inbox) drops it in any case (its cursor only
+/// moves forward).
 #[derive(Clone)]
 pub struct JetStreamPublisher {
     /// The application's context (it reconnects on its own): stream checks, and what
@@ -144,8 +146,8 @@ impl Publishing {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Drops connection `generation` if it is still the current one; what it queued
-    /// goes with it once its single reconnect attempt fails.
+    /// Sets connection `generation` aside if it is still the current one: no publish
+    /// goes to it again, and it gives up after its single reconnect attempt.
     fn discard(&self, generation: u64) {
         let mut slot = self.slot();
         if slot
@@ -157,9 +159,9 @@ impl Publishing {
     }
 }
 
-/// Drops the publishing connection unless the publish it guards finished: a publish cut
-/// off (its future dropped at the lease's end) or timed out may still sit in the
-/// client, to be sent whenever it gets through.
+/// Sets the publishing connection aside unless the publish it guards finished: a
+/// publish cut off (its future dropped at the lease's end) or timed out may still sit
+/// in the client, and no later publish should queue behind it.
 struct InFlight<'a> {
     publishing: &'a Publishing,
     generation: u64,
@@ -242,9 +244,7 @@ impl Publisher for JetStreamPublisher {
             let settled = |kind: PublishErrorKind| {
                 !matches!(
                     kind,
-                    PublishErrorKind::TimedOut
-                        | PublishErrorKind::BrokenPipe
-                        | PublishErrorKind::Other
+                    PublishErrorKind::TimedOut | PublishErrorKind::BrokenPipe
                 )
             };
             let ack = match connection
