@@ -605,19 +605,10 @@ where
     let response = tokio::select! {
         biased;
         reason = lost => {
-            // The handler was dropped mid-way. In the same-transaction mode its writes
-            // roll back and the key goes back; in the lease mode its effects may have
-            // happened, so the store is asked once to record that the outcome is
-            // unknown (it refuses if a newer claim already holds the key).
-            let in_transaction = finisher.as_ref().is_some_and(|finisher| finisher.asked());
             if let Some(finisher) = finisher {
                 finisher.rollback().await;
             }
-            if in_transaction {
-                claim.give_back().await;
-            } else {
-                record_outcome_unknown(claim, "the first attempt's claim was lost while its handler ran").await;
-            }
+            claim.give_back().await;
             return error_response(&Error::lost(reason));
         }
         response = std::panic::AssertUnwindSafe(call(&mut inner, request)).catch_unwind() => response,
