@@ -126,7 +126,11 @@ async fn app(
             post(|| async { (StatusCode::CREATED, "refund") }),
         )
         .route_layer(layer);
-    App { router, runs, dir }
+    App {
+        router,
+        runs,
+        _dir: dir,
+    }
 }
 
 fn request(path: &str, tenant: &str, key: Option<&str>, body: &str) -> Request<Body> {
