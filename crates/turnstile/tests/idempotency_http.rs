@@ -28,7 +28,7 @@ fn tenant(parts: &http::request::Parts) -> Option<Scope> {
 struct App {
     router: Router,
     runs: Arc<AtomicUsize>,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 async fn app(
@@ -69,6 +69,9 @@ async fn app(
                             Body::from_stream(futures_util::stream::iter(chunks)),
                         )
                             .into_response();
+                    }
+                    if body.contains("linger") {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
                     }
                     if body.contains("unwind") {
                         // A body stream that panics on its first frame: the handler's
@@ -126,11 +129,7 @@ async fn app(
             post(|| async { (StatusCode::CREATED, "refund") }),
         )
         .route_layer(layer);
-    App {
-        router,
-        runs,
-        _dir: dir,
-    }
+    App { router, runs, dir }
 }
 
 fn request(path: &str, tenant: &str, key: Option<&str>, body: &str) -> Request<Body> {
@@ -474,6 +473,47 @@ async fn a_body_that_panics_is_recorded_as_outcome_unknown() {
     let (status, _, answer) = send(
         &app.router,
         request("/payments", "acme", Some("unwound"), "unwind"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{answer}");
+    assert_eq!(problem_type(&answer), types::OUTCOME_UNKNOWN);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran again");
+}
+
+/// A claim lost while its handler runs (renewals blocked past the lease by a writer
+/// holding the database) drops the handler mid-way, after effects it may have had: in
+/// the lease mode the key records that the outcome is unknown once the store answers,
+/// so the retry is told so instead of running the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_lost_mid_handler_is_recorded_as_outcome_unknown() {
+    use sqlx::Connection;
+    let app = app(
+        |layer| layer,
+        IdempotencyOptions::new().lease(Duration::from_secs(1)),
+    )
+    .await;
+    let router = app.router.clone();
+    let first = tokio::spawn(async move {
+        send(
+            &router,
+            request("/payments", "acme", Some("held"), "linger"),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let url = format!("sqlite://{}", app.dir.path().join("keys.db").display());
+    let mut writer = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN EXCLUSIVE")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sqlx::query("COMMIT").execute(&mut writer).await.unwrap();
+    let (status, _, body) = first.await.unwrap();
+    assert!(status.is_server_error(), "{status}: {body}");
+    let (status, _, answer) = send(
+        &app.router,
+        request("/payments", "acme", Some("held"), "linger"),
     )
     .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{answer}");

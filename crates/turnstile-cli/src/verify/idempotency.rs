@@ -537,6 +537,14 @@ struct RequestRecord {
     key_mismatch: bool,
     /// A stored (replayed) answer other than a 201: the request's final answer.
     stored_error: Option<u16>,
+    /// 422 `idempotency-outcome-unknown`: the first attempt ran but was cut off (its
+    /// claim lost, its body broken), so the key records that its outcome is unknown
+    /// and never runs it again. A final answer, true whether or not the effect
+    /// happened.
+    outcome_unknown: bool,
+    /// 422 `not-replayable`: the request ran but its response could not be stored. A
+    /// final answer, which says an effect happened.
+    not_stored: bool,
     /// Any other status, in order.
     other_statuses: Vec<u16>,
 }
@@ -570,7 +578,8 @@ fn pick_port(ports: &Ports) -> Option<u16> {
     (!live.is_empty()).then(|| live[(rand::random::<u64>() % live.len() as u64) as usize])
 }
 
-/// Sends `request` until it is answered with a 201 or a 422, or `deadline_ns` passes.
+/// Sends `request` until it has a final answer (a 201, a 422 or a replayed error), or
+/// `deadline_ns` passes.
 async fn send_until_answered(
     http: &reqwest::Client,
     ports: &Ports,
@@ -631,6 +640,14 @@ async fn send_until_answered(
                     .unwrap_or_default();
                 if status == 422 && problem == types::KEY_REUSED {
                     request.key_mismatch = true;
+                    return;
+                }
+                if status == 422 && problem == types::OUTCOME_UNKNOWN {
+                    request.outcome_unknown = true;
+                    return;
+                }
+                if status == 422 && problem == types::NOT_REPLAYABLE {
+                    request.not_stored = true;
                     return;
                 }
                 if replayed {
@@ -718,6 +735,10 @@ struct IdempotencyCheck {
     in_flight_answers: u64,
     unavailable_answers: u64,
     claims_lost: u64,
+    /// Requests finally answered 422 outcome-unknown (the first attempt cut off).
+    outcome_unknown_answers: usize,
+    /// Requests finally answered 422 not-replayable (the response was not stored).
+    not_stored_answers: usize,
     faults: BTreeMap<String, usize>,
     verdicts: Vec<Verdict>,
     /// Each second effect (its id) and whether a fault explains it, for the report.
@@ -791,6 +812,14 @@ fn check(
                 request.scope, request.key
             ));
         }
+        if request.not_stored
+            && !by_request.contains_key(&(request.scope.as_str(), request.key.as_str()))
+        {
+            wrong_answers.push(format!(
+                "{}/{}: answered that its response was not stored, though no effect happened",
+                request.scope, request.key
+            ));
+        }
         let Some(answer) = &request.answer else {
             continue;
         };
@@ -815,7 +844,11 @@ fn check(
     let unanswered: Vec<String> = requests
         .iter()
         .filter(|request| {
-            request.answer.is_none() && !request.key_mismatch && request.stored_error.is_none()
+            request.answer.is_none()
+                && !request.key_mismatch
+                && request.stored_error.is_none()
+                && !request.outcome_unknown
+                && !request.not_stored
         })
         .map(|request| {
             format!(
@@ -891,6 +924,8 @@ fn check(
         in_flight_answers: total(|r| r.in_flight),
         unavailable_answers: total(|r| r.unavailable),
         claims_lost: total(|r| r.claim_lost),
+        outcome_unknown_answers: requests.iter().filter(|r| r.outcome_unknown).count(),
+        not_stored_answers: requests.iter().filter(|r| r.not_stored).count(),
         faults: fault_counts,
         verdicts,
         second_effects,
@@ -1036,7 +1071,8 @@ fn html(summary: &IdempotencySummary) -> String {
         let _ = write!(
             page,
             "<p>{} requests, {} answered, {} effects, {} second effects ({} explained), {} replays, \
-             {} dropped responses, {} answered 409 in flight, {} answered 503.</p>{}",
+             {} dropped responses, {} answered 409 in flight, {} answered 503, {} finally answered \
+             outcome-unknown, {} finally answered not-stored.</p>{}",
             check.requests,
             check.answered,
             check.effects,
@@ -1046,6 +1082,8 @@ fn html(summary: &IdempotencySummary) -> String {
             check.dropped_responses,
             check.in_flight_answers,
             check.unavailable_answers,
+            check.outcome_unknown_answers,
+            check.not_stored_answers,
             run.chart.svg(check, summary.instances),
         );
     }
@@ -1740,5 +1778,29 @@ mod tests {
         assert!(passed(&with_effect, "every request answered"));
         let without = check(&[request], &[], &[], &strict());
         assert!(passed(&without, "answers are their own"));
+    }
+
+    #[test]
+    fn outcome_unknown_and_not_stored_are_final_answers() {
+        let ours = effect(1, "acme", "k", 0, 1_000);
+        let mut unknown = answered("acme", "k", &ours);
+        unknown.answer = None;
+        unknown.outcome_unknown = true;
+        // Outcome-unknown is honest whether or not the effect happened.
+        for effects in [&[ours.clone()][..], &[]] {
+            let check = check(&[unknown.clone()], effects, &[], &strict());
+            assert!(passed(&check, "every request answered"));
+            assert!(passed(&check, "answers are their own"));
+            assert_eq!(check.outcome_unknown_answers, 1);
+        }
+        let mut not_stored = answered("acme", "k", &ours);
+        not_stored.answer = None;
+        not_stored.not_stored = true;
+        let with_effect = check(&[not_stored.clone()], &[ours], &[], &strict());
+        assert!(passed(&with_effect, "every request answered"));
+        assert!(passed(&with_effect, "answers are their own"));
+        // "Processed, response not stored" for a request that never ran is a lie.
+        let without = check(&[not_stored], &[], &[], &strict());
+        assert!(!passed(&without, "answers are their own"));
     }
 }

@@ -50,7 +50,8 @@
 //!   policy.
 //! - A first attempt that ran but did not end as a whole response — the handler
 //!   panicked, its response body broke off half way (the client's response breaks off
-//!   too), or, with the default policy, a timeout layer inside this one answered 408
+//!   too), its claim was lost while it ran (it was dropped mid-way), or, with the
+//!   default policy, a timeout layer inside this one answered 408
 //!   after dropping the handler mid-way — has effects nobody can tell. In the lease
 //!   mode the key records that: a retry gets 422 `types::OUTCOME_UNKNOWN` and the
 //!   handler never runs twice (a panicking first attempt itself gets 500 of that
@@ -605,10 +606,19 @@ where
     let response = tokio::select! {
         biased;
         reason = lost => {
+            // The handler was dropped mid-way. In the same-transaction mode its writes
+            // roll back and the key goes back; in the lease mode its effects may have
+            // happened, so the store is asked once to record that the outcome is
+            // unknown (it refuses if a newer claim already holds the key).
+            let in_transaction = finisher.as_ref().is_some_and(|finisher| finisher.asked());
             if let Some(finisher) = finisher {
                 finisher.rollback().await;
             }
-            claim.give_back().await;
+            if in_transaction {
+                claim.give_back().await;
+            } else {
+                record_outcome_unknown(claim, "the first attempt's claim was lost while its handler ran").await;
+            }
             return error_response(&Error::lost(reason));
         }
         response = std::panic::AssertUnwindSafe(call(&mut inner, request)).catch_unwind() => response,
