@@ -14,7 +14,7 @@ use turnstile::outbox::nats::JetStreamPublisher;
 use turnstile::outbox::postgres::PostgresOutbox;
 use turnstile::outbox::relay::{Publisher, Relay, RelayOptions};
 use turnstile::outbox::sqlite::SqliteOutbox;
-use turnstile::outbox::{Backoff, Message, OutboxStore};
+use turnstile::outbox::{Backoff, Failure, Message, OutboxStore, Settled, Settlement};
 use turnstile_test_support::{NatsServer, unique_name};
 
 /// An outbox under test: its store, more stores on the same data (other processes'),
@@ -949,6 +949,145 @@ async fn a_missing_message_is_never_stepped_over(outbox: impl TestOutbox) {
     assert_eq!(ids, [0, 2, 3].map(|n| messages[n].id().to_owned()));
 }
 
+/// Leases `store`'s one due key, waiting out its backoff.
+async fn lease_the_key(store: &impl OutboxStore) -> turnstile::outbox::LeasedKey {
+    for _ in 0..500 {
+        let leased = store
+            .claim_within(1, 10, u64::MAX, Duration::from_secs(30))
+            .await
+            .unwrap();
+        if let Some(key) = leased.into_iter().next() {
+            return key;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the key was never due again");
+}
+
+/// A settlement of `key` whose head message failed, permanently or not.
+fn failed(key: &turnstile::outbox::LeasedKey, permanent: bool) -> Settlement {
+    Settlement {
+        key: key.key.clone(),
+        token: key.token,
+        delivered_through: 0,
+        failure: Some(Failure {
+            permanent,
+            reason: if permanent { "refused" } else { "unreachable" }.to_owned(),
+        }),
+    }
+}
+
+/// Transient failures (a broker unreachable for a while) never count toward parking:
+/// only `max_attempts` permanent ones do. A settlement tried again after its commit's
+/// reply was lost (the same lease settled twice) counts once and gets its first
+/// answer. Both columns are added to tables made before them.
+async fn only_permanent_failures_park_and_a_settlement_counts_once(outbox: impl TestOutbox) {
+    // Tables as an earlier release made them: opening a store adds the columns.
+    outbox
+        .execute("ALTER TABLE turnstile_outbox_keys DROP COLUMN permanent_failures")
+        .await;
+    outbox
+        .execute("ALTER TABLE turnstile_outbox_keys DROP COLUMN settled_token")
+        .await;
+    let store = outbox.another().await;
+    let message = Message::new("counted.x", "counted", b"m".to_vec()).unwrap();
+    outbox.enqueue_one(&message, true).await;
+    let backoff = Backoff {
+        base: Duration::from_millis(1),
+        max: Duration::from_millis(2),
+    };
+    let (max_attempts, done, parked) = (2, [Settled::Done], [Settled::Parked]);
+    for _ in 0..5 {
+        let key = lease_the_key(&store).await;
+        let transient = [failed(&key, false)];
+        let answer = store.settle(&transient, max_attempts, backoff).await;
+        assert_eq!(answer.unwrap(), done, "a transient failure parked");
+    }
+    let key = lease_the_key(&store).await;
+    let first = failed(&key, true);
+    assert_eq!(
+        store
+            .settle(&[first.clone()], max_attempts, backoff)
+            .await
+            .unwrap(),
+        done
+    );
+    // Its reply lost, the relay settles the same lease again: counted once.
+    assert_eq!(
+        store.settle(&[first], max_attempts, backoff).await.unwrap(),
+        done,
+        "a settlement tried again counted its failure twice"
+    );
+    assert!(store.status(10).await.unwrap().parked.is_empty());
+    let key = lease_the_key(&store).await;
+    let second = failed(&key, true);
+    assert_eq!(
+        store
+            .settle(&[second.clone()], max_attempts, backoff)
+            .await
+            .unwrap(),
+        parked
+    );
+    assert_eq!(
+        store
+            .settle(&[second], max_attempts, backoff)
+            .await
+            .unwrap(),
+        parked
+    );
+    let status = store.status(10).await.unwrap();
+    assert_eq!(status.parked.len(), 1, "{status:?}");
+    assert_eq!(status.parked[0].reason.as_deref(), Some("refused"));
+}
+
+/// `outbox skip` never drops an audit copy: when the skipped messages already hold one
+/// for the key and number (the outbox's sequences started again since), the skip is
+/// refused with the reason and changes nothing; once that row is moved, it goes.
+async fn a_skip_never_drops_an_older_audit_copy(outbox: impl TestOutbox) {
+    let store = outbox.store();
+    let backoff = Backoff {
+        base: Duration::from_millis(1),
+        max: Duration::from_millis(2),
+    };
+    let park = || async {
+        let key = lease_the_key(&store).await;
+        let answer = store
+            .settle(&[failed(&key, true)], 1, backoff)
+            .await
+            .unwrap();
+        assert_eq!(answer, [Settled::Parked]);
+    };
+    let first = Message::new("audit.x", "audited", b"first".to_vec()).unwrap();
+    outbox.enqueue_one(&first, true).await;
+    park().await;
+    assert!(store.skip("audited", 1).await.unwrap());
+    // The key's rows go (a restored or reset outbox) and its numbers start again.
+    outbox
+        .execute("DELETE FROM turnstile_outbox_keys WHERE ordering_key = 'audited'")
+        .await;
+    let again = Message::new("audit.x", "audited", b"again".to_vec()).unwrap();
+    outbox.enqueue_one(&again, true).await;
+    park().await;
+    let refused = store.skip("audited", 1).await.unwrap_err();
+    assert_eq!(refused.kind(), turnstile::ErrorKind::Conflict, "{refused}");
+    assert!(refused.to_string().contains("audit copy"), "{refused}");
+    let status = store.status(10).await.unwrap();
+    assert_eq!(
+        status.parked.len(),
+        1,
+        "the refused skip changed the key: {status:?}"
+    );
+    assert_eq!(status.parked[0].pending, 1);
+    outbox
+        .execute("DELETE FROM turnstile_outbox_skipped WHERE ordering_key = 'audited'")
+        .await;
+    assert!(
+        store.skip("audited", 1).await.unwrap(),
+        "the message was there"
+    );
+    assert!(store.status(10).await.unwrap().parked.is_empty());
+}
+
 /// The checks, once per store.
 macro_rules! outbox_checks {
     ($module:ident, $outbox:expr) => {
@@ -1004,6 +1143,16 @@ macro_rules! outbox_checks {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_topic_the_broker_cannot_serve_parks_only_its_keys() {
                 super::a_topic_the_broker_cannot_serve_parks_only_its_keys($outbox).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn only_permanent_failures_park_and_a_settlement_counts_once() {
+                super::only_permanent_failures_park_and_a_settlement_counts_once($outbox).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_skip_never_drops_an_older_audit_copy() {
+                super::a_skip_never_drops_an_older_audit_copy($outbox).await;
             }
         }
     };

@@ -36,6 +36,18 @@ use crate::url::{split_url_options, unknown_option};
 
 struct Sql {
     create: [Statement; 5],
+    /// The key table's columns, to add the ones tables made before them lack.
+    key_columns: Statement,
+    /// Columns added to the key table after its first release, and how to add each:
+    /// the head message's permanent failures (only those park a key), and the lease
+    /// token last settled (a settlement tried again after a lost commit reply changes
+    /// nothing).
+    added_key_columns: [(&'static str, Statement); 2],
+    /// A row if the message (key, seq) has an audit copy (a skip refuses to drop or
+    /// overwrite one).
+    skipped_copy: Statement,
+    /// The recorded answer of a lease settled already (key, token, token).
+    settled_before: Statement,
     identity: Statement,
     create_identity: Statement,
     skip_head: Statement,
@@ -80,6 +92,8 @@ impl Sql {
                         last_error TEXT NULL,
                         parked TINYINT NOT NULL DEFAULT 0,
                         parked_us BIGINT NULL,
+                        permanent_failures INT NOT NULL DEFAULT 0,
+                        settled_token BIGINT NOT NULL DEFAULT 0,
                         KEY due (parked, available_us)) ENGINE = InnoDB"
                 )),
                 statement(format!(
@@ -128,6 +142,30 @@ impl Sql {
                         PRIMARY KEY (ordering_key, seq)) ENGINE = InnoDB"
                 )),
             ],
+            key_columns: statement(format!(
+                "SELECT CAST(COLUMN_NAME AS CHAR) FROM information_schema.COLUMNS
+                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{prefix}_outbox_keys'"
+            )),
+            added_key_columns: [
+                (
+                    "permanent_failures",
+                    statement(format!(
+                        "ALTER TABLE {keys} ADD COLUMN permanent_failures INT NOT NULL DEFAULT 0"
+                    )),
+                ),
+                (
+                    "settled_token",
+                    statement(format!(
+                        "ALTER TABLE {keys} ADD COLUMN settled_token BIGINT NOT NULL DEFAULT 0"
+                    )),
+                ),
+            ],
+            skipped_copy: statement(format!(
+                "SELECT 1 FROM `{prefix}_outbox_skipped` WHERE ordering_key = ? AND seq = ?"
+            )),
+            settled_before: statement(format!(
+                "SELECT parked FROM {keys} WHERE ordering_key = ? AND lease_token = ? AND settled_token = ?"
+            )),
             identity: statement(format!("SELECT id FROM `{prefix}_outbox_identity`")),
             create_identity: statement(format!(
                 "INSERT IGNORE INTO `{prefix}_outbox_identity` (one, id) VALUES (1, ?)"
@@ -136,7 +174,7 @@ impl Sql {
                 "SELECT acked_seq, parked FROM {keys} WHERE ordering_key = ? FOR UPDATE"
             )),
             skip_keep: statement(format!(
-                "INSERT IGNORE INTO `{prefix}_outbox_skipped`
+                "INSERT INTO `{prefix}_outbox_skipped`
                     (ordering_key, seq, id, topic, headers, payload, created_us, skipped_us, reason)
                  SELECT m.ordering_key, m.seq, m.id, m.topic, m.headers, m.payload, m.created_us, {now}, k.last_error
                  FROM {outbox} m JOIN {keys} k ON k.ordering_key = m.ordering_key
@@ -146,8 +184,8 @@ impl Sql {
                 "DELETE FROM {outbox} WHERE ordering_key = ? AND seq = ?"
             )),
             skip_unpark: statement(format!(
-                "UPDATE {keys} SET acked_seq = ?, parked = 0, attempts = 0, last_error = NULL,
-                    available_us = 0
+                "UPDATE {keys} SET acked_seq = ?, parked = 0, attempts = 0, permanent_failures = 0,
+                    last_error = NULL, available_us = 0
                  WHERE ordering_key = ?"
             )),
             keep: statement(format!(
@@ -190,27 +228,34 @@ impl Sql {
                    AND available_us < ?
                  ORDER BY available_us LIMIT 1"
             )),
-            // MySQL assigns left to right on the updated row: `attempts` and `acked_seq`,
-            // which the others read, come last. `tries` is the failures of the head
-            // message before this one (0 when this settlement moved the head).
-            // Binds: failed, delivered, max attempts (park); reason; failed, max µs,
-            // base µs, delivered (backoff); failed, delivered (attempts); delivered; key,
-            // token.
+            // MySQL assigns left to right on the updated row: `permanent_failures`,
+            // `attempts` and `acked_seq`, which the others read, come last. The head
+            // message's failures before this one (all of them for the backoff, the
+            // permanent ones for parking) start again at 0 when this settlement moved
+            // the head. A lease settled already is left as it is (`settled_token`).
+            // Binds: permanent, delivered, max attempts (park); reason; failed, max µs,
+            // base µs, delivered (backoff); permanent, delivered, failed, delivered
+            // (permanent failures); failed, delivered (attempts); token; delivered; key,
+            // token, token.
             settle: statement(format!(
                 "UPDATE {keys} SET
-                    parked = IF(? AND IF(? > acked_seq, 0, attempts) + 1 >= ?, 1, 0),
+                    parked = IF(? AND IF(? > acked_seq, 0, permanent_failures) + 1 >= ?, 1, 0),
                     parked_us = {now},
                     last_error = ?,
                     available_us = IF(?, {now} + CAST(LEAST(?, ? << LEAST(IF(? > acked_seq, 0, attempts), 20))
                                          * (0.5 + RAND() / 2) AS SIGNED), {now}),
+                    permanent_failures = IF(?, IF(? > acked_seq, 0, permanent_failures) + 1,
+                                            IF(? AND ? <= acked_seq, permanent_failures, 0)),
                     attempts = IF(?, IF(? > acked_seq, 0, attempts) + 1, 0),
+                    settled_token = ?,
                     acked_seq = GREATEST(acked_seq, ?)
-                 WHERE ordering_key = ? AND lease_token = ?"
+                 WHERE ordering_key = ? AND lease_token = ? AND settled_token <> ?"
             )),
             parked_of: statement(format!("SELECT parked FROM {keys} WHERE ordering_key = ?")),
             delete: statement(format!("DELETE FROM {outbox} WHERE ordering_key = ? AND seq <= ?")),
             redrive: statement(format!(
-                "UPDATE {keys} SET parked = 0, attempts = 0, last_error = NULL, available_us = 0
+                "UPDATE {keys} SET parked = 0, attempts = 0, permanent_failures = 0,
+                    last_error = NULL, available_us = 0
                  WHERE ordering_key = ? AND parked = 1"
             )),
             status: statement(format!(
@@ -347,6 +392,23 @@ impl MysqlOutbox {
                 .execute(&self.pool)
                 .await
                 .map_err(fail("cannot create the outbox tables"))?;
+        }
+        let columns: Vec<String> = sqlx::query_scalar(self.sql.key_columns.sql())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(fail("cannot read the outbox tables' columns"))?;
+        for (column, add) in &self.sql.added_key_columns {
+            if columns.iter().any(|name| name == column) {
+                continue;
+            }
+            match sqlx::query(add.sql()).execute(&self.pool).await {
+                Ok(_) => {}
+                // Another process added it meanwhile (1060: duplicate column name).
+                Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("42S21") => {}
+                Err(error) => {
+                    return Err(map_error(error, "cannot add a column to the outbox tables"));
+                }
+            }
         }
         sqlx::query(self.sql.create_identity.sql())
             .bind(uuid::Uuid::now_v7().to_string())
@@ -488,6 +550,7 @@ impl MysqlOutbox {
             let failed = settlement.failure.is_some();
             let permanent = settlement.failure.as_ref().is_some_and(|f| f.permanent);
             let delivered = signed(settlement.delivered_through);
+            let token = signed(settlement.token);
             let changed = sqlx::query(self.sql.settle.sql())
                 .bind(permanent)
                 .bind(delivered)
@@ -497,16 +560,36 @@ impl MysqlOutbox {
                 .bind(max_us)
                 .bind(base_us)
                 .bind(delivered)
+                .bind(permanent)
+                .bind(delivered)
                 .bind(failed)
                 .bind(delivered)
+                .bind(failed)
+                .bind(delivered)
+                .bind(token)
                 .bind(delivered)
                 .bind(settlement.key.as_bytes())
-                .bind(signed(settlement.token))
+                .bind(token)
+                .bind(token)
                 .execute(&mut *transaction)
                 .await
                 .map_err(fail(what))?
                 .rows_affected();
             if changed == 0 {
+                // Fenced, or settled already (its commit's reply was lost and the
+                // settlement is tried again): then its recorded answer, counted once.
+                let settled: Option<i8> = sqlx::query_scalar(self.sql.settled_before.sql())
+                    .bind(settlement.key.as_bytes())
+                    .bind(token)
+                    .bind(token)
+                    .fetch_optional(&mut *transaction)
+                    .await
+                    .map_err(fail(what))?;
+                answers[index] = match settled {
+                    Some(1) => Settled::Parked,
+                    Some(_) => Settled::Done,
+                    None => Settled::Fenced,
+                };
                 continue;
             }
             if self.keep_delivered.is_some() {
@@ -861,6 +944,22 @@ impl OutboxStore for MysqlOutbox {
                 })
                 .transpose()?;
             super::check_skip(key, seq, head)?;
+            // An audit copy of this key and number already there (an outbox whose
+            // sequences started again) is never dropped or overwritten: the skip is
+            // refused, and changes nothing.
+            let copied: Option<i32> = sqlx::query_scalar(self.sql.skipped_copy.sql())
+                .bind(key.as_bytes())
+                .bind(signed(seq))
+                .fetch_optional(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+            if copied.is_some() {
+                return Err(super::skip_conflict(
+                    key,
+                    seq,
+                    "the skipped messages' table",
+                ));
+            }
             let moved = sqlx::query(self.sql.skip_keep.sql())
                 .bind(key.as_bytes())
                 .bind(signed(seq))

@@ -45,6 +45,16 @@ use crate::url::{split_url_options, unknown_option};
 
 struct Sql {
     create: Vec<String>,
+    /// The key table's columns, to add the ones tables made before them lack.
+    key_columns: Statement,
+    /// Columns added to the key table after its first release, and how to add each:
+    /// the head message's permanent failures (only those park a key), and the lease
+    /// token last settled (a settlement tried again after a lost commit reply changes
+    /// nothing).
+    added_key_columns: Vec<(&'static str, String)>,
+    /// $1 key, $2 seq: a row if the message has an audit copy (a skip refuses to drop
+    /// or overwrite one).
+    skipped_copy: Statement,
     enqueue: Statement,
     claim: Statement,
     claim_waiting: Statement,
@@ -167,8 +177,14 @@ impl Sql {
                         attempts = CASE WHEN d.failed
                             THEN (CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END) + 1
                             ELSE 0 END,
+                        permanent_failures = CASE
+                            WHEN d.permanent THEN
+                                (CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.permanent_failures END) + 1
+                            WHEN d.failed AND d.delivered <= k.acked_seq THEN k.permanent_failures
+                            ELSE 0 END,
                         parked = d.permanent
-                            AND (CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.attempts END) + 1 >= $7,
+                            AND (CASE WHEN d.delivered > k.acked_seq THEN 0 ELSE k.permanent_failures END) + 1 >= $7,
+                        settled_token = d.token,
                         parked_at = {now},
                         last_error = d.reason,
                         available_at = CASE WHEN d.failed THEN {now} + make_interval(secs =>
@@ -178,9 +194,15 @@ impl Sql {
                         acked_seq = GREATEST(k.acked_seq, d.delivered)
                     FROM d JOIN locked l ON l.ordering_key = d.ordering_key
                     WHERE k.ordering_key = d.ordering_key AND k.lease_token = d.token
+                        AND k.settled_token <> d.token
                     RETURNING k.ordering_key, k.acked_seq, k.parked, l.acked_seq AS acked_before),
                  {gone}
-                 SELECT ordering_key, parked, (SELECT count(*) FROM gone) AS deleted FROM settled"
+                 SELECT ordering_key, parked, (SELECT count(*) FROM gone) AS deleted FROM settled
+                 -- A lease settled already (its commit's reply was lost and the
+                 -- settlement is tried again): its recorded answer, counted once.
+                 UNION ALL
+                 SELECT k.ordering_key, k.parked, 0 FROM {keys} k JOIN d ON d.ordering_key = k.ordering_key
+                 WHERE k.lease_token = d.token AND k.settled_token = d.token"
             )
         };
         // A pending key's head message, looked up in the key's index. The `LIMIT`
@@ -222,7 +244,9 @@ impl Sql {
                         attempts INT NOT NULL DEFAULT 0,
                         last_error TEXT,
                         parked BOOLEAN NOT NULL DEFAULT false,
-                        parked_at TIMESTAMPTZ)"
+                        parked_at TIMESTAMPTZ,
+                        permanent_failures INT NOT NULL DEFAULT 0,
+                        settled_token BIGINT NOT NULL DEFAULT 0)"
                 ),
                 format!(
                     "CREATE INDEX IF NOT EXISTS \"{prefix}_outbox_keys_due\" ON {keys} (available_at)
@@ -350,6 +374,23 @@ impl Sql {
             create_identity: statement(format!(
                 "INSERT INTO {identity} (one, id) VALUES (1, $1) ON CONFLICT DO NOTHING"
             )),
+            key_columns: statement(format!(
+                "SELECT attname::text FROM pg_attribute
+                 WHERE attrelid = '{keys}'::regclass AND attnum > 0 AND NOT attisdropped"
+            )),
+            added_key_columns: vec![
+                (
+                    "permanent_failures",
+                    format!("ALTER TABLE {keys} ADD COLUMN IF NOT EXISTS permanent_failures INT NOT NULL DEFAULT 0"),
+                ),
+                (
+                    "settled_token",
+                    format!("ALTER TABLE {keys} ADD COLUMN IF NOT EXISTS settled_token BIGINT NOT NULL DEFAULT 0"),
+                ),
+            ],
+            skipped_copy: statement(format!(
+                "SELECT 1 FROM {skipped} WHERE ordering_key = $1 AND seq = $2"
+            )),
             skip_head: statement(format!(
                 "SELECT acked_seq, parked FROM {keys} WHERE ordering_key = $1 FOR UPDATE"
             )),
@@ -363,9 +404,10 @@ impl Sql {
                         (ordering_key, seq, id, topic, headers, payload, created_at, skipped_at, reason)
                     SELECT m.ordering_key, m.seq, m.id, m.topic, m.headers, m.payload, m.created_at, {now},
                            (SELECT last_error FROM {keys} WHERE ordering_key = $1)
-                    FROM moved m ON CONFLICT DO NOTHING RETURNING 1),
+                    FROM moved m RETURNING 1),
                  unparked AS (
-                    UPDATE {keys} SET acked_seq = $2, parked = false, attempts = 0, last_error = NULL,
+                    UPDATE {keys} SET acked_seq = $2, parked = false, attempts = 0,
+                        permanent_failures = 0, last_error = NULL,
                         available_at = '-infinity'
                     WHERE ordering_key = $1 RETURNING 1),
                  woken AS (SELECT pg_notify('{channel}', '') FROM unparked)
@@ -373,8 +415,8 @@ impl Sql {
             )),
             redrive: statement(format!(
                 "WITH k AS (
-                    UPDATE {keys} SET parked = false, attempts = 0, last_error = NULL,
-                        available_at = '-infinity'
+                    UPDATE {keys} SET parked = false, attempts = 0, permanent_failures = 0,
+                        last_error = NULL, available_at = '-infinity'
                     WHERE ordering_key = $1 AND parked RETURNING 1),
                  woken AS (SELECT pg_notify('{channel}', '') FROM k)
                  SELECT (SELECT count(*) FROM k) AS redriven, (SELECT count(*) FROM woken) AS woken"
@@ -541,6 +583,20 @@ impl PostgresOutbox {
                 .execute(&mut *transaction)
                 .await
                 .map_err(fail(what))?;
+        }
+        // Only a column that is missing is added: an ALTER TABLE waits for every
+        // transaction on the table, and every enqueue waits behind it.
+        let columns: Vec<String> = sqlx::query_scalar(self.sql.key_columns.sql())
+            .fetch_all(&mut *transaction)
+            .await
+            .map_err(fail(what))?;
+        for (column, add) in &self.sql.added_key_columns {
+            if !columns.iter().any(|name| name == column) {
+                sqlx::query(sqlx::AssertSqlSafe(add.as_str()))
+                    .execute(&mut *transaction)
+                    .await
+                    .map_err(fail(what))?;
+            }
         }
         sqlx::query(self.sql.create_identity.sql())
             .bind(uuid::Uuid::now_v7().to_string())
@@ -872,6 +928,22 @@ impl OutboxStore for PostgresOutbox {
                 })
                 .transpose()?;
             super::check_skip(key, seq, head)?;
+            // An audit copy of this key and number already there (an outbox whose
+            // sequences started again) is never dropped or overwritten: the skip is
+            // refused, and changes nothing.
+            let copied: Option<i32> = sqlx::query_scalar(self.sql.skipped_copy.sql())
+                .bind(key)
+                .bind(signed(seq))
+                .fetch_optional(&mut *transaction)
+                .await
+                .map_err(fail(what))?;
+            if copied.is_some() {
+                return Err(super::skip_conflict(
+                    key,
+                    seq,
+                    "the skipped messages' table",
+                ));
+            }
             let moved: i64 = sqlx::query(self.sql.skip.sql())
                 .bind(key)
                 .bind(signed(seq))

@@ -44,7 +44,9 @@ const CREATE: [&str; 7] = [
         attempts INTEGER NOT NULL DEFAULT 0,
         last_error TEXT,
         parked INTEGER NOT NULL DEFAULT 0,
-        parked_ms INTEGER) WITHOUT ROWID",
+        parked_ms INTEGER,
+        permanent_failures INTEGER NOT NULL DEFAULT 0,
+        settled_token INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID",
     "CREATE INDEX IF NOT EXISTS turnstile_outbox_keys_due
         ON turnstile_outbox_keys (available_ms) WHERE acked_seq < last_seq AND parked = 0",
     "CREATE TABLE IF NOT EXISTS turnstile_outbox (
@@ -87,6 +89,21 @@ const CREATE: [&str; 7] = [
         skipped_ms INTEGER NOT NULL,
         reason TEXT,
         UNIQUE (ordering_key, seq))",
+];
+
+/// Columns added to `turnstile_outbox_keys` after its first release, for tables made
+/// before them: the head message's permanent failures (only those park a key), and
+/// the lease token last settled (a settlement tried again after a lost commit reply
+/// changes nothing).
+const ADDED_KEY_COLUMNS: [(&str, &str); 2] = [
+    (
+        "permanent_failures",
+        "ALTER TABLE turnstile_outbox_keys ADD COLUMN permanent_failures INTEGER NOT NULL DEFAULT 0",
+    ),
+    (
+        "settled_token",
+        "ALTER TABLE turnstile_outbox_keys ADD COLUMN settled_token INTEGER NOT NULL DEFAULT 0",
+    ),
 ];
 
 /// The outbox in a SQLite database file.
@@ -175,6 +192,24 @@ impl SqliteOutbox {
                 .execute(&self.pool)
                 .await
                 .map_err(fail("cannot create the outbox tables"))?;
+        }
+        let columns: Vec<String> =
+            sqlx::query_scalar("SELECT name FROM pragma_table_info('turnstile_outbox_keys')")
+                .fetch_all(&self.pool)
+                .await
+                .map_err(fail("cannot read the outbox tables' columns"))?;
+        for (column, add) in ADDED_KEY_COLUMNS {
+            if columns.iter().any(|name| name == column) {
+                continue;
+            }
+            match sqlx::query(add).execute(&self.pool).await {
+                Ok(_) => {}
+                // Another process added it meanwhile.
+                Err(error) if error.to_string().contains("duplicate column name") => {}
+                Err(error) => {
+                    return Err(map_error(error, "cannot add a column to the outbox tables"));
+                }
+            }
         }
         sqlx::query("INSERT OR IGNORE INTO turnstile_outbox_identity (one, id) VALUES (1, ?1)")
             .bind(uuid::Uuid::now_v7().to_string())
@@ -408,13 +443,21 @@ impl OutboxStore for SqliteOutbox {
             for settlement in settlements {
                 let failed = settlement.failure.is_some();
                 let permanent = settlement.failure.as_ref().is_some_and(|f| f.permanent);
-                // Every SET reads the row as it was. `tries` is the failures of the
-                // head message before this one (0 if this settlement moved the head).
+                // Every SET reads the row as it was. The head message's failures
+                // before this one (all of them for the backoff, the permanent ones for
+                // parking) start again at 0 when this settlement moved the head. A
+                // lease settled already (its commit's reply lost, the settlement tried
+                // again) is not counted twice: its recorded answer stands.
                 let row = sqlx::query(
                     "UPDATE turnstile_outbox_keys SET
                         attempts = CASE WHEN ?4 THEN (CASE WHEN ?3 > acked_seq THEN 0 ELSE attempts END) + 1 ELSE 0 END,
-                        parked = CASE WHEN ?5 AND (CASE WHEN ?3 > acked_seq THEN 0 ELSE attempts END) + 1 >= ?6
+                        permanent_failures = CASE
+                            WHEN ?5 THEN (CASE WHEN ?3 > acked_seq THEN 0 ELSE permanent_failures END) + 1
+                            WHEN ?4 AND ?3 <= acked_seq THEN permanent_failures
+                            ELSE 0 END,
+                        parked = CASE WHEN ?5 AND (CASE WHEN ?3 > acked_seq THEN 0 ELSE permanent_failures END) + 1 >= ?6
                                       THEN 1 ELSE 0 END,
+                        settled_token = ?2,
                         parked_ms = ?7,
                         last_error = ?8,
                         available_ms = CASE WHEN ?4 THEN ?7 + (
@@ -422,7 +465,7 @@ impl OutboxStore for SqliteOutbox {
                             + abs(random() % (min(?10, ?9 << min(CASE WHEN ?3 > acked_seq THEN 0 ELSE attempts END, 20)) / 2 + 1)))
                           ELSE ?7 END,
                         acked_seq = max(acked_seq, ?3)
-                     WHERE ordering_key = ?1 AND lease_token = ?2
+                     WHERE ordering_key = ?1 AND lease_token = ?2 AND settled_token <> ?2
                      RETURNING parked",
                 )
                 .bind(&settlement.key)
@@ -439,7 +482,20 @@ impl OutboxStore for SqliteOutbox {
                 .await
                 .map_err(fail(what))?;
                 let Some(row) = row else {
-                    answers.push(Settled::Fenced);
+                    let settled: Option<i64> = sqlx::query_scalar(
+                        "SELECT parked FROM turnstile_outbox_keys
+                         WHERE ordering_key = ?1 AND lease_token = ?2 AND settled_token = ?2",
+                    )
+                    .bind(&settlement.key)
+                    .bind(i64::try_from(settlement.token).unwrap_or(i64::MAX))
+                    .fetch_optional(&mut *transaction)
+                    .await
+                    .map_err(fail(what))?;
+                    answers.push(match settled {
+                        Some(1) => Settled::Parked,
+                        Some(_) => Settled::Done,
+                        None => Settled::Fenced,
+                    });
                     continue;
                 };
                 if self.keep_delivered.is_some() {
@@ -478,7 +534,8 @@ impl OutboxStore for SqliteOutbox {
         Box::pin(async move {
             let changed = sqlx::query(
                 "UPDATE turnstile_outbox_keys
-                 SET parked = 0, attempts = 0, last_error = NULL, available_ms = 0
+                 SET parked = 0, attempts = 0, permanent_failures = 0, last_error = NULL,
+                     available_ms = 0
                  WHERE ordering_key = ?1 AND parked = 1",
             )
             .bind(key)
@@ -517,8 +574,26 @@ impl OutboxStore for SqliteOutbox {
             super::check_skip(key, seq, head)?;
             let seq = i64::try_from(seq).unwrap_or(i64::MAX);
             let (now_ms, _) = wall_clock();
+            // An audit copy of this key and number already there (an outbox whose
+            // sequences started again) is never dropped or overwritten: the skip is
+            // refused, and changes nothing.
+            let copied: Option<i64> = sqlx::query_scalar(
+                "SELECT skipped_ms FROM turnstile_outbox_skipped WHERE ordering_key = ?1 AND seq = ?2",
+            )
+            .bind(key)
+            .bind(seq)
+            .fetch_optional(&mut *transaction)
+            .await
+            .map_err(fail(what))?;
+            if copied.is_some() {
+                return Err(super::skip_conflict(
+                    key,
+                    unsigned(seq),
+                    "turnstile_outbox_skipped",
+                ));
+            }
             let moved = sqlx::query(
-                "INSERT OR IGNORE INTO turnstile_outbox_skipped
+                "INSERT INTO turnstile_outbox_skipped
                     (ordering_key, seq, id, topic, headers, payload, created_ms, skipped_ms, reason)
                  SELECT m.ordering_key, m.seq, m.id, m.topic, m.headers, m.payload, m.created_ms, ?3, k.last_error
                  FROM turnstile_outbox m JOIN turnstile_outbox_keys k ON k.ordering_key = m.ordering_key
@@ -539,7 +614,7 @@ impl OutboxStore for SqliteOutbox {
                 .map_err(fail(what))?;
             sqlx::query(
                 "UPDATE turnstile_outbox_keys SET acked_seq = ?2, parked = 0, attempts = 0,
-                    last_error = NULL, available_ms = 0
+                    permanent_failures = 0, last_error = NULL, available_ms = 0
                  WHERE ordering_key = ?1",
             )
             .bind(key)
