@@ -949,6 +949,106 @@ async fn a_missing_message_is_never_stepped_over(outbox: impl TestOutbox) {
     assert_eq!(ids, [0, 2, 3].map(|n| messages[n].id().to_owned()));
 }
 
+/// The real NATS publisher, except that every publish of one key fails as if its
+/// partition had no leader: a transient failure of that key alone.
+struct OneKeyFails {
+    inner: JetStreamPublisher,
+    key: String,
+    failures: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Publisher for OneKeyFails {
+    fn publish<'a>(
+        &'a self,
+        message: &'a Message,
+        seq: u64,
+    ) -> turnstile::lock::BoxFuture<'a, Result<(), turnstile::outbox::Failure>> {
+        Box::pin(async move {
+            if message.key() == self.key {
+                self.failures
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                return Err(Failure {
+                    permanent: false,
+                    reason: "no leader for the key's partition".to_owned(),
+                });
+            }
+            self.inner.publish(message, seq).await
+        })
+    }
+
+    fn check<'a>(
+        &'a self,
+        topic: &'a str,
+        redelivery: Duration,
+    ) -> turnstile::lock::BoxFuture<'a, turnstile::Result<()>> {
+        self.inner.check(topic, redelivery)
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn reachable(&self) -> turnstile::lock::BoxFuture<'_, bool> {
+        self.inner.reachable()
+    }
+}
+
+/// One key that keeps failing (leased alone, batch after batch) backs off on its own:
+/// another key's new message still goes out at once. Before, a batch whose keys all
+/// failed paused the whole relay, longer each time up to the longest backoff.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_failing_key_does_not_pause_the_relay() {
+    let outbox = Sqlite::new().await;
+    let (nats, stream_name, subject) = fresh_stream("onefails").await;
+    let failures = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let publisher = OneKeyFails {
+        inner: nats.clone(),
+        key: format!("{subject}-stuck"),
+        failures: Arc::clone(&failures),
+    };
+    let store = outbox.store();
+    let relay =
+        Relay::new(store.clone(), publisher).with_options(RelayOptions::new().backoff(Backoff {
+            base: Duration::from_millis(200),
+            max: Duration::from_secs(30),
+        }));
+    assert!(nats.reachable().await, "the broker is up");
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    });
+    let topic = format!("{subject}.created");
+    let stuck = Message::new(topic.as_str(), format!("{subject}-stuck"), b"s".to_vec()).unwrap();
+    outbox.enqueue_one(&stuck, true).await;
+    // Five lone failures: a relay that paused for them now waits 3.2 s.
+    let started = std::time::Instant::now();
+    while failures.load(std::sync::atomic::Ordering::SeqCst) < 5 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the stuck key was not retried"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let healthy =
+        Message::new(topic.as_str(), format!("{subject}-healthy"), b"h".to_vec()).unwrap();
+    let sent = std::time::Instant::now();
+    outbox.enqueue_one(&healthy, true).await;
+    loop {
+        let delivered = read_all(&nats, &stream_name).await;
+        if delivered.iter().any(|(_, _, id)| id == healthy.id()) {
+            break;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_millis(1500),
+            "the healthy key waited behind the failing one"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+}
+
 /// Leases `store`'s one due key, waiting out its backoff.
 async fn lease_the_key(store: &impl OutboxStore) -> turnstile::outbox::LeasedKey {
     for _ in 0..500 {

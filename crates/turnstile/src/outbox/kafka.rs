@@ -19,7 +19,7 @@ use rdkafka::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Headers, Message as _, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::relay::Publisher;
@@ -157,6 +157,21 @@ impl Publisher for KafkaPublisher {
 
     fn describe(&self) -> String {
         format!("kafka://{}", self.servers)
+    }
+
+    fn reachable(&self) -> BoxFuture<'_, bool> {
+        // A metadata round trip to any broker (librdkafka's call blocks).
+        Box::pin(async move {
+            let producer = self.producer.clone();
+            tokio::task::spawn_blocking(move || {
+                producer
+                    .client()
+                    .fetch_metadata(None, super::relay::REACHABLE_WITHIN)
+                    .is_ok()
+            })
+            .await
+            .unwrap_or(false)
+        })
     }
 }
 

@@ -336,6 +336,16 @@ impl Publisher for JetStreamPublisher {
     fn describe(&self) -> String {
         self.url.clone()
     }
+
+    fn reachable(&self) -> BoxFuture<'_, bool> {
+        // A round trip to the server (PING, PONG) on the application's connection.
+        Box::pin(async move {
+            let client = self.jetstream.client();
+            tokio::time::timeout(super::relay::REACHABLE_WITHIN, client.flush())
+                .await
+                .is_ok_and(|answer| answer.is_ok())
+        })
+    }
 }
 
 /// Where a [`JetStreamConsumer`] puts a copy of a message its handler kept failing.

@@ -311,6 +311,21 @@ impl Publisher for RabbitMqPublisher {
     fn describe(&self) -> String {
         self.redacted.clone()
     }
+
+    fn reachable(&self) -> BoxFuture<'_, bool> {
+        // The connection lapin keeps (its heartbeats notice a broker gone silent), or
+        // opening one when there is none.
+        Box::pin(async move {
+            tokio::time::timeout(super::relay::REACHABLE_WITHIN, self.open_channel())
+                .await
+                .is_ok_and(|channel| {
+                    channel.is_ok_and(|channel| {
+                        self.put_back(channel);
+                        true
+                    })
+                })
+        })
+    }
 }
 
 /// How many messages a [`RabbitMqConsumer`] keeps failure counts for (classic queues

@@ -102,6 +102,17 @@ impl Publisher for RedisStreamsPublisher {
     fn describe(&self) -> String {
         self.url.clone()
     }
+
+    fn reachable(&self) -> BoxFuture<'_, bool> {
+        Box::pin(async move {
+            let mut connection = self.connection.clone();
+            let ping = redis::cmd("PING");
+            let answer = ping.query_async::<String>(&mut connection);
+            tokio::time::timeout(super::relay::REACHABLE_WITHIN, answer)
+                .await
+                .is_ok_and(|answer| answer.is_ok())
+        })
+    }
 }
 
 /// A consumer in a Redis Streams consumer group. An entry is acknowledged (`XACK`) only

@@ -45,7 +45,21 @@ pub trait Publisher: Send + Sync + 'static {
     fn longest_publish(&self) -> Option<Duration> {
         None
     }
+
+    /// Whether the broker can be reached at all (a connection and a round trip),
+    /// asked when every key of a batch failed. Only a broker that cannot be reached
+    /// pauses the whole relay (longer each time, up to the longest backoff) instead of
+    /// leasing the next keys only to fail them too; any other failure (one topic, one
+    /// partition without a leader) backs off only the keys that had it, and the others
+    /// flow. Answer within a couple of seconds. The default, `true`, never pauses the
+    /// relay: each failing key still backs off on its own.
+    fn reachable(&self) -> BoxFuture<'_, bool> {
+        Box::pin(async { true })
+    }
 }
+
+/// How long a publisher's [`Publisher::reachable`] waits for the broker's answer.
+pub(crate) const REACHABLE_WITHIN: Duration = Duration::from_secs(2);
 
 /// The default byte budget of one round: without one, 64 keys × 128 messages × 16 MiB
 /// could be held at once.
@@ -442,9 +456,11 @@ impl Relay {
         let mut reported: Option<Instant> = None;
         let mut tasks: JoinSet<KeyDone> = JoinSet::new();
         // Per batch of keys leased together: how many are still in flight, and whether
-        // any of them published. While every key of a batch fails (the broker is
-        // down), the whole relay pauses, longer each time up to the longest backoff,
-        // instead of leasing the next keys at once only to fail them too.
+        // any of them published. When every key of a batch fails and the broker cannot
+        // be reached (it is down, not one topic or one partition), the whole relay
+        // pauses, longer each time up to the longest backoff, instead of leasing the
+        // next keys at once only to fail them too. Otherwise the failing keys back off
+        // on their own and every other key flows.
         let mut batches: HashMap<u64, (usize, bool)> = HashMap::new();
         let mut next_batch = 0_u64;
         let mut outage: Option<Duration> = None;
@@ -536,7 +552,7 @@ impl Relay {
                 tracing::warn!(%error, "outbox relay could not record a settlement; its keys are published again after their lease");
             }
             for any_published in batch_outcomes {
-                if any_published {
+                if any_published || self.publisher.reachable().await {
                     outage = None;
                     paused_until = None;
                 } else {

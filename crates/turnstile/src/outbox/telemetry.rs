@@ -101,7 +101,7 @@ pub(crate) fn skipped(key: &str, seq: u64, moved: bool) {
 
 pub(crate) fn relay_paused(pause: Duration, failed: usize) {
     metrics::counter!("turnstile_outbox_relay_pauses_total").increment(1);
-    tracing::warn!(pause = ?pause, failed, "every publish of the round failed (is the broker down?); the relay pauses");
+    tracing::warn!(pause = ?pause, failed, "every publish of a batch failed and the broker cannot be reached; the relay pauses");
 }
 
 pub(crate) fn fenced(key: &str) {
