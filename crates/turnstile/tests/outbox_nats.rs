@@ -1049,6 +1049,71 @@ async fn one_failing_key_does_not_pause_the_relay() {
     running.await.unwrap().unwrap();
 }
 
+/// PostgreSQL's claim locks a key's row at its newest version but reads the messages
+/// from the statement's snapshot. When another relay settles the key and a writer
+/// enqueues its next message after the claim began, the claim sees the new sequence
+/// number without its message: no gap, though it looked like one (and parked the key,
+/// one permanent failure being enough here). The claim reads such a head again. The
+/// window is made wide by a row-level security policy that makes the claim's scan
+/// sleep on the key's row (for a role that is not a superuser: those skip policies).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_committed_after_the_claims_snapshot_is_no_gap_on_postgres() {
+    let outbox = Postgres::new().await;
+    let role = unique_name("relay").replace('-', "_").to_lowercase();
+    outbox
+        .execute(&format!(
+            "CREATE ROLE {role} LOGIN;
+             GRANT ALL ON ALL TABLES IN SCHEMA public TO {role};
+             CREATE FUNCTION slow_claim(k text) RETURNS boolean AS $$
+             BEGIN
+                 IF k = 'hot' AND current_query() LIKE '%SKIP LOCKED%' THEN
+                     PERFORM pg_sleep(0.4);
+                 END IF;
+                 RETURN true;
+             END $$ LANGUAGE plpgsql;
+             ALTER TABLE turnstile_outbox_keys ENABLE ROW LEVEL SECURITY;
+             ALTER TABLE turnstile_outbox_keys FORCE ROW LEVEL SECURITY;
+             CREATE POLICY slow ON turnstile_outbox_keys USING (slow_claim(ordering_key))
+                 WITH CHECK (true)"
+        ))
+        .await;
+    let url = outbox.url.replacen("postgres@", &format!("{role}@"), 1);
+    let relay_store = PostgresOutbox::connect(&format!("{url}?turnstile_migrate=off"))
+        .await
+        .unwrap();
+    let first = Message::new("nogap.x", "hot", b"1".to_vec()).unwrap();
+    outbox.enqueue_one(&first, true).await;
+    let claim = tokio::spawn(async move {
+        relay_store
+            .claim_within(1, 10, u64::MAX, Duration::from_secs(30))
+            .await
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Meanwhile another relay delivers message 1, and a writer enqueues message 2.
+    outbox
+        .execute(
+            "UPDATE turnstile_outbox_keys SET acked_seq = 1 WHERE ordering_key = 'hot';
+             DELETE FROM turnstile_outbox WHERE ordering_key = 'hot' AND seq = 1",
+        )
+        .await;
+    let second = Message::new("nogap.x", "hot", b"2".to_vec()).unwrap();
+    outbox.enqueue_one(&second, true).await;
+    let leased = claim.await.unwrap();
+    assert_eq!(leased.len(), 1);
+    assert_eq!(
+        leased[0].acked, 1,
+        "the claim locked the row's newest version"
+    );
+    let seqs: Vec<u64> = leased[0].messages.iter().map(|stored| stored.seq).collect();
+    assert_eq!(
+        seqs,
+        [2],
+        "the head committed after the snapshot is read again"
+    );
+    assert_eq!(leased[0].messages[0].message.id(), second.id());
+}
+
 /// Leases `store`'s one due key, waiting out its backoff.
 async fn lease_the_key(store: &impl OutboxStore) -> turnstile::outbox::LeasedKey {
     for _ in 0..500 {

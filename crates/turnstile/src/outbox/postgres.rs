@@ -52,6 +52,8 @@ struct Sql {
     /// token last settled (a settlement tried again after a lost commit reply changes
     /// nothing).
     added_key_columns: Vec<(&'static str, String)>,
+    /// $1 key, $2 seq: a key's head message, read again in a statement of its own.
+    head_again: Statement,
     /// $1 key, $2 seq: a row if the message has an audit copy (a skip refuses to drop
     /// or overwrite one).
     skipped_copy: Statement,
@@ -388,6 +390,11 @@ impl Sql {
                     format!("ALTER TABLE {keys} ADD COLUMN IF NOT EXISTS settled_token BIGINT NOT NULL DEFAULT 0"),
                 ),
             ],
+            head_again: statement(format!(
+                "SELECT id, topic, headers, payload,
+                        EXTRACT(EPOCH FROM ({now} - created_at))::float8 AS age_s
+                 FROM {outbox} WHERE ordering_key = $1 AND seq = $2"
+            )),
             skipped_copy: statement(format!(
                 "SELECT 1 FROM {skipped} WHERE ordering_key = $1 AND seq = $2"
             )),
@@ -783,6 +790,53 @@ impl PostgresOutbox {
     }
 }
 
+impl PostgresOutbox {
+    /// Reads again, in a statement of its own, the head message of each leased key
+    /// whose claim did not see it. The claim locks a key's row at its newest version
+    /// (committed after the statement's snapshot was taken, when another relay settled
+    /// it and a writer enqueued meanwhile) but reads messages from its snapshot, which
+    /// may not hold the newest ones yet: that is no gap, and must not be reported (or
+    /// park the key) as one. Only a head that is still missing is a gap.
+    async fn read_heads_again(&self, keys: &mut [LeasedKey]) -> Result<()> {
+        let what = "cannot claim outbox messages";
+        for key in keys.iter_mut() {
+            let head = key.acked + 1;
+            let seen = key.messages.first().map(|stored| stored.seq);
+            if seen == Some(head) || (seen.is_none() && key.over_budget) {
+                continue;
+            }
+            let Some(row) = sqlx::query(self.sql.head_again.sql())
+                .bind(&key.key)
+                .bind(signed(head))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(fail(what))?
+            else {
+                continue;
+            };
+            let headers: String = row.try_get("headers").map_err(fail(what))?;
+            let stored = Stored {
+                seq: head,
+                age: seconds(row.try_get("age_s").map_err(fail(what))?).unwrap_or_default(),
+                message: Message::from_stored(
+                    row.try_get("id").map_err(fail(what))?,
+                    row.try_get("topic").map_err(fail(what))?,
+                    key.key.clone(),
+                    &headers,
+                    row.try_get("payload").map_err(fail(what))?,
+                ),
+            };
+            super::telemetry::head_read_again(&key.key, head);
+            // The messages seen after it stay, if they follow it.
+            if seen != Some(head + 1) {
+                key.messages.clear();
+            }
+            key.messages.insert(0, stored);
+        }
+        Ok(())
+    }
+}
+
 impl OutboxStore for PostgresOutbox {
     fn claim_within(
         &self,
@@ -826,6 +880,7 @@ impl OutboxStore for PostgresOutbox {
                     }
                 }
             }
+            self.read_heads_again(&mut keys).await?;
             Ok(keys)
         })
     }

@@ -104,6 +104,15 @@ pub(crate) fn relay_paused(pause: Duration, failed: usize) {
     tracing::warn!(pause = ?pause, failed, "every publish of a batch failed and the broker cannot be reached; the relay pauses");
 }
 
+pub(crate) fn head_read_again(key: &str, seq: u64) {
+    metrics::counter!("turnstile_outbox_heads_read_again_total").increment(1);
+    tracing::debug!(
+        key,
+        seq,
+        "the claim's snapshot did not hold the key's head message yet; read again"
+    );
+}
+
 pub(crate) fn fenced(key: &str) {
     metrics::counter!("turnstile_outbox_fenced_total").increment(1);
     tracing::warn!(
