@@ -949,50 +949,6 @@ async fn a_missing_message_is_never_stepped_over(outbox: impl TestOutbox) {
     assert_eq!(ids, [0, 2, 3].map(|n| messages[n].id().to_owned()));
 }
 
-/// The real NATS publisher, except that every publish of one key fails as if its
-/// partition had no leader: a transient failure of that key alone.
-struct OneKeyFails {
-    inner: JetStreamPublisher,
-    key: String,
-    failures: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-impl Publisher for OneKeyFails {
-    fn publish<'a>(
-        &'a self,
-        message: &'a Message,
-        seq: u64,
-    ) -> turnstile::lock::BoxFuture<'a, Result<(), turnstile::outbox::Failure>> {
-        Box::pin(async move {
-            if message.key() == self.key {
-                self.failures
-                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                return Err(Failure {
-                    permanent: false,
-                    reason: "no leader for the key's partition".to_owned(),
-                });
-            }
-            self.inner.publish(message, seq).await
-        })
-    }
-
-    fn check<'a>(
-        &'a self,
-        topic: &'a str,
-        redelivery: Duration,
-    ) -> turnstile::lock::BoxFuture<'a, turnstile::Result<()>> {
-        self.inner.check(topic, redelivery)
-    }
-
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-
-    fn reachable(&self) -> turnstile::lock::BoxFuture<'_, bool> {
-        self.inner.reachable()
-    }
-}
-
 /// One key that keeps failing (leased alone, batch after batch) backs off on its own:
 /// another key's new message still goes out at once. Before, a batch whose keys all
 /// failed paused the whole relay, longer each time up to the longest backoff.
@@ -1001,10 +957,28 @@ async fn one_failing_key_does_not_pause_the_relay() {
     let outbox = Sqlite::new().await;
     let (nats, stream_name, subject) = fresh_stream("onefails").await;
     let failures = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let publisher = OneKeyFails {
+    // Every publish of one key fails as if its partition had no leader: a transient
+    // failure of that key alone.
+    let publisher = BeforeEach {
         inner: nats.clone(),
-        key: format!("{subject}-stuck"),
-        failures: Arc::clone(&failures),
+        hook: {
+            let (stuck, failures) = (format!("{subject}-stuck"), Arc::clone(&failures));
+            Box::new(move |message| {
+                let fails = message.key() == stuck;
+                if fails {
+                    failures.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                Box::pin(async move {
+                    if fails {
+                        return Err(Failure {
+                            permanent: false,
+                            reason: "no leader for the key's partition".to_owned(),
+                        });
+                    }
+                    Ok(())
+                })
+            })
+        },
     };
     let store = outbox.store();
     let relay =
@@ -1172,7 +1146,7 @@ async fn only_permanent_failures_park_and_a_settlement_counts_once(outbox: impl 
     let first = failed(&key, true);
     assert_eq!(
         store
-            .settle(&[first.clone()], max_attempts, backoff)
+            .settle(std::slice::from_ref(&first), max_attempts, backoff)
             .await
             .unwrap(),
         done
@@ -1188,7 +1162,7 @@ async fn only_permanent_failures_park_and_a_settlement_counts_once(outbox: impl 
     let second = failed(&key, true);
     assert_eq!(
         store
-            .settle(&[second.clone()], max_attempts, backoff)
+            .settle(std::slice::from_ref(&second), max_attempts, backoff)
             .await
             .unwrap(),
         parked
@@ -1382,15 +1356,18 @@ async fn a_key_written_all_the_time_is_still_served_on_mysql() {
 }
 
 /// The real NATS publisher, with a test's hook awaited before each publish: to make
-/// one key slow, or to act between a relay's claim and its settlement.
+/// one key slow or fail, or to act between a relay's claim and its settlement.
 struct BeforeEach {
     inner: JetStreamPublisher,
     hook: PublishHook,
 }
 
 /// What [`BeforeEach`] awaits before publishing a message.
-type PublishHook =
-    Box<dyn for<'m> Fn(&'m Message) -> turnstile::lock::BoxFuture<'m, ()> + Send + Sync>;
+type PublishHook = Box<
+    dyn for<'m> Fn(&'m Message) -> turnstile::lock::BoxFuture<'m, Result<(), Failure>>
+        + Send
+        + Sync,
+>;
 
 impl Publisher for BeforeEach {
     fn publish<'a>(
@@ -1399,7 +1376,7 @@ impl Publisher for BeforeEach {
         seq: u64,
     ) -> turnstile::lock::BoxFuture<'a, Result<(), turnstile::outbox::Failure>> {
         Box::pin(async move {
-            (self.hook)(message).await;
+            (self.hook)(message).await?;
             self.inner.publish(message, seq).await
         })
     }
@@ -1414,6 +1391,10 @@ impl Publisher for BeforeEach {
 
     fn describe(&self) -> String {
         self.inner.describe()
+    }
+
+    fn reachable(&self) -> turnstile::lock::BoxFuture<'_, bool> {
+        self.inner.reachable()
     }
 }
 
@@ -1435,6 +1416,7 @@ async fn a_slow_key_does_not_hold_the_others() {
                 if slow {
                     tokio::time::sleep(Duration::from_secs(5)).await;
                 }
+                Ok(())
             })
         }),
     };
@@ -1856,6 +1838,7 @@ async fn a_blocked_settlement_is_retried_not_republished() {
                             hook.send(done).unwrap();
                             acted.await.unwrap();
                         }
+                        Ok(())
                     })
                 })
             },
@@ -2304,6 +2287,7 @@ async fn one_locked_key_row_delays_only_its_key() {
                 }
                 Box::pin(async move {
                     tokio::time::sleep(Duration::from_millis(300)).await;
+                    Ok(())
                 })
             })
         },

@@ -122,22 +122,25 @@ pub(crate) fn check_skip(key: &str, seq: u64, head: Option<(u64, bool)>) -> Resu
     }
 }
 
-/// The refusal of a skip whose message already has an audit copy under its key and
+/// Refuses a skip whose message already has an audit copy (`copied`) under its key and
 /// number in `table` (the outbox's sequences started again since): that copy is never
 /// dropped or overwritten.
 #[cfg_attr(
     not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
     allow(dead_code)
 )]
-pub(crate) fn skip_conflict(key: &str, seq: u64, table: &str) -> Error {
-    Error::new(
+pub(crate) fn check_no_audit_copy(copied: bool, key: &str, seq: u64, table: &str) -> Result<()> {
+    if !copied {
+        return Ok(());
+    }
+    Err(Error::new(
         ErrorKind::Conflict,
         format!(
             "message {seq} of key {key:?} already has an audit copy in {table} (from an \
              earlier skip, before the outbox's sequence numbers started again): move that \
              row out of {table}, then skip again; nothing was changed"
         ),
-    )
+    ))
 }
 
 /// Splits `turnstile_keep_delivered=SECONDS` off a store URL: the URL without it, and

@@ -953,13 +953,7 @@ impl OutboxStore for MysqlOutbox {
                 .fetch_optional(&mut *transaction)
                 .await
                 .map_err(fail(what))?;
-            if copied.is_some() {
-                return Err(super::skip_conflict(
-                    key,
-                    seq,
-                    "the skipped messages' table",
-                ));
-            }
+            super::check_no_audit_copy(copied.is_some(), key, seq, "the skipped messages' table")?;
             let moved = sqlx::query(self.sql.skip_keep.sql())
                 .bind(key.as_bytes())
                 .bind(signed(seq))

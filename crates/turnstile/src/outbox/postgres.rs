@@ -992,13 +992,7 @@ impl OutboxStore for PostgresOutbox {
                 .fetch_optional(&mut *transaction)
                 .await
                 .map_err(fail(what))?;
-            if copied.is_some() {
-                return Err(super::skip_conflict(
-                    key,
-                    seq,
-                    "the skipped messages' table",
-                ));
-            }
+            super::check_no_audit_copy(copied.is_some(), key, seq, "the skipped messages' table")?;
             let moved: i64 = sqlx::query(self.sql.skip.sql())
                 .bind(key)
                 .bind(signed(seq))

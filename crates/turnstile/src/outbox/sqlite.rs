@@ -585,13 +585,12 @@ impl OutboxStore for SqliteOutbox {
             .fetch_optional(&mut *transaction)
             .await
             .map_err(fail(what))?;
-            if copied.is_some() {
-                return Err(super::skip_conflict(
-                    key,
-                    unsigned(seq),
-                    "turnstile_outbox_skipped",
-                ));
-            }
+            super::check_no_audit_copy(
+                copied.is_some(),
+                key,
+                unsigned(seq),
+                "turnstile_outbox_skipped",
+            )?;
             let moved = sqlx::query(
                 "INSERT INTO turnstile_outbox_skipped
                     (ordering_key, seq, id, topic, headers, payload, created_ms, skipped_ms, reason)
