@@ -23,6 +23,8 @@ trait TestOutbox: Send + Sync + 'static {
     type Store: OutboxStore + Clone;
     fn store(&self) -> Self::Store;
     async fn another(&self) -> Self::Store;
+    /// Another store on the same data, opened with `turnstile_migrate=off`.
+    async fn without_migrating(&self) -> turnstile::Result<Self::Store>;
     /// Another store on the same data that keeps delivered messages for `retention`.
     async fn keeping(&self, retention: Duration) -> Self::Store;
     /// Enqueues `message` in its own transaction, which ends `hold` later (its key's
@@ -75,6 +77,14 @@ impl TestOutbox for Sqlite {
 
     async fn another(&self) -> SqliteOutbox {
         SqliteOutbox::open(&self.path).await.unwrap()
+    }
+
+    async fn without_migrating(&self) -> turnstile::Result<SqliteOutbox> {
+        SqliteOutbox::open_url(&format!(
+            "sqlite://{}?turnstile_migrate=off",
+            self.path.display()
+        ))
+        .await
     }
 
     async fn keeping(&self, retention: Duration) -> SqliteOutbox {
@@ -148,6 +158,10 @@ impl TestOutbox for Postgres {
 
     async fn another(&self) -> PostgresOutbox {
         PostgresOutbox::connect(&self.url).await.unwrap()
+    }
+
+    async fn without_migrating(&self) -> turnstile::Result<PostgresOutbox> {
+        PostgresOutbox::connect(&format!("{}?turnstile_migrate=off", self.url)).await
     }
 
     async fn keeping(&self, retention: Duration) -> PostgresOutbox {
@@ -256,6 +270,10 @@ impl TestOutbox for Mysql {
 
     async fn another(&self) -> MysqlOutbox {
         MysqlOutbox::connect(&self.url).await.unwrap()
+    }
+
+    async fn without_migrating(&self) -> turnstile::Result<MysqlOutbox> {
+        MysqlOutbox::connect(&format!("{}?turnstile_migrate=off", self.url)).await
     }
 
     async fn keeping(&self, retention: Duration) -> MysqlOutbox {
@@ -1128,7 +1146,20 @@ async fn only_permanent_failures_park_and_a_settlement_counts_once(outbox: impl 
     outbox
         .execute("ALTER TABLE turnstile_outbox_keys DROP COLUMN settled_token")
         .await;
+    // Told not to migrate, a store refuses such tables: its settlements would fail
+    // every round, and every round would be published again.
+    let refused = outbox.without_migrating().await.unwrap_err();
+    assert_eq!(
+        refused.kind(),
+        turnstile::ErrorKind::Configuration,
+        "{refused}"
+    );
+    assert!(refused.to_string().contains("settled_token"), "{refused}");
     let store = outbox.another().await;
+    assert!(
+        outbox.without_migrating().await.is_ok(),
+        "the columns were added"
+    );
     let message = Message::new("counted.x", "counted", b"m".to_vec()).unwrap();
     outbox.enqueue_one(&message, true).await;
     let backoff = Backoff {

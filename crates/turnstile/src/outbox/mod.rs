@@ -122,6 +122,39 @@ pub(crate) fn check_skip(key: &str, seq: u64, head: Option<(u64, bool)>) -> Resu
     }
 }
 
+/// Refuses to work on key tables made by an earlier release that lack `wanted`
+/// columns, when the store was told not to migrate: its settlements would fail every
+/// round, and every round would be published again. No table at all (`columns` empty)
+/// is left to fail where it is used, as before.
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn check_key_columns<'a>(
+    columns: &[String],
+    wanted: impl IntoIterator<Item = &'a str>,
+) -> Result<()> {
+    if columns.is_empty() {
+        return Ok(());
+    }
+    let missing: Vec<&str> = wanted
+        .into_iter()
+        .filter(|column| !columns.iter().any(|name| name == column))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::Configuration,
+        format!(
+            "the outbox's key table was made by an earlier release and lacks the column(s) {}: \
+             open the outbox once with migrations on (turnstile_migrate=on, the default), \
+             which adds them without rewriting the table",
+            missing.join(", ")
+        ),
+    ))
+}
+
 /// Refuses a skip whose message already has an audit copy (`copied`) under its key and
 /// number in `table` (the outbox's sequences started again since): that copy is never
 /// dropped or overwritten.

@@ -367,6 +367,17 @@ impl MysqlOutbox {
         };
         if migrate {
             outbox.migrate().await?;
+        } else {
+            let columns: Vec<String> = sqlx::query_scalar(outbox.sql.key_columns.sql())
+                .fetch_all(&outbox.pool)
+                .await
+                .map_err(fail("cannot read the outbox tables' columns"))?;
+            let wanted = outbox
+                .sql
+                .added_key_columns
+                .iter()
+                .map(|(column, _)| *column);
+            super::check_key_columns(&columns, wanted)?;
         }
         outbox.identity = match sqlx::query_scalar::<_, String>(outbox.sql.identity.sql())
             .fetch_optional(&outbox.pool)
@@ -401,7 +412,25 @@ impl MysqlOutbox {
             if columns.iter().any(|name| name == column) {
                 continue;
             }
-            match sqlx::query(add.sql()).execute(&self.pool).await {
+            // A waiting ALTER TABLE holds up every later statement on the table (every
+            // enqueue), and MySQL's metadata-lock wait is a year by default: it waits at
+            // most 10 s for an open transaction, on a connection of its own that is
+            // closed after, so the setting reaches no pooled connection.
+            let mut connection = self
+                .pool
+                .acquire()
+                .await
+                .map_err(fail("cannot add a column to the outbox tables"))?
+                .detach();
+            let added = match sqlx::query("SET SESSION lock_wait_timeout = 10")
+                .execute(&mut connection)
+                .await
+            {
+                Ok(_) => sqlx::query(add.sql()).execute(&mut connection).await,
+                Err(error) => Err(error),
+            };
+            let _ = Connection::close(connection).await;
+            match added {
                 Ok(_) => {}
                 // Another process added it meanwhile (1060: duplicate column name).
                 Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("42S21") => {}

@@ -378,7 +378,7 @@ impl Sql {
             )),
             key_columns: statement(format!(
                 "SELECT attname::text FROM pg_attribute
-                 WHERE attrelid = '{keys}'::regclass AND attnum > 0 AND NOT attisdropped"
+                 WHERE attrelid = to_regclass('{keys}') AND attnum > 0 AND NOT attisdropped"
             )),
             added_key_columns: vec![
                 (
@@ -550,6 +550,17 @@ impl PostgresOutbox {
         };
         if migrate {
             outbox.migrate().await?;
+        } else {
+            let columns: Vec<String> = sqlx::query_scalar(outbox.sql.key_columns.sql())
+                .fetch_all(&outbox.pool)
+                .await
+                .map_err(fail("cannot read the outbox tables' columns"))?;
+            let wanted = outbox
+                .sql
+                .added_key_columns
+                .iter()
+                .map(|(column, _)| *column);
+            super::check_key_columns(&columns, wanted)?;
         }
         outbox.identity = match sqlx::query_scalar::<_, String>(outbox.sql.identity.sql())
             .fetch_optional(&outbox.pool)

@@ -313,17 +313,17 @@ impl Publisher for RabbitMqPublisher {
     }
 
     fn reachable(&self) -> BoxFuture<'_, bool> {
-        // The connection lapin keeps (its heartbeats notice a broker gone silent), or
-        // opening one when there is none.
+        // An idle channel that is still open (lapin's heartbeats notice a broker gone
+        // silent), or a new one: put back for the next publish, so the idle channels
+        // never outnumber what publishes use.
         Box::pin(async move {
-            tokio::time::timeout(super::relay::REACHABLE_WITHIN, self.open_channel())
-                .await
-                .is_ok_and(|channel| {
-                    channel.is_ok_and(|channel| {
-                        self.put_back(channel);
-                        true
-                    })
-                })
+            match tokio::time::timeout(super::relay::REACHABLE_WITHIN, self.channel()).await {
+                Ok(Ok(channel)) => {
+                    self.put_back(channel);
+                    true
+                }
+                _ => false,
+            }
         })
     }
 }

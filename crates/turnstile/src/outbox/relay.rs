@@ -551,8 +551,11 @@ impl Relay {
             if let Err(error) = self.settle_finished(finished, &mut settled).await {
                 tracing::warn!(%error, "outbox relay could not record a settlement; its keys are published again after their lease");
             }
-            for any_published in batch_outcomes {
-                if any_published || self.publisher.reachable().await {
+            // The broker is asked once per pass, however many batches ended in it, so
+            // that an outage does not hold the next keys' settlements behind one probe
+            // per batch, and the pause doubles once per pass.
+            if !batch_outcomes.is_empty() {
+                if batch_outcomes.contains(&true) || self.publisher.reachable().await {
                     outage = None;
                     paused_until = None;
                 } else {

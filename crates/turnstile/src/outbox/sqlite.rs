@@ -161,6 +161,9 @@ impl SqliteOutbox {
         };
         if url.create {
             outbox.migrate().await?;
+        } else {
+            let columns = outbox.key_columns().await?;
+            super::check_key_columns(&columns, ADDED_KEY_COLUMNS.map(|(column, _)| column))?;
         }
         outbox.identity = outbox.read_identity().await?;
         Ok(outbox)
@@ -193,11 +196,7 @@ impl SqliteOutbox {
                 .await
                 .map_err(fail("cannot create the outbox tables"))?;
         }
-        let columns: Vec<String> =
-            sqlx::query_scalar("SELECT name FROM pragma_table_info('turnstile_outbox_keys')")
-                .fetch_all(&self.pool)
-                .await
-                .map_err(fail("cannot read the outbox tables' columns"))?;
+        let columns = self.key_columns().await?;
         for (column, add) in ADDED_KEY_COLUMNS {
             if columns.iter().any(|name| name == column) {
                 continue;
@@ -217,6 +216,14 @@ impl SqliteOutbox {
             .await
             .map_err(fail("cannot create the outbox's identity"))?;
         Ok(())
+    }
+
+    /// The key table's columns (none if there is no key table).
+    async fn key_columns(&self) -> Result<Vec<String>> {
+        sqlx::query_scalar("SELECT name FROM pragma_table_info('turnstile_outbox_keys')")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(fail("cannot read the outbox tables' columns"))
     }
 
     /// The identity stored with the tables (none in tables from before identities).
