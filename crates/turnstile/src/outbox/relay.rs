@@ -59,6 +59,15 @@ pub trait Publisher: Send + Sync + 'static {
 }
 
 /// How long a publisher's [`Publisher::reachable`] waits for the broker's answer.
+#[cfg_attr(
+    not(any(
+        feature = "nats",
+        feature = "rabbitmq",
+        feature = "kafka",
+        feature = "redis"
+    )),
+    allow(dead_code)
+)]
 pub(crate) const REACHABLE_WITHIN: Duration = Duration::from_secs(2);
 
 /// The default byte budget of one round: without one, 64 keys × 128 messages × 16 MiB

@@ -104,6 +104,7 @@ pub(crate) fn relay_paused(pause: Duration, failed: usize) {
     tracing::warn!(pause = ?pause, failed, "every publish of a batch failed and the broker cannot be reached; the relay pauses");
 }
 
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) fn head_read_again(key: &str, seq: u64) {
     metrics::counter!("turnstile_outbox_heads_read_again_total").increment(1);
     tracing::debug!(
