@@ -122,22 +122,28 @@ pub(crate) fn check_skip(key: &str, seq: u64, head: Option<(u64, bool)>) -> Resu
     }
 }
 
-/// Refuses to work on key tables made by an earlier release that lack `wanted`
-/// columns, when the store was told not to migrate: its settlements would fail every
+/// Columns every SQL store added to its key table after the table's first release:
+/// the head message's permanent failures (only those park a key), and the lease token
+/// last settled (a settlement tried again after a lost commit reply changes nothing).
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) const ADDED_KEY_COLUMNS: [&str; 2] = ["permanent_failures", "settled_token"];
+
+/// Refuses to work on key tables made by an earlier release that lack one of the
+/// [`ADDED_KEY_COLUMNS`], when the store was told not to migrate: its settlements would fail every
 /// round, and every round would be published again. No table at all (`columns` empty)
 /// is left to fail where it is used, as before.
 #[cfg_attr(
     not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
     allow(dead_code)
 )]
-pub(crate) fn check_key_columns<'a>(
-    columns: &[String],
-    wanted: impl IntoIterator<Item = &'a str>,
-) -> Result<()> {
+pub(crate) fn check_key_columns(columns: &[String]) -> Result<()> {
     if columns.is_empty() {
         return Ok(());
     }
-    let missing: Vec<&str> = wanted
+    let missing: Vec<&str> = ADDED_KEY_COLUMNS
         .into_iter()
         .filter(|column| !columns.iter().any(|name| name == column))
         .collect();

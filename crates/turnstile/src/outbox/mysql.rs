@@ -368,16 +368,7 @@ impl MysqlOutbox {
         if migrate {
             outbox.migrate().await?;
         } else {
-            let columns: Vec<String> = sqlx::query_scalar(outbox.sql.key_columns.sql())
-                .fetch_all(&outbox.pool)
-                .await
-                .map_err(fail("cannot read the outbox tables' columns"))?;
-            let wanted = outbox
-                .sql
-                .added_key_columns
-                .iter()
-                .map(|(column, _)| *column);
-            super::check_key_columns(&columns, wanted)?;
+            super::check_key_columns(&outbox.key_columns().await?)?;
         }
         outbox.identity = match sqlx::query_scalar::<_, String>(outbox.sql.identity.sql())
             .fetch_optional(&outbox.pool)
@@ -404,10 +395,7 @@ impl MysqlOutbox {
                 .await
                 .map_err(fail("cannot create the outbox tables"))?;
         }
-        let columns: Vec<String> = sqlx::query_scalar(self.sql.key_columns.sql())
-            .fetch_all(&self.pool)
-            .await
-            .map_err(fail("cannot read the outbox tables' columns"))?;
+        let columns = self.key_columns().await?;
         for (column, add) in &self.sql.added_key_columns {
             if columns.iter().any(|name| name == column) {
                 continue;
@@ -445,6 +433,14 @@ impl MysqlOutbox {
             .await
             .map_err(fail("cannot create the outbox's identity"))?;
         Ok(())
+    }
+
+    /// The key table's columns (none if there is no key table).
+    async fn key_columns(&self) -> Result<Vec<String>> {
+        sqlx::query_scalar(self.sql.key_columns.sql())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(fail("cannot read the outbox tables' columns"))
     }
 
     /// Writes `message` in the application's transaction on `connection`, after its

@@ -551,16 +551,7 @@ impl PostgresOutbox {
         if migrate {
             outbox.migrate().await?;
         } else {
-            let columns: Vec<String> = sqlx::query_scalar(outbox.sql.key_columns.sql())
-                .fetch_all(&outbox.pool)
-                .await
-                .map_err(fail("cannot read the outbox tables' columns"))?;
-            let wanted = outbox
-                .sql
-                .added_key_columns
-                .iter()
-                .map(|(column, _)| *column);
-            super::check_key_columns(&columns, wanted)?;
+            super::check_key_columns(&outbox.key_columns().await?)?;
         }
         outbox.identity = match sqlx::query_scalar::<_, String>(outbox.sql.identity.sql())
             .fetch_optional(&outbox.pool)
@@ -802,6 +793,14 @@ impl PostgresOutbox {
 }
 
 impl PostgresOutbox {
+    /// The key table's columns (none if there is no key table).
+    async fn key_columns(&self) -> Result<Vec<String>> {
+        sqlx::query_scalar(self.sql.key_columns.sql())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(fail("cannot read the outbox tables' columns"))
+    }
+
     /// Reads again, in a statement of its own, the head message of each leased key
     /// whose claim did not see it. The claim locks a key's row at its newest version
     /// (committed after the statement's snapshot was taken, when another relay settled

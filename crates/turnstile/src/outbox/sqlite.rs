@@ -163,7 +163,7 @@ impl SqliteOutbox {
             outbox.migrate().await?;
         } else {
             let columns = outbox.key_columns().await?;
-            super::check_key_columns(&columns, ADDED_KEY_COLUMNS.map(|(column, _)| column))?;
+            super::check_key_columns(&columns)?;
         }
         outbox.identity = outbox.read_identity().await?;
         Ok(outbox)
