@@ -326,8 +326,14 @@ async fn a_paused_holders_late_write_is_rejected() {
         }
     };
     let lease = LockOptions::new().ttl(Duration::from_secs(1));
-    conformance::a_paused_holders_late_write_is_rejected(&Locker::new(store), lease, write, read)
-        .await;
+    conformance::a_paused_holders_late_write_is_rejected(
+        &Locker::new(store),
+        lease,
+        "invoice:1",
+        write,
+        read,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

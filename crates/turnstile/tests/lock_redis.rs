@@ -254,7 +254,11 @@ async fn bad_prefixes_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_holders_late_write_is_rejected() {
     let store = shared().await;
-    let fenced = RedisFencedStore::connect(&store.url).await.unwrap();
+    // Under the lock's own prefix, so the election beside it could reach the same keys.
+    let fenced =
+        RedisFencedStore::connect(&format!("{}?turnstile_prefix={}", store.url, store.prefix))
+            .await
+            .unwrap();
     let resource = unique_name("account");
     let write = |token: turnstile::FencingToken, total: i64| {
         let (fenced, resource) = (fenced.clone(), resource.clone());
@@ -273,8 +277,14 @@ async fn a_paused_holders_late_write_is_rejected() {
         }
     };
     let lease = LockOptions::new().ttl(Duration::from_millis(500));
-    conformance::a_paused_holders_late_write_is_rejected(&store.locker().await, lease, write, read)
-        .await;
+    conformance::a_paused_holders_late_write_is_rejected(
+        &store.locker().await,
+        lease,
+        &resource,
+        write,
+        read,
+    )
+    .await;
 }
 
 #[tokio::test]

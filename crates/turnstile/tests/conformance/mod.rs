@@ -932,10 +932,13 @@ pub async fn two_processes_with_long_sections_both_make_progress(store: impl Tes
 /// The notes' paused-holder scenario, for an engine's fenced store: A holds token N and
 /// pauses past its lease; B acquires N+1 and writes; A's late write is rejected by the
 /// store, and B may write again. `write(token, total)` makes one fenced write of
-/// `total`; `read()` returns the stored total.
+/// `total` to `resource`; `read()` returns its stored total. An election named after
+/// the resource then runs beside it, and neither changes the other's data (on Redis the
+/// leader's value and the resource's data once shared one key).
 pub async fn a_paused_holders_late_write_is_rejected<W, WriteFut, R, ReadFut>(
     locker: &Locker,
     lease: LockOptions,
+    resource: &str,
     write: W,
     read: R,
 ) where
@@ -945,14 +948,14 @@ pub async fn a_paused_holders_late_write_is_rejected<W, WriteFut, R, ReadFut>(
     ReadFut: Future<Output = i64>,
 {
     use turnstile::FenceOutcome;
-    let resource = name("fenced");
+    let lock = name("fenced");
     let a = locker
-        .acquire(&resource, &lease.clone().watchdog(false))
+        .acquire(&lock, &lease.clone().watchdog(false))
         .await
         .unwrap();
     // A pauses (GC, swap) past its lease; B's acquire waits until the store frees it.
     tokio::time::sleep(lease.get_ttl() + Duration::from_millis(100)).await;
-    let b = locker.acquire(&resource, &options(5_000)).await.unwrap();
+    let b = locker.acquire(&lock, &options(5_000)).await.unwrap();
     assert!(b.fencing_token() > a.fencing_token());
     assert_eq!(write(b.fencing_token(), 200).await, FenceOutcome::Applied);
     // A wakes up and writes, believing it still holds the lock.
@@ -967,6 +970,36 @@ pub async fn a_paused_holders_late_write_is_rejected<W, WriteFut, R, ReadFut>(
     assert_eq!(write(b.fencing_token(), 250).await, FenceOutcome::Applied);
     assert_eq!(read().await, 250);
     assert_eq!(a.release().await.unwrap(), ReleaseOutcome::HeldByOther);
+    let election = turnstile::election::Election::new(locker.clone());
+    // A store that keeps no leader values (MySQL) still runs the election, valueless.
+    let (mut leadership, value) = match election
+        .campaign(resource, "leader-A", &options(5_000))
+        .await
+    {
+        Ok(leadership) => (leadership, Some("leader-A2")),
+        Err(error) if error.kind() == ErrorKind::UnsupportedStore => {
+            let leadership = election.campaign(resource, "", &options(5_000)).await;
+            (leadership.unwrap(), None)
+        }
+        Err(error) => panic!("campaign failed: {error}"),
+    };
+    if let Some(value) = value {
+        leadership.proclaim(value).await.unwrap();
+    }
+    assert_eq!(
+        read().await,
+        250,
+        "the leader's value changed the fenced data"
+    );
+    assert_eq!(write(b.fencing_token(), 300).await, FenceOutcome::Applied);
+    let leader = election.leader(resource).await.unwrap().expect("a leader");
+    assert_eq!(
+        leader.value.as_deref().filter(|value| !value.is_empty()),
+        value,
+        "the fenced write changed the leader's value"
+    );
+    leadership.resign().await.unwrap();
+    assert_eq!(read().await, 300, "resigning changed the fenced data");
     b.release().await.unwrap();
 }
 
@@ -1099,7 +1132,7 @@ pub async fn a_paused_holders_late_write_is_rejected_by_an_sqlite_fence(
         }
     };
     let lease = LockOptions::new().ttl(Duration::from_millis(500));
-    a_paused_holders_late_write_is_rejected(locker, lease, write, read).await;
+    a_paused_holders_late_write_is_rejected(locker, lease, "invoice:1", write, read).await;
 }
 
 /// A store wrapper that counts what reaches the store: which owners asked for the lock
