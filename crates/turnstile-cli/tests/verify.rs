@@ -251,6 +251,47 @@ fn bad_input_gets_a_clear_error() {
     }
 }
 
+/// The outbox's consumer-side faults: a handler that fails first deliveries (the
+/// broker redelivers them after later messages of their key) and two consumers taking
+/// turns at one durable consumer. Every committed message is still handled once, in
+/// order, and the fault did happen (failures counted, both consumers handled some).
+#[test]
+fn the_outbox_passes_when_first_deliveries_fail_and_consumers_compete() {
+    for (fault, shows) in [
+        ("failing-first-deliveries", &["failed-first-delivery"][..]),
+        (
+            "competing-consumers",
+            &["handled-by-consumer-1", "handled-by-consumer-2"][..],
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let output = verify_pillar(
+            "outbox",
+            &[
+                "--fault",
+                fault,
+                "--duration",
+                "10s",
+                "--messages",
+                "400",
+                "--json",
+            ],
+            dir.path(),
+        );
+        let summary = summary(&output);
+        assert_eq!(output.status.code(), Some(0), "{fault}: {summary}");
+        assert_eq!(summary["fault"], fault);
+        let run = &summary["runs"][0];
+        assert_eq!(run["handled"], run["committed"], "{fault}: {run}");
+        for counted in shows {
+            assert!(
+                run["faults"][counted].as_u64().unwrap() > 0,
+                "{fault}: {counted} is 0: {run}"
+            );
+        }
+    }
+}
+
 /// The outbox under relay kills and broker outages longer than the stream's duplicate
 /// window: every committed message handled once, nothing rolled back handled, each key
 /// in order.

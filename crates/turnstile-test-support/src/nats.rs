@@ -101,6 +101,16 @@ impl NatsServer {
     pub fn kill(&self) {
         self.process.kill();
     }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&self) {
+        self.process.signal(libc::SIGSTOP);
+    }
+
+    /// Thaws a paused server (SIGCONT).
+    pub fn resume(&self) {
+        self.process.signal(libc::SIGCONT);
+    }
 }
 
 impl Drop for NatsServer {

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde::Serialize;
 use sqlx::Row;
 use tokio::process::{Child, Command};
@@ -45,9 +45,45 @@ const RELAY_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// stream whose window is not longer than their lease and longest backoff).
 const DUPLICATE_WINDOW: Duration = Duration::from_secs(4);
 
+/// What goes wrong during a run, episode after episode while the application enqueues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum OutboxFault {
+    /// A relay killed (SIGKILL) and, in turn, every relay killed and the broker
+    /// stopped for longer than the duplicate window, so copies get past the broker.
+    KillRelayBrokerOutage,
+    /// Every relay killed and started again while the broker is stopped; the broker
+    /// comes back 3 s later.
+    BrokerDownAtStart,
+    /// Every relay killed and started again while the broker is frozen (SIGSTOP:
+    /// connections open, nothing answers) for longer than the relays' lease.
+    BrokerFrozenAtStart,
+    /// The consumer's handler fails the first delivery of one message in four, before
+    /// it touches the inbox: the broker redelivers it after later messages of its key.
+    FailingFirstDeliveries,
+    /// Two consumers (connections of their own) take turns at one durable consumer,
+    /// so a key's messages reach them interleaved.
+    CompetingConsumers,
+}
+
+impl OutboxFault {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            OutboxFault::KillRelayBrokerOutage => "kill-relay-broker-outage",
+            OutboxFault::BrokerDownAtStart => "broker-down-at-start",
+            OutboxFault::BrokerFrozenAtStart => "broker-frozen-at-start",
+            OutboxFault::FailingFirstDeliveries => "failing-first-deliveries",
+            OutboxFault::CompetingConsumers => "competing-consumers",
+        }
+    }
+}
+
 /// `turnstile verify outbox`.
 #[derive(Args, Debug)]
 pub(crate) struct VerifyOutboxArgs {
+    /// What goes wrong during each run.
+    #[arg(long, value_enum, default_value = "kill-relay-broker-outage")]
+    fault: OutboxFault,
     /// Relay processes publishing at once.
     #[arg(long, default_value_t = 2)]
     relays: usize,
@@ -161,6 +197,7 @@ async fn verify(args: VerifyOutboxArgs) -> anyhow::Result<bool> {
         "pillar": "outbox",
         "store": "sqlite",
         "broker": "nats",
+        "fault": args.fault.name(),
         "relays": args.relays,
         "passed": passed,
         "runs": runs,
@@ -243,12 +280,28 @@ async fn one_run(
     .execute(inbox_store.pool())
     .await?;
     let stop_consuming = CancellationToken::new();
-    let consuming = consume(
-        inbox_store.clone(),
-        &broker,
-        &stream,
-        stop_consuming.clone(),
-    );
+    let consumer = |failing_first_deliveries| {
+        consume(
+            inbox_store.clone(),
+            &broker,
+            &stream,
+            failing_first_deliveries,
+            stop_consuming.clone(),
+        )
+    };
+    let failing = args.fault == OutboxFault::FailingFirstDeliveries;
+    let mut handled_by = [0; 2];
+    let consuming = async {
+        if args.fault == OutboxFault::CompetingConsumers {
+            let (first, second) = tokio::join!(consumer(false), consumer(false));
+            let (first, second) = (first?, second?);
+            // Both must have taken part, or the run shows nothing about competition.
+            handled_by = [first.handled, second.handled];
+            Ok::<_, anyhow::Error>(first + second)
+        } else {
+            consumer(failing).await
+        }
+    };
     let producing = async {
         // The application: enqueues at a steady pace over the first two thirds of the
         // run, one transaction in seven rolled back.
@@ -287,50 +340,93 @@ async fn one_run(
             }
             // Faults, in turn, between enqueues.
             if tokio::time::Instant::now() >= next_fault {
-                // Relay kills and broker outages in turn.
-                if fault_turn % 2 == 0 {
-                    let index = fault_turn % relays.len();
-                    let start = monotonic_ns();
-                    nemesis_log.record(
-                        &Event::now(EventKind::FaultStart, Some(index)).fault("kill-relay"),
-                    );
-                    let _ = relays[index].kill().await;
-                    relays[index] = relay(index)?;
-                    nemesis_log
-                        .record(&Event::now(EventKind::FaultEnd, Some(index)).fault("kill-relay"));
-                    windows.push(FaultWindow {
-                        fault: format!("kill relay {index}"),
-                        target: None,
-                        start,
-                        end: monotonic_ns(),
-                    });
-                    *faults.entry("kill-relay".to_owned()).or_insert(0) += 1;
-                } else {
-                    // Longer than the duplicate window, with the relays killed as it goes
-                    // down: what they had published and not recorded goes out again after
-                    // the window, past the broker's duplicate detection.
-                    let start = monotonic_ns();
-                    nemesis_log
-                        .record(&Event::now(EventKind::FaultStart, None).fault("broker-outage"));
-                    for running in relays.iter_mut() {
-                        let _ = running.kill().await;
+                match args.fault {
+                    // Relay kills and broker outages in turn.
+                    OutboxFault::KillRelayBrokerOutage if fault_turn % 2 == 0 => {
+                        let index = fault_turn % relays.len();
+                        let start = monotonic_ns();
+                        nemesis_log.record(
+                            &Event::now(EventKind::FaultStart, Some(index)).fault("kill-relay"),
+                        );
+                        let _ = relays[index].kill().await;
+                        relays[index] = relay(index)?;
+                        nemesis_log.record(
+                            &Event::now(EventKind::FaultEnd, Some(index)).fault("kill-relay"),
+                        );
+                        windows.push(FaultWindow {
+                            fault: format!("kill relay {index}"),
+                            target: None,
+                            start,
+                            end: monotonic_ns(),
+                        });
+                        *faults.entry("kill-relay".to_owned()).or_insert(0) += 1;
                     }
-                    // Blocking for the moment the server takes to stop: the consumer waits.
-                    nats.stop();
-                    tokio::time::sleep(DUPLICATE_WINDOW + Duration::from_secs(2)).await;
-                    nats.start_again();
-                    for (index, running) in relays.iter_mut().enumerate() {
-                        *running = relay(index)?;
+                    OutboxFault::KillRelayBrokerOutage => {
+                        // Longer than the duplicate window, with the relays killed as it goes
+                        // down: what they had published and not recorded goes out again after
+                        // the window, past the broker's duplicate detection.
+                        let start = monotonic_ns();
+                        nemesis_log.record(
+                            &Event::now(EventKind::FaultStart, None).fault("broker-outage"),
+                        );
+                        for running in relays.iter_mut() {
+                            let _ = running.kill().await;
+                        }
+                        // Blocking for the moment the server takes to stop: the consumer waits.
+                        nats.stop();
+                        tokio::time::sleep(DUPLICATE_WINDOW + Duration::from_secs(2)).await;
+                        nats.start_again();
+                        for (index, running) in relays.iter_mut().enumerate() {
+                            *running = relay(index)?;
+                        }
+                        nemesis_log
+                            .record(&Event::now(EventKind::FaultEnd, None).fault("broker-outage"));
+                        windows.push(FaultWindow {
+                            fault: "broker outage".to_owned(),
+                            target: None,
+                            start,
+                            end: monotonic_ns(),
+                        });
+                        *faults.entry("broker-outage".to_owned()).or_insert(0) += 1;
                     }
-                    nemesis_log
-                        .record(&Event::now(EventKind::FaultEnd, None).fault("broker-outage"));
-                    windows.push(FaultWindow {
-                        fault: "broker outage".to_owned(),
-                        target: None,
-                        start,
-                        end: monotonic_ns(),
-                    });
-                    *faults.entry("broker-outage".to_owned()).or_insert(0) += 1;
+                    OutboxFault::BrokerDownAtStart | OutboxFault::BrokerFrozenAtStart => {
+                        // Relays that start with no broker to talk to: they must neither
+                        // give up for good (the loop above starts an ended one again, as
+                        // a supervisor would) nor publish anything stale once it is back.
+                        let fault = args.fault.name();
+                        let start = monotonic_ns();
+                        nemesis_log.record(&Event::now(EventKind::FaultStart, None).fault(fault));
+                        for running in relays.iter_mut() {
+                            let _ = running.kill().await;
+                        }
+                        let frozen = args.fault == OutboxFault::BrokerFrozenAtStart;
+                        if frozen {
+                            nats.pause();
+                        } else {
+                            nats.stop();
+                        }
+                        for (index, running) in relays.iter_mut().enumerate() {
+                            *running = relay(index)?;
+                        }
+                        // Longer than the relays' lease: what a relay holds when the broker
+                        // comes back is a lease it took while the broker was away.
+                        tokio::time::sleep(RELAY_LEASE + Duration::from_secs(1)).await;
+                        if frozen {
+                            nats.resume();
+                        } else {
+                            nats.start_again();
+                        }
+                        nemesis_log.record(&Event::now(EventKind::FaultEnd, None).fault(fault));
+                        windows.push(FaultWindow {
+                            fault: fault.replace('-', " "),
+                            target: None,
+                            start,
+                            end: monotonic_ns(),
+                        });
+                        *faults.entry(fault.to_owned()).or_insert(0) += 1;
+                    }
+                    // The consumer's own faults: nothing to do between enqueues.
+                    OutboxFault::FailingFirstDeliveries | OutboxFault::CompetingConsumers => {}
                 }
                 fault_turn += 1;
                 next_fault = tokio::time::Instant::now() + Duration::from_secs(1);
@@ -364,9 +460,21 @@ async fn one_run(
         stop_consuming.cancel();
         produced
     };
-    let (skipped, produced) = tokio::join!(consuming, producing);
-    let (committed, committed_at, rolled_back, faults, windows) = produced?;
-    let duplicates_skipped = skipped?;
+    let (counts, produced) = tokio::join!(consuming, producing);
+    let (committed, committed_at, rolled_back, mut faults, windows) = produced?;
+    let ConsumerCounts {
+        skipped: duplicates_skipped,
+        failed_first_deliveries,
+        ..
+    } = counts?;
+    if failing {
+        faults.insert("failed-first-delivery".to_owned(), failed_first_deliveries);
+    }
+    if args.fault == OutboxFault::CompetingConsumers {
+        for (index, handled) in handled_by.into_iter().enumerate() {
+            faults.insert(format!("handled-by-consumer-{}", index + 1), handled);
+        }
+    }
     for relay in &mut relays {
         let _ = relay.kill().await;
     }
@@ -506,8 +614,10 @@ fn html(args: &VerifyOutboxArgs, runs: &[OutboxRun]) -> String {
     let mut page = report::page_head("turnstile verify outbox — SQLite to NATS JetStream", passed);
     let _ = write!(
         page,
-        "<p>{} runs; {} relay processes; {} messages over {} keys per run, one transaction in seven \
-         rolled back; the stream's duplicate window {} s, each broker outage longer.</p>",
+        "<p>Fault: {}. {} runs; {} relay processes; {} messages over {} keys per run, one \
+         transaction in seven rolled back; the stream's duplicate window {} s, each broker outage \
+         longer.</p>",
+        args.fault.name(),
         runs.len(),
         args.relays,
         args.messages,
@@ -546,16 +656,51 @@ fn handler_error(error: sqlx::Error) -> turnstile::Error {
     turnstile::Error::new(turnstile::ErrorKind::Store, error.to_string())
 }
 
-/// Handles deliveries through the inbox until `stop`; returns how many copies the
-/// inbox skipped.
+/// What one consumer saw.
+#[derive(Debug, Default, Clone, Copy)]
+struct ConsumerCounts {
+    /// Deliveries the inbox recognised as copies and skipped.
+    skipped: u64,
+    /// First deliveries its handler failed on purpose.
+    failed_first_deliveries: usize,
+    /// Messages its handler handled (their effect committed).
+    handled: usize,
+}
+
+impl std::ops::Add for ConsumerCounts {
+    type Output = ConsumerCounts;
+
+    fn add(self, other: ConsumerCounts) -> ConsumerCounts {
+        ConsumerCounts {
+            skipped: self.skipped + other.skipped,
+            failed_first_deliveries: self.failed_first_deliveries + other.failed_first_deliveries,
+            handled: self.handled + other.handled,
+        }
+    }
+}
+
+/// Whether the handler fails the first delivery of the message `id` on purpose: one
+/// message in four, picked by its id so that a restarted consumer picks the same.
+fn fails_first_delivery(id: &str) -> bool {
+    id.bytes().fold(0u32, |hash, byte| {
+        hash.wrapping_mul(31).wrapping_add(u32::from(byte))
+    }) % 4
+        == 0
+}
+
+/// Handles deliveries through the inbox until `stop`; with `failing_first_deliveries`,
+/// its handler fails the first delivery of one message in four before it touches the
+/// inbox.
 async fn consume(
     store: SqliteIdempotencyStore,
     broker: &str,
     stream: &str,
+    failing_first_deliveries: bool,
     stop: CancellationToken,
-) -> anyhow::Result<u64> {
+) -> anyhow::Result<ConsumerCounts> {
     let inbox = Inbox::new(store.clone(), "verify")?;
-    let mut skipped = 0;
+    let (mut skipped, mut handled) = (0, 0);
+    let mut failed_once: HashSet<String> = HashSet::new();
     let mut consumer: Option<JetStreamConsumer> = None;
     while !stop.is_cancelled() {
         // The broker goes away and comes back: connect (again) when needed.
@@ -587,6 +732,15 @@ async fn consume(
                     let inbox_id = incoming.inbox_id()?;
                     let id = incoming.id.clone().unwrap_or_default();
                     let key = incoming.key.clone().unwrap_or_default();
+                    if failing_first_deliveries
+                        && fails_first_delivery(&id)
+                        && failed_once.insert(id.clone())
+                    {
+                        return Err(turnstile::Error::new(
+                            turnstile::ErrorKind::Store,
+                            "the handler fails this message's first delivery on purpose",
+                        ));
+                    }
 
                     let mut transaction = store
                         .pool()
@@ -621,6 +775,7 @@ async fn consume(
                         .await?;
                     transaction.commit().await.map_err(handler_error)?;
                     match delivery {
+                        Delivery::Processed(()) => handled += 1,
                         Delivery::Duplicate => skipped += 1,
                         // Its predecessor comes first: the broker delivers it again.
                         Delivery::Early { expected } => {
@@ -639,7 +794,11 @@ async fn consume(
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
-    Ok(skipped)
+    Ok(ConsumerCounts {
+        skipped,
+        failed_first_deliveries: failed_once.len(),
+        handled,
+    })
 }
 
 /// The verdicts, from what the application committed and what the handler did.
