@@ -521,6 +521,47 @@ async fn a_claim_lost_mid_handler_is_recorded_as_outcome_unknown() {
     assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran again");
 }
 
+/// The same with the store out of reach for longer than one attempt to record it (a
+/// writer holds the database past the store's 5 s busy timeout): the record is asked
+/// again, not once, so it still lands before the retry, which is told the outcome is
+/// unknown rather than running the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_claims_outcome_unknown_is_recorded_though_the_first_try_fails() {
+    use sqlx::Connection;
+    let app = app(
+        |layer| layer,
+        IdempotencyOptions::new().lease(Duration::from_secs(1)),
+    )
+    .await;
+    let router = app.router.clone();
+    let first = tokio::spawn(async move {
+        send(
+            &router,
+            request("/payments", "acme", Some("held-long"), "linger"),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let url = format!("sqlite://{}", app.dir.path().join("keys.db").display());
+    let mut writer = sqlx::SqliteConnection::connect(&url).await.unwrap();
+    sqlx::query("BEGIN EXCLUSIVE")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(6_500)).await;
+    sqlx::query("COMMIT").execute(&mut writer).await.unwrap();
+    let (status, _, body) = first.await.unwrap();
+    assert!(status.is_server_error(), "{status}: {body}");
+    let (status, _, answer) = send(
+        &app.router,
+        request("/payments", "acme", Some("held-long"), "linger"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{answer}");
+    assert_eq!(problem_type(&answer), types::OUTCOME_UNKNOWN);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran again");
+}
+
 /// A response that ends with trailers is passed on with them, but not stored as a
 /// success without them (a failure can be signalled there): a retry is told the
 /// response was not stored, and the handler does not run again.

@@ -1039,6 +1039,11 @@ impl RunningClaim {
         self.lease.lost_signal()
     }
 
+    /// Whether the claim can no longer be assumed ours.
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lease.is_lost()
+    }
+
     /// Stores `outcome`: [`ErrorKind::Fencing`] if a newer claim holds the key. A
     /// transient refusal is tried again, the lease renewed meanwhile, until the claim
     /// is lost or one lease length has passed: the work has run, and a completion
@@ -1076,6 +1081,49 @@ impl RunningClaim {
                 telemetry::completion_failed(scope, key, &error);
                 Err(error)
             }
+        }
+    }
+
+    /// Stores `outcome` for a claim already lost while its handler ran (the handler was
+    /// dropped mid-way; its effects are unknown). The store is most often what lost it,
+    /// so it is asked again while it does not answer, for one lease length after its
+    /// first failure: the record must land before anyone claims the key again, or that
+    /// retry runs the handler a second time. A newer claim's record is never touched:
+    /// the store fences this one.
+    pub(crate) async fn complete_after_loss(mut self, outcome: &[u8]) -> Result<()> {
+        self.keeper.stop();
+        let (scope, key) = (&self.scope, &self.key);
+        let mut deadline = None;
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let error = match self
+                .store
+                .complete(scope, key, self.token, outcome, self.retention)
+                .await
+            {
+                Ok(Finish::Done) => {
+                    telemetry::completed(scope, key, self.lease.started.elapsed());
+                    return Ok(());
+                }
+                Ok(Finish::Fenced) => {
+                    telemetry::fenced_out(scope, key, self.token);
+                    return Err(fenced(scope, key));
+                }
+                Err(error) if error.kind() == ErrorKind::StoreUnavailable => error,
+                Err(error) => {
+                    telemetry::completion_failed(scope, key, &error);
+                    return Err(error);
+                }
+            };
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.lease.ttl);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                telemetry::completion_failed(scope, key, &error);
+                return Err(error);
+            }
+            telemetry::completion_retried(scope, key, &error);
+            tokio::time::sleep(pause.min(left)).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
         }
     }
 

@@ -903,8 +903,13 @@ async fn record_outcome_unknown(claim: super::RunningClaim, what_happened: &str)
         what_happened,
         "the handler's outcome is unknown; the Idempotency-Key records that instead of running it again"
     );
+    let outcome = replay::encode_unknown(what_happened);
+    if claim.is_lost() {
+        let _ = claim.complete_after_loss(&outcome).await;
+        return;
+    }
     let _ = claim
-        .complete_or(&replay::encode_unknown(what_happened), |error| {
+        .complete_or(&outcome, |error| {
             replay::encode_not_stored(&format!("the outcome could not be stored: {error}"))
         })
         .await;
