@@ -396,6 +396,10 @@ fn idempotency_on_sqlite_passes_under_kills_and_pauses() {
     for (args, says) in [
         (&["--store", "etcd"][..], "neither a URL"),
         (
+            &["--store", "sqlite", "--faults", "store-pause"][..],
+            "need a Redis server",
+        ),
+        (
             &["--store", "sqlite", "--drop-responses", "2"][..],
             "--drop-responses",
         ),
@@ -407,4 +411,33 @@ fn idempotency_on_sqlite_passes_under_kills_and_pauses() {
         assert_eq!(output.status.code(), Some(64), "{args:?}: {stderr}");
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
+}
+
+/// The lease mode on Redis while the store itself freezes (SIGSTOP) and turns
+/// read-only (`READONLY`, as a replica): completions and renewals meet a store that
+/// does not answer or answers a transient error, and still every request has one
+/// effect (or a second one those faults explain), its own answer, and an answer.
+#[test]
+fn idempotency_on_redis_passes_when_the_store_freezes_or_turns_read_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = verify_pillar(
+        "idempotency",
+        &[
+            "--store",
+            "redis",
+            "--duration",
+            "14s",
+            "--faults",
+            "store-pause,store-read-only",
+            "--json",
+        ],
+        dir.path(),
+    );
+    let summary = summary(&output);
+    assert_eq!(output.status.code(), Some(0), "{summary}");
+    assert_eq!(summary["mode"], "lease");
+    let run = &summary["runs"][0];
+    assert!(run["requests"].as_u64().unwrap() > 100, "{run}");
+    assert_eq!(run["faults"]["store-pause"], 1, "{run}");
+    assert_eq!(run["faults"]["store-read-only"], 1, "{run}");
 }

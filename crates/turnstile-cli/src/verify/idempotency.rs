@@ -67,6 +67,13 @@ pub(crate) enum IdempotencyFault {
     Pause,
     /// Restart the store: a server this command started, or `--restart-cmd`.
     Restart,
+    /// Freeze the store (SIGSTOP; a Redis server this command started) for 0.5 to 1.5
+    /// leases, then SIGCONT: renewals and completions meet a store that does not answer.
+    StorePause,
+    /// Make the store refuse writes with `READONLY`, as a replica does (a Redis server
+    /// this command started made the replica of an address nobody answers at), for 0.5
+    /// to 1.5 leases: renewals and completions meet a transient error.
+    StoreReadOnly,
 }
 
 impl IdempotencyFault {
@@ -75,6 +82,8 @@ impl IdempotencyFault {
             IdempotencyFault::KillInstance => "kill-instance",
             IdempotencyFault::Pause => "pause",
             IdempotencyFault::Restart => "restart",
+            IdempotencyFault::StorePause => "store-pause",
+            IdempotencyFault::StoreReadOnly => "store-read-only",
         }
     }
 }
@@ -1168,10 +1177,14 @@ async fn verify(args: VerifyIdempotencyArgs) -> anyhow::Result<bool> {
         faults: match mode {
             // The effect and the stored response commit together: nothing explains two.
             Mode::Transaction => vec![],
+            // A store that stops answering for longer than a lease can lose a claim
+            // whose handler had effects, as a frozen instance can.
             Mode::Lease => vec![
                 IdempotencyFault::KillInstance,
                 IdempotencyFault::Pause,
                 IdempotencyFault::Restart,
+                IdempotencyFault::StorePause,
+                IdempotencyFault::StoreReadOnly,
             ],
         },
         // The first request's response is stored within its lease, or its claim is
@@ -1181,6 +1194,15 @@ async fn verify(args: VerifyIdempotencyArgs) -> anyhow::Result<bool> {
         // Redis keeps records only as far as its persistence does (best-effort).
         store_forgets: engine == Engine::Redis,
     };
+    let store_faults = [
+        IdempotencyFault::StorePause,
+        IdempotencyFault::StoreReadOnly,
+    ];
+    anyhow::ensure!(
+        matches!(store.as_ref(), Store::Redis(_))
+            || !args.faults.iter().any(|fault| store_faults.contains(fault)),
+        "--faults store-pause and store-read-only need a Redis server this command starts (--store redis)"
+    );
     let mut faults = args.faults.clone();
     if !store.can_restart(args.restart_cmd.as_deref())
         && faults.contains(&IdempotencyFault::Restart)
@@ -1529,6 +1551,22 @@ async fn nemesis(
                 }
                 None
             }
+            IdempotencyFault::StorePause | IdempotencyFault::StoreReadOnly => {
+                let Store::Redis(server) = store.as_ref() else {
+                    anyhow::bail!("{} needs a Redis server this command started", fault.name());
+                };
+                let lasts = between(args.lease / 2, args.lease * 3 / 2);
+                if fault == IdempotencyFault::StorePause {
+                    server.pause();
+                    tokio::time::sleep(lasts).await;
+                    server.resume();
+                } else {
+                    redis_read_only(&server.url(), true).await?;
+                    tokio::time::sleep(lasts).await;
+                    redis_read_only(&server.url(), false).await?;
+                }
+                None
+            }
         };
         windows.push(FaultWindow {
             fault,
@@ -1539,6 +1577,29 @@ async fn nemesis(
         tokio::time::sleep(quiet).await;
     }
     Ok(windows)
+}
+
+/// Makes the Redis server at `url` refuse writes (`READONLY`), as a replica does, by
+/// making it the replica of an address nobody answers at (port 1 on loopback: no sync
+/// ever starts, so its data stays), or a master again.
+#[cfg(feature = "redis")]
+async fn redis_read_only(url: &str, read_only: bool) -> anyhow::Result<()> {
+    let client = redis::Client::open(url)?;
+    let mut connection = client.get_multiplexed_async_connection().await?;
+    let mut command = redis::cmd("REPLICAOF");
+    if read_only {
+        command.arg("127.0.0.1").arg(1);
+    } else {
+        command.arg("NO").arg("ONE");
+    }
+    let () = command.query_async(&mut connection).await?;
+    Ok(())
+}
+
+/// Without Redis support there is no Redis store to make read-only.
+#[cfg(not(feature = "redis"))]
+async fn redis_read_only(_url: &str, _read_only: bool) -> anyhow::Result<()> {
+    anyhow::bail!("store-read-only needs a build with Redis support")
 }
 
 #[cfg(test)]
