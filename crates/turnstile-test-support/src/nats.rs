@@ -13,15 +13,27 @@ pub struct NatsServer {
     port: Mutex<u16>,
     dir: tempfile::TempDir,
     process: Process,
+    jetstream: bool,
 }
 
 impl NatsServer {
     /// Starts a server and waits until it is ready.
     pub fn spawn() -> NatsServer {
+        NatsServer::spawn_with(true)
+    }
+
+    /// Starts a server without JetStream (core NATS only): it answers PINGs and
+    /// publishes, but no JetStream request.
+    pub fn spawn_without_jetstream() -> NatsServer {
+        NatsServer::spawn_with(false)
+    }
+
+    fn spawn_with(jetstream: bool) -> NatsServer {
         let server = NatsServer {
             port: Mutex::new(0),
             dir: crate::server_dir("nats"),
             process: Process::default(),
+            jetstream,
         };
         server.start(None);
         server
@@ -33,10 +45,14 @@ impl NatsServer {
         for _ in 0..5 {
             let port = port.unwrap_or_else(free_port);
             let mut command = Command::new(&binary);
+            command.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
+            if self.jetstream {
+                command
+                    .arg("-js")
+                    .arg("-sd")
+                    .arg(self.dir.path().join("jetstream"));
+            }
             command
-                .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js"])
-                .arg("-sd")
-                .arg(self.dir.path().join("jetstream"))
                 .arg("-l")
                 .arg(self.log_path())
                 .args([

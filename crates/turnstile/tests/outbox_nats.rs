@@ -967,6 +967,25 @@ async fn a_missing_message_is_never_stepped_over(outbox: impl TestOutbox) {
     assert_eq!(ids, [0, 2, 3].map(|n| messages[n].id().to_owned()));
 }
 
+/// `reachable` asks JetStream itself, not only the server: a NATS server without
+/// JetStream answers PINGs but stores nothing, so for a relay it is not reachable (and
+/// a relay whose every key fails there pauses as a whole, as on a broker that is down).
+#[tokio::test]
+async fn a_server_without_jetstream_is_not_reachable() {
+    let core = tokio::task::spawn_blocking(NatsServer::spawn_without_jetstream)
+        .await
+        .unwrap();
+    let publisher = JetStreamPublisher::connect(&core.url(), Duration::from_secs(2))
+        .await
+        .unwrap();
+    assert!(
+        !publisher.reachable().await,
+        "a server without JetStream counted as reachable"
+    );
+    let (with_jetstream, ..) = fresh_stream("reachable").await;
+    assert!(with_jetstream.reachable().await, "the broker is up");
+}
+
 /// One key that keeps failing (leased alone, batch after batch) backs off on its own:
 /// another key's new message still goes out at once. Before, a batch whose keys all
 /// failed paused the whole relay, longer each time up to the longest backoff.

@@ -338,10 +338,15 @@ impl Publisher for JetStreamPublisher {
     }
 
     fn reachable(&self) -> BoxFuture<'_, bool> {
-        // A round trip to the server (PING, PONG) on the application's connection.
+        // A request JetStream itself answers (its account information), on the
+        // application's connection: a server whose JetStream is off or has no leader
+        // answers PINGs but stores nothing. Any answer, an error one too, is
+        // JetStream's; "no responders" or silence is not.
         Box::pin(async move {
-            let client = self.jetstream.client();
-            tokio::time::timeout(super::relay::REACHABLE_WITHIN, client.flush())
+            let info = self
+                .jetstream
+                .request::<_, (), serde_json::Value>("INFO", &());
+            tokio::time::timeout(super::relay::REACHABLE_WITHIN, info)
                 .await
                 .is_ok_and(|answer| answer.is_ok())
         })
