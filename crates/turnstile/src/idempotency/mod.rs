@@ -1039,11 +1039,6 @@ impl RunningClaim {
         self.lease.lost_signal()
     }
 
-    /// Whether the claim can no longer be assumed ours.
-    pub(crate) fn is_lost(&self) -> bool {
-        self.lease.is_lost()
-    }
-
     /// Stores `outcome`: [`ErrorKind::Fencing`] if a newer claim holds the key. A
     /// transient refusal is tried again, the lease renewed meanwhile, until the claim
     /// is lost or one lease length has passed: the work has run, and a completion
@@ -1084,38 +1079,44 @@ impl RunningClaim {
         }
     }
 
-    /// Stores `outcome` for a claim already lost while its handler ran (the handler was
-    /// dropped mid-way; its effects are unknown). The store is most often what lost it,
-    /// so it is asked again while it does not answer, for one lease length after its
-    /// first failure: the record must land before anyone claims the key again, or that
-    /// retry runs the handler a second time. A newer claim's record is never touched:
-    /// the store fences this one.
-    pub(crate) async fn complete_after_loss(mut self, outcome: &[u8]) -> Result<()> {
+    /// Records `outcome` for a claim whose handler was cut off mid-way (its effects are
+    /// unknown), the claim lost or about to be: the store is most often what cut it
+    /// off, so a store that does not answer is asked again, every attempt cut off at
+    /// one deadline, two lease lengths from now (so a request is held that long at
+    /// most). The record must land before anyone claims the key again, or that retry
+    /// runs the handler a second time; a newer claim's record is never touched (the
+    /// store fences this one). The keeper stops first: nothing is left to renew for.
+    pub(crate) async fn complete_with_retries(mut self, outcome: &[u8]) -> Result<()> {
         self.keeper.stop();
         let (scope, key) = (&self.scope, &self.key);
-        let mut deadline = None;
+        let deadline = Instant::now() + 2 * self.lease.ttl;
         let mut pause = Duration::from_millis(20);
         loop {
-            let error = match self
+            let attempt = self
                 .store
-                .complete(scope, key, self.token, outcome, self.retention)
-                .await
-            {
-                Ok(Finish::Done) => {
+                .complete(scope, key, self.token, outcome, self.retention);
+            let error = match tokio::time::timeout_at(deadline, attempt).await {
+                Ok(Ok(Finish::Done)) => {
                     telemetry::completed(scope, key, self.lease.started.elapsed());
                     return Ok(());
                 }
-                Ok(Finish::Fenced) => {
+                Ok(Ok(Finish::Fenced)) => {
                     telemetry::fenced_out(scope, key, self.token);
                     return Err(fenced(scope, key));
                 }
-                Err(error) if error.kind() == ErrorKind::StoreUnavailable => error,
-                Err(error) => {
+                Ok(Err(error)) if error.kind() == ErrorKind::StoreUnavailable => error,
+                Ok(Err(error)) => {
                     telemetry::completion_failed(scope, key, &error);
                     return Err(error);
                 }
+                Err(_) => Error::new(
+                    ErrorKind::StoreUnavailable,
+                    format!(
+                        "the store did not record the outcome within {}",
+                        crate::lock::describe_wait(2 * self.lease.ttl)
+                    ),
+                ),
             };
-            let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.lease.ttl);
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 telemetry::completion_failed(scope, key, &error);
@@ -1123,7 +1124,9 @@ impl RunningClaim {
             }
             telemetry::completion_retried(scope, key, &error);
             tokio::time::sleep(pause.min(left)).await;
-            pause = (pause * 2).min(Duration::from_secs(1));
+            // Short pauses: once the store is back, a retry of the request may claim
+            // the key at any moment, and the record must come first.
+            pause = (pause * 2).min(Duration::from_millis(200));
         }
     }
 

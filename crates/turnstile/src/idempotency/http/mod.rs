@@ -897,22 +897,16 @@ async fn read_prefix(mut body: Body, limit: usize) -> Result<ReadBody, (Bytes, a
 }
 
 /// Records that the handler ran but its outcome is unknown (`what_happened`): a retry
-/// is told so and does not run it again.
-async fn record_outcome_unknown(claim: super::RunningClaim, what_happened: &str) {
+/// is told so and does not run it again. Whether the record landed.
+async fn record_outcome_unknown(claim: super::RunningClaim, what_happened: &str) -> bool {
     tracing::warn!(
         what_happened,
         "the handler's outcome is unknown; the Idempotency-Key records that instead of running it again"
     );
-    let outcome = replay::encode_unknown(what_happened);
-    if claim.is_lost() {
-        let _ = claim.complete_after_loss(&outcome).await;
-        return;
-    }
-    let _ = claim
-        .complete_or(&outcome, |error| {
-            replay::encode_not_stored(&format!("the outcome could not be stored: {error}"))
-        })
-        .await;
+    claim
+        .complete_with_retries(&replay::encode_unknown(what_happened))
+        .await
+        .is_ok()
 }
 
 /// Settles a claim whose handler (or its response body) panicked, its transaction
@@ -939,12 +933,16 @@ async fn panicked(
             None,
         );
     }
-    record_outcome_unknown(claim, what_happened).await;
+    let detail = if record_outcome_unknown(claim, what_happened).await {
+        "the handler panicked; its effects are unknown, so this Idempotency-Key will not run it again"
+    } else {
+        "the handler panicked; its effects are unknown, and the store did not record that: a retry with this key may run it again"
+    };
     problem(
         StatusCode::INTERNAL_SERVER_ERROR,
         types::OUTCOME_UNKNOWN,
         "The handler failed",
-        "the handler panicked; its effects are unknown, so this Idempotency-Key will not run it again",
+        detail,
         None,
     )
 }
