@@ -312,7 +312,8 @@ fn the_outbox_passes_under_relay_kills_and_broker_outages() {
             "every committed message handled",
             "handled at most once",
             "nothing rolled back handled",
-            "each key in order"
+            "each key in order",
+            "the fault happened"
         ]
     );
     assert!(run["committed"].as_u64().unwrap() > 600, "{run}");

@@ -219,6 +219,20 @@ async fn verify(args: VerifyOutboxArgs) -> anyhow::Result<bool> {
     Ok(passed)
 }
 
+/// Starts again every relay that ended (one that found the broker down when it
+/// started exits), as a supervisor would.
+fn supervise(
+    relays: &mut [Child],
+    relay: &impl Fn(usize) -> anyhow::Result<Child>,
+) -> anyhow::Result<()> {
+    for (index, running) in relays.iter_mut().enumerate() {
+        if running.try_wait().ok().flatten().is_some() {
+            *running = relay(index)?;
+        }
+    }
+    Ok(())
+}
+
 /// A relay process: `turnstile outbox relay`, started again after a kill.
 fn start_relay(store_url: &str, broker: &str, log: &Path) -> anyhow::Result<Child> {
     let log = std::fs::OpenOptions::new()
@@ -331,13 +345,7 @@ async fn one_run(
                 committed.insert(message.id().to_owned());
                 committed_at.insert(message.id().to_owned(), monotonic_ns());
             }
-            // A relay that ended (it found the broker down when it started) is
-            // started again, as a supervisor would.
-            for (index, running) in relays.iter_mut().enumerate() {
-                if running.try_wait().ok().flatten().is_some() {
-                    *running = relay(index)?;
-                }
-            }
+            supervise(&mut relays, &relay)?;
             // Faults, in turn, between enqueues.
             if tokio::time::Instant::now() >= next_fault {
                 match args.fault {
@@ -390,33 +398,39 @@ async fn one_run(
                         *faults.entry("broker-outage".to_owned()).or_insert(0) += 1;
                     }
                     OutboxFault::BrokerDownAtStart | OutboxFault::BrokerFrozenAtStart => {
-                        // Relays that start with no broker to talk to: they must neither
-                        // give up for good (the loop above starts an ended one again, as
-                        // a supervisor would) nor publish anything stale once it is back.
+                        // The broker goes away first; then one relay is killed and
+                        // started again, so it starts with no broker to talk to (stopped:
+                        // it cannot connect and exits, and is started again every 100 ms,
+                        // as a supervisor would; frozen: its connect waits), while the
+                        // others go on with leases they cannot publish in, for longer
+                        // than a lease. None may give up for good, park a key, or publish
+                        // anything stale once the broker is back.
                         let fault = args.fault.name();
+                        let index = fault_turn % relays.len();
                         let start = monotonic_ns();
-                        nemesis_log.record(&Event::now(EventKind::FaultStart, None).fault(fault));
-                        for running in relays.iter_mut() {
-                            let _ = running.kill().await;
-                        }
+                        nemesis_log
+                            .record(&Event::now(EventKind::FaultStart, Some(index)).fault(fault));
                         let frozen = args.fault == OutboxFault::BrokerFrozenAtStart;
                         if frozen {
                             nats.pause();
                         } else {
                             nats.stop();
                         }
-                        for (index, running) in relays.iter_mut().enumerate() {
-                            *running = relay(index)?;
+                        let _ = relays[index].kill().await;
+                        relays[index] = relay(index)?;
+                        let back_at =
+                            tokio::time::Instant::now() + RELAY_LEASE + Duration::from_secs(1);
+                        while tokio::time::Instant::now() < back_at {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            supervise(&mut relays, &relay)?;
                         }
-                        // Longer than the relays' lease: what a relay holds when the broker
-                        // comes back is a lease it took while the broker was away.
-                        tokio::time::sleep(RELAY_LEASE + Duration::from_secs(1)).await;
                         if frozen {
                             nats.resume();
                         } else {
                             nats.start_again();
                         }
-                        nemesis_log.record(&Event::now(EventKind::FaultEnd, None).fault(fault));
+                        nemesis_log
+                            .record(&Event::now(EventKind::FaultEnd, Some(index)).fault(fault));
                         windows.push(FaultWindow {
                             fault: fault.replace('-', " "),
                             target: None,
@@ -449,6 +463,7 @@ async fn one_run(
             {
                 break;
             }
+            supervise(&mut relays, &relay)?;
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         // Late copies still in flight get a moment to arrive.
@@ -490,7 +505,8 @@ async fn one_run(
         handled_at.entry(id.clone()).or_insert(at);
         effects.push((id, key, seq));
     }
-    let verdicts = check(&committed, &rolled_back, &effects);
+    let mut verdicts = check(&committed, &rolled_back, &effects);
+    verdicts.push(fault_happened(args.fault, &faults));
     let chart = DeliveryChart::of(&committed_at, &handled_at, windows);
     let show = |p| percentile(&chart.delivery_ms, p);
     let delivery_ms = match (show(50.0), show(99.0), show(100.0)) {
@@ -801,6 +817,34 @@ async fn consume(
     })
 }
 
+/// Whether the run's fault did happen, from its counts: a run in which it did nothing
+/// shows nothing about it.
+fn fault_happened(fault: OutboxFault, faults: &BTreeMap<String, usize>) -> Verdict {
+    let count = |name: &str| faults.get(name).copied().unwrap_or(0);
+    let wanted: &[&str] = match fault {
+        OutboxFault::KillRelayBrokerOutage => &["kill-relay", "broker-outage"],
+        OutboxFault::BrokerDownAtStart => &["broker-down-at-start"],
+        OutboxFault::BrokerFrozenAtStart => &["broker-frozen-at-start"],
+        OutboxFault::FailingFirstDeliveries => &["failed-first-delivery"],
+        // Both consumers must have handled some: one that did all shows no competition.
+        OutboxFault::CompetingConsumers => &["handled-by-consumer-1", "handled-by-consumer-2"],
+    };
+    let missing: Vec<&str> = wanted
+        .iter()
+        .copied()
+        .filter(|name| count(name) == 0)
+        .collect();
+    Verdict {
+        check: "the fault happened",
+        passed: missing.is_empty(),
+        detail: if missing.is_empty() {
+            format!("{} ({faults:?})", fault.name())
+        } else {
+            format!("{}: none of {}", fault.name(), missing.join(", "))
+        },
+    }
+}
+
 /// The verdicts, from what the application committed and what the handler did.
 fn check(
     committed: &HashSet<String>,
@@ -882,6 +926,24 @@ mod tests {
 
     fn ids(names: &[&str]) -> HashSet<String> {
         names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_fault_that_did_nothing_fails_the_run() {
+        let counts = |pairs: &[(&str, usize)]| -> BTreeMap<String, usize> {
+            pairs
+                .iter()
+                .map(|(name, n)| (name.to_string(), *n))
+                .collect()
+        };
+        let competing = OutboxFault::CompetingConsumers;
+        let both = counts(&[("handled-by-consumer-1", 3), ("handled-by-consumer-2", 4)]);
+        assert!(fault_happened(competing, &both).passed);
+        let one = counts(&[("handled-by-consumer-1", 7), ("handled-by-consumer-2", 0)]);
+        assert!(!fault_happened(competing, &one).passed);
+        let kills_only = counts(&[("kill-relay", 2)]);
+        assert!(!fault_happened(OutboxFault::KillRelayBrokerOutage, &kills_only).passed);
+        assert!(!fault_happened(OutboxFault::BrokerFrozenAtStart, &counts(&[])).passed);
     }
 
     #[test]
