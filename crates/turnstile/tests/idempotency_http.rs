@@ -522,15 +522,15 @@ async fn a_claim_lost_mid_handler_is_recorded_as_outcome_unknown() {
 }
 
 /// The same with the store out of reach for longer than one attempt to record it (a
-/// writer holds the database past the store's 5 s busy timeout, within two leases of
-/// the loss): the record is asked again, not once, so it still lands before the
+/// writer holds the database past the store's 5 s busy timeout): the record is asked
+/// again, not once, so it still lands before the
 /// retry, which is told the outcome is unknown rather than running the handler again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_claims_outcome_unknown_is_recorded_though_the_first_try_fails() {
     use sqlx::Connection;
     let app = app(
         |layer| layer,
-        IdempotencyOptions::new().lease(Duration::from_secs(3)),
+        IdempotencyOptions::new().lease(Duration::from_secs(1)),
     )
     .await;
     let router = app.router.clone();
@@ -548,9 +548,11 @@ async fn a_lost_claims_outcome_unknown_is_recorded_though_the_first_try_fails() 
         .execute(&mut writer)
         .await
         .unwrap();
-    // The claim is lost at about 3 s; its first record attempt waits out the busy
-    // timeout (about 8 s) and fails; the next one lands once the writer commits.
-    tokio::time::sleep(Duration::from_millis(8_500)).await;
+    // The handler lingers 3 s; the claim is lost at about 1 s. Its first record
+    // attempt waits out SQLite's 5 s busy timeout and fails at about 6 s; the next
+    // one (within a lease of that) waits for the writer, which commits at about
+    // 6.7 s, and lands. One attempt alone would not.
+    tokio::time::sleep(Duration::from_millis(6_500)).await;
     sqlx::query("COMMIT").execute(&mut writer).await.unwrap();
     let (status, _, body) = first.await.unwrap();
     assert!(status.is_server_error(), "{status}: {body}");

@@ -971,6 +971,12 @@ fn fenced(scope: &Scope, key: &IdempotencyKey) -> Error {
     )
 }
 
+/// The longest one attempt to record a cut-off handler's outcome may take: longer
+/// than every store's own wait (SQLite's busy timeout is 5 s, the SQL stores' lock
+/// waits are a second or less), so an attempt that takes longer has met a connection
+/// that hangs, and another is tried.
+const RECORD_ATTEMPT_LIMIT: Duration = Duration::from_secs(10);
+
 fn not_stored_before_loss(lease: &Lease, error: Error) -> Error {
     let reason = lease
         .loss_reason()
@@ -1081,21 +1087,27 @@ impl RunningClaim {
 
     /// Records `outcome` for a claim whose handler was cut off mid-way (its effects are
     /// unknown), the claim lost or about to be: the store is most often what cut it
-    /// off, so a store that does not answer is asked again, every attempt cut off at
-    /// one deadline, two lease lengths from now (so a request is held that long at
-    /// most). The record must land before anyone claims the key again, or that retry
-    /// runs the handler a second time; a newer claim's record is never touched (the
-    /// store fences this one). The keeper stops first: nothing is left to renew for.
+    /// off, so a store that answers a transient error, or does not answer within
+    /// [`RECORD_ATTEMPT_LIMIT`], is asked again, for one lease length after the first
+    /// failure. The record must land before anyone claims the key again, or that
+    /// retry runs the handler a second time; a newer claim's record is never touched
+    /// (the store fences this one). The keeper renews the claim until the record lands
+    /// or the attempts end.
     pub(crate) async fn complete_with_retries(mut self, outcome: &[u8]) -> Result<()> {
+        let recorded = self.record_with_retries(outcome).await;
         self.keeper.stop();
+        recorded
+    }
+
+    async fn record_with_retries(&self, outcome: &[u8]) -> Result<()> {
         let (scope, key) = (&self.scope, &self.key);
-        let deadline = Instant::now() + 2 * self.lease.ttl;
+        let mut deadline = None;
         let mut pause = Duration::from_millis(20);
         loop {
             let attempt = self
                 .store
                 .complete(scope, key, self.token, outcome, self.retention);
-            let error = match tokio::time::timeout_at(deadline, attempt).await {
+            let error = match tokio::time::timeout(RECORD_ATTEMPT_LIMIT, attempt).await {
                 Ok(Ok(Finish::Done)) => {
                     telemetry::completed(scope, key, self.lease.started.elapsed());
                     return Ok(());
@@ -1112,11 +1124,12 @@ impl RunningClaim {
                 Err(_) => Error::new(
                     ErrorKind::StoreUnavailable,
                     format!(
-                        "the store did not record the outcome within {}",
-                        crate::lock::describe_wait(2 * self.lease.ttl)
+                        "the store did not answer within {}",
+                        crate::lock::describe_wait(RECORD_ATTEMPT_LIMIT)
                     ),
                 ),
             };
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.lease.ttl);
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 telemetry::completion_failed(scope, key, &error);

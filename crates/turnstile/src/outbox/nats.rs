@@ -339,9 +339,10 @@ impl Publisher for JetStreamPublisher {
 
     fn reachable(&self) -> BoxFuture<'_, bool> {
         // A request JetStream itself answers (its account information), on the
-        // application's connection: a server whose JetStream is off or has no leader
-        // answers PINGs but stores nothing. Any answer, an error one too, is
-        // JetStream's; "no responders" or silence is not.
+        // application's connection: a server whose JetStream is off answers PINGs but
+        // not this ("no responders"). An error answer (an account without JetStream, a
+        // cluster without a leader) is still JetStream answering: the relay does not
+        // pause as a whole then, and each failing key backs off on its own.
         Box::pin(async move {
             let info = self
                 .jetstream
