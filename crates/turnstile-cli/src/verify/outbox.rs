@@ -219,18 +219,57 @@ async fn verify(args: VerifyOutboxArgs) -> anyhow::Result<bool> {
     Ok(passed)
 }
 
-/// Starts again every relay that ended (one that found the broker down when it
-/// started exits), as a supervisor would.
+/// Starts again every relay that ended, as a supervisor would. One that found the
+/// broker unreachable when it started exits with 69 (`EX_UNAVAILABLE`); any other end
+/// (a panic, a configuration error) goes into `unexpected`, which fails the run.
 fn supervise(
     relays: &mut [Child],
     relay: &impl Fn(usize) -> anyhow::Result<Child>,
+    unexpected: &mut Vec<String>,
 ) -> anyhow::Result<()> {
     for (index, running) in relays.iter_mut().enumerate() {
-        if running.try_wait().ok().flatten().is_some() {
+        if let Some(status) = running.try_wait().ok().flatten() {
+            if status.code() != Some(69) {
+                unexpected.push(format!("relay {index} ended: {status}"));
+            }
             *running = relay(index)?;
         }
     }
     Ok(())
+}
+
+/// A broker taken away by a `broker-*-at-start` episode, and when it comes back.
+struct BrokerAway {
+    fault: OutboxFault,
+    index: usize,
+    start: u64,
+    back_at: tokio::time::Instant,
+}
+
+impl BrokerAway {
+    /// Brings the broker back and records the episode.
+    fn end(
+        self,
+        nats: &NatsServer,
+        nemesis_log: &mut HistoryWriter,
+        windows: &mut Vec<FaultWindow>,
+        faults: &mut BTreeMap<String, usize>,
+    ) {
+        if self.fault == OutboxFault::BrokerFrozenAtStart {
+            nats.resume();
+        } else {
+            nats.start_again();
+        }
+        let name = self.fault.name();
+        nemesis_log.record(&Event::now(EventKind::FaultEnd, Some(self.index)).fault(name));
+        windows.push(FaultWindow {
+            fault: name.replace('-', " "),
+            target: None,
+            start: self.start,
+            end: monotonic_ns(),
+        });
+        *faults.entry(name.to_owned()).or_insert(0) += 1;
+    }
 }
 
 /// A relay process: `turnstile outbox relay`, started again after a kill.
@@ -328,6 +367,11 @@ async fn one_run(
         let started = tokio::time::Instant::now();
         let mut next_fault = started + Duration::from_secs(2);
         let mut fault_turn = 0;
+        // A broker episode under way: the application goes on enqueuing while the
+        // broker is away, so the relays take leases on new rows they cannot publish.
+        let mut broker_away: Option<BrokerAway> = None;
+        let mut unexpected_exits = Vec::new();
+        let mut supervised = tokio::time::Instant::now();
         let mut faults = BTreeMap::new();
         for n in 0..args.messages {
             let message = Message::json(
@@ -345,9 +389,20 @@ async fn one_run(
                 committed.insert(message.id().to_owned());
                 committed_at.insert(message.id().to_owned(), monotonic_ns());
             }
-            supervise(&mut relays, &relay)?;
+            // Every 100 ms at most: a relay that cannot connect exits at once, and is
+            // started again about that often, as a supervisor would.
+            if supervised.elapsed() >= Duration::from_millis(100) {
+                supervise(&mut relays, &relay, &mut unexpected_exits)?;
+                supervised = tokio::time::Instant::now();
+            }
+            if let Some(away) =
+                broker_away.take_if(|away| tokio::time::Instant::now() >= away.back_at)
+            {
+                away.end(nats, &mut nemesis_log, &mut windows, &mut faults);
+                next_fault = tokio::time::Instant::now() + Duration::from_secs(1);
+            }
             // Faults, in turn, between enqueues.
-            if tokio::time::Instant::now() >= next_fault {
+            if broker_away.is_none() && tokio::time::Instant::now() >= next_fault {
                 match args.fault {
                     // Relay kills and broker outages in turn.
                     OutboxFault::KillRelayBrokerOutage if fault_turn % 2 == 0 => {
@@ -400,44 +455,32 @@ async fn one_run(
                     OutboxFault::BrokerDownAtStart | OutboxFault::BrokerFrozenAtStart => {
                         // The broker goes away first; then one relay is killed and
                         // started again, so it starts with no broker to talk to (stopped:
-                        // it cannot connect and exits, and is started again every 100 ms,
-                        // as a supervisor would; frozen: its connect waits), while the
-                        // others go on with leases they cannot publish in, for longer
-                        // than a lease. None may give up for good, park a key, or publish
-                        // anything stale once the broker is back.
-                        let fault = args.fault.name();
+                        // it cannot connect and exits, and is started again; frozen: its
+                        // connect waits), while the others take leases on the rows the
+                        // application goes on enqueuing and cannot publish them, for
+                        // longer than a lease. None may give up for good, park a key, or
+                        // publish anything stale once the broker is back.
+                        let fault = args.fault;
                         let index = fault_turn % relays.len();
                         let start = monotonic_ns();
-                        nemesis_log
-                            .record(&Event::now(EventKind::FaultStart, Some(index)).fault(fault));
-                        let frozen = args.fault == OutboxFault::BrokerFrozenAtStart;
-                        if frozen {
+                        nemesis_log.record(
+                            &Event::now(EventKind::FaultStart, Some(index)).fault(fault.name()),
+                        );
+                        if fault == OutboxFault::BrokerFrozenAtStart {
                             nats.pause();
                         } else {
                             nats.stop();
                         }
                         let _ = relays[index].kill().await;
                         relays[index] = relay(index)?;
-                        let back_at =
-                            tokio::time::Instant::now() + RELAY_LEASE + Duration::from_secs(1);
-                        while tokio::time::Instant::now() < back_at {
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                            supervise(&mut relays, &relay)?;
-                        }
-                        if frozen {
-                            nats.resume();
-                        } else {
-                            nats.start_again();
-                        }
-                        nemesis_log
-                            .record(&Event::now(EventKind::FaultEnd, Some(index)).fault(fault));
-                        windows.push(FaultWindow {
-                            fault: fault.replace('-', " "),
-                            target: None,
+                        broker_away = Some(BrokerAway {
+                            fault,
+                            index,
                             start,
-                            end: monotonic_ns(),
+                            back_at: tokio::time::Instant::now()
+                                + RELAY_LEASE
+                                + Duration::from_secs(1),
                         });
-                        *faults.entry(fault.to_owned()).or_insert(0) += 1;
                     }
                     // The consumer's own faults: nothing to do between enqueues.
                     OutboxFault::FailingFirstDeliveries | OutboxFault::CompetingConsumers => {}
@@ -447,6 +490,10 @@ async fn one_run(
             }
             tokio::time::sleep_until(started + pace * u32::try_from(n + 1).unwrap_or(u32::MAX))
                 .await;
+        }
+        if let Some(away) = broker_away.take() {
+            tokio::time::sleep_until(away.back_at).await;
+            away.end(nats, &mut nemesis_log, &mut windows, &mut faults);
         }
         // Drain: the outbox empties and the consumer has handled every committed message
         // (or a minute passes).
@@ -463,12 +510,19 @@ async fn one_run(
             {
                 break;
             }
-            supervise(&mut relays, &relay)?;
+            supervise(&mut relays, &relay, &mut unexpected_exits)?;
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         // Late copies still in flight get a moment to arrive.
         tokio::time::sleep(Duration::from_secs(1)).await;
-        Ok::<_, anyhow::Error>((committed, committed_at, rolled_back, faults, windows))
+        Ok::<_, anyhow::Error>((
+            committed,
+            committed_at,
+            rolled_back,
+            faults,
+            windows,
+            unexpected_exits,
+        ))
     };
     let producing = async {
         let produced = producing.await;
@@ -476,7 +530,7 @@ async fn one_run(
         produced
     };
     let (counts, produced) = tokio::join!(consuming, producing);
-    let (committed, committed_at, rolled_back, mut faults, windows) = produced?;
+    let (committed, committed_at, rolled_back, mut faults, windows, unexpected_exits) = produced?;
     let ConsumerCounts {
         skipped: duplicates_skipped,
         failed_first_deliveries,
@@ -507,6 +561,15 @@ async fn one_run(
     }
     let mut verdicts = check(&committed, &rolled_back, &effects);
     verdicts.push(fault_happened(args.fault, &faults));
+    verdicts.push(Verdict {
+        check: "relays ended only for an unreachable broker",
+        passed: unexpected_exits.is_empty(),
+        detail: if unexpected_exits.is_empty() {
+            "every relay that ended had found the broker unreachable (exit 69)".to_owned()
+        } else {
+            unexpected_exits.join("; ")
+        },
+    });
     let chart = DeliveryChart::of(&committed_at, &handled_at, windows);
     let show = |p| percentile(&chart.delivery_ms, p);
     let delivery_ms = match (show(50.0), show(99.0), show(100.0)) {
