@@ -486,47 +486,36 @@ async fn a_body_that_panics_is_recorded_as_outcome_unknown() {
 /// so the retry is told so instead of running the handler again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_lost_mid_handler_is_recorded_as_outcome_unknown() {
-    use sqlx::Connection;
-    let app = app(
-        |layer| layer,
-        IdempotencyOptions::new().lease(Duration::from_secs(1)),
+    a_claim_lost_while_the_database_is_held_is_recorded_as_outcome_unknown(
+        "held",
+        Duration::from_millis(1_500),
     )
     .await;
-    let router = app.router.clone();
-    let first = tokio::spawn(async move {
-        send(
-            &router,
-            request("/payments", "acme", Some("held"), "linger"),
-        )
-        .await
-    });
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let url = format!("sqlite://{}", app.dir.path().join("keys.db").display());
-    let mut writer = sqlx::SqliteConnection::connect(&url).await.unwrap();
-    sqlx::query("BEGIN EXCLUSIVE")
-        .execute(&mut writer)
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    sqlx::query("COMMIT").execute(&mut writer).await.unwrap();
-    let (status, _, body) = first.await.unwrap();
-    assert!(status.is_server_error(), "{status}: {body}");
-    let (status, _, answer) = send(
-        &app.router,
-        request("/payments", "acme", Some("held"), "linger"),
-    )
-    .await;
-    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{answer}");
-    assert_eq!(problem_type(&answer), types::OUTCOME_UNKNOWN);
-    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the handler ran again");
 }
 
 /// The same with the store out of reach for longer than one attempt to record it (a
 /// writer holds the database past the store's 5 s busy timeout): the record is asked
-/// again, not once, so it still lands before the
-/// retry, which is told the outcome is unknown rather than running the handler again.
+/// again, not once, so it still lands before the retry, which is told the outcome is
+/// unknown rather than running the handler again. The handler lingers 3 s; the claim
+/// is lost at about 1 s. Its first record attempt waits out SQLite's 5 s busy timeout
+/// and fails at about 6 s; the next one (within a lease of that) waits for the
+/// writer, which commits at about 6.7 s, and lands. One attempt alone would not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_claims_outcome_unknown_is_recorded_though_the_first_try_fails() {
+    a_claim_lost_while_the_database_is_held_is_recorded_as_outcome_unknown(
+        "held-long",
+        Duration::from_millis(6_500),
+    )
+    .await;
+}
+
+/// A lingering request with the key `key` (lease 1 s), a writer holding the keys'
+/// database for `held` from 200 ms in; then the first attempt failed, and a retry is
+/// told the outcome is unknown, the handler having run once.
+async fn a_claim_lost_while_the_database_is_held_is_recorded_as_outcome_unknown(
+    key: &'static str,
+    held: Duration,
+) {
     use sqlx::Connection;
     let app = app(
         |layer| layer,
@@ -535,11 +524,7 @@ async fn a_lost_claims_outcome_unknown_is_recorded_though_the_first_try_fails() 
     .await;
     let router = app.router.clone();
     let first = tokio::spawn(async move {
-        send(
-            &router,
-            request("/payments", "acme", Some("held-long"), "linger"),
-        )
-        .await
+        send(&router, request("/payments", "acme", Some(key), "linger")).await
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
     let url = format!("sqlite://{}", app.dir.path().join("keys.db").display());
@@ -548,17 +533,13 @@ async fn a_lost_claims_outcome_unknown_is_recorded_though_the_first_try_fails() 
         .execute(&mut writer)
         .await
         .unwrap();
-    // The handler lingers 3 s; the claim is lost at about 1 s. Its first record
-    // attempt waits out SQLite's 5 s busy timeout and fails at about 6 s; the next
-    // one (within a lease of that) waits for the writer, which commits at about
-    // 6.7 s, and lands. One attempt alone would not.
-    tokio::time::sleep(Duration::from_millis(6_500)).await;
+    tokio::time::sleep(held).await;
     sqlx::query("COMMIT").execute(&mut writer).await.unwrap();
     let (status, _, body) = first.await.unwrap();
     assert!(status.is_server_error(), "{status}: {body}");
     let (status, _, answer) = send(
         &app.router,
-        request("/payments", "acme", Some("held-long"), "linger"),
+        request("/payments", "acme", Some(key), "linger"),
     )
     .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{answer}");
