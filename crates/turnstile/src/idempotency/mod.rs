@@ -1068,6 +1068,11 @@ impl RunningClaim {
             finished = self.store_outcome(&not_stored(error)).await;
         }
         self.keeper.stop();
+        self.settled(finished)
+    }
+
+    /// What a completion's caller learns of how it ended, counted and traced once.
+    fn settled(&self, finished: Result<Finish>) -> Result<()> {
         let (scope, key) = (&self.scope, &self.key);
         match finished {
             Ok(Finish::Done) => {
@@ -1094,12 +1099,12 @@ impl RunningClaim {
     /// (the store fences this one). The keeper renews the claim until the record lands
     /// or the attempts end.
     pub(crate) async fn complete_with_retries(mut self, outcome: &[u8]) -> Result<()> {
-        let recorded = self.record_with_retries(outcome).await;
+        let finished = self.record_with_retries(outcome).await;
         self.keeper.stop();
-        recorded
+        self.settled(finished)
     }
 
-    async fn record_with_retries(&self, outcome: &[u8]) -> Result<()> {
+    async fn record_with_retries(&self, outcome: &[u8]) -> Result<Finish> {
         let (scope, key) = (&self.scope, &self.key);
         let mut deadline = None;
         let mut pause = Duration::from_millis(20);
@@ -1108,19 +1113,8 @@ impl RunningClaim {
                 .store
                 .complete(scope, key, self.token, outcome, self.retention);
             let error = match tokio::time::timeout(RECORD_ATTEMPT_LIMIT, attempt).await {
-                Ok(Ok(Finish::Done)) => {
-                    telemetry::completed(scope, key, self.lease.started.elapsed());
-                    return Ok(());
-                }
-                Ok(Ok(Finish::Fenced)) => {
-                    telemetry::fenced_out(scope, key, self.token);
-                    return Err(fenced(scope, key));
-                }
                 Ok(Err(error)) if error.kind() == ErrorKind::StoreUnavailable => error,
-                Ok(Err(error)) => {
-                    telemetry::completion_failed(scope, key, &error);
-                    return Err(error);
-                }
+                Ok(finished) => return finished,
                 Err(_) => Error::new(
                     ErrorKind::StoreUnavailable,
                     format!(
@@ -1132,7 +1126,6 @@ impl RunningClaim {
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.lease.ttl);
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                telemetry::completion_failed(scope, key, &error);
                 return Err(error);
             }
             telemetry::completion_retried(scope, key, &error);
