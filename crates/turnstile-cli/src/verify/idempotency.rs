@@ -74,6 +74,12 @@ pub(crate) enum IdempotencyFault {
     /// this command started made the replica of an address nobody answers at), for 0.5
     /// to 1.5 leases: renewals and completions meet a transient error.
     StoreReadOnly,
+    /// Lock every record row from another client's transaction (`SELECT … FOR UPDATE
+    /// SKIP LOCKED`; a PostgreSQL or MariaDB server this command started) for 0.5 to
+    /// 1.5 leases, then roll it back: claims, renewals and completions of those keys
+    /// wait out the store's own lock timeout (PostgreSQL 55P03, MariaDB 1205), a
+    /// transient error.
+    StoreRowLock,
 }
 
 impl IdempotencyFault {
@@ -84,6 +90,7 @@ impl IdempotencyFault {
             IdempotencyFault::Restart => "restart",
             IdempotencyFault::StorePause => "store-pause",
             IdempotencyFault::StoreReadOnly => "store-read-only",
+            IdempotencyFault::StoreRowLock => "store-row-lock",
         }
     }
 }
@@ -691,6 +698,9 @@ struct FaultWindow {
     instance: Option<usize>,
     start_ns: u64,
     end_ns: u64,
+    /// What a `store-row-lock` episode held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    held_rows: Option<HeldRows>,
 }
 
 /// Which faults explain a second effect of one request, and how.
@@ -1185,6 +1195,7 @@ async fn verify(args: VerifyIdempotencyArgs) -> anyhow::Result<bool> {
                 IdempotencyFault::Restart,
                 IdempotencyFault::StorePause,
                 IdempotencyFault::StoreReadOnly,
+                IdempotencyFault::StoreRowLock,
             ],
         },
         // The first request's response is stored within its lease, or its claim is
@@ -1194,14 +1205,19 @@ async fn verify(args: VerifyIdempotencyArgs) -> anyhow::Result<bool> {
         // Redis keeps records only as far as its persistence does (best-effort).
         store_forgets: engine == Engine::Redis,
     };
-    let store_faults = [
+    let redis_faults = [
         IdempotencyFault::StorePause,
         IdempotencyFault::StoreReadOnly,
     ];
     anyhow::ensure!(
         matches!(store.as_ref(), Store::Redis(_))
-            || !args.faults.iter().any(|fault| store_faults.contains(fault)),
+            || !args.faults.iter().any(|fault| redis_faults.contains(fault)),
         "--faults store-pause and store-read-only need a Redis server this command starts (--store redis)"
+    );
+    anyhow::ensure!(
+        matches!(store.as_ref(), Store::Postgres(..) | Store::MariaDb(..))
+            || !args.faults.contains(&IdempotencyFault::StoreRowLock),
+        "--faults store-row-lock needs a PostgreSQL or MariaDB server this command starts (--store postgres or --store mariadb)"
     );
     let mut faults = args.faults.clone();
     if !store.can_restart(args.restart_cmd.as_deref())
@@ -1509,6 +1525,7 @@ async fn nemesis(
         turn += 1;
         let target = (rand::random::<u64>() % instances.len() as u64) as usize;
         let start_ns = monotonic_ns();
+        let mut held_rows = None;
         let instance = match fault {
             IdempotencyFault::KillInstance => {
                 ports
@@ -1567,12 +1584,23 @@ async fn nemesis(
                 }
                 None
             }
+            IdempotencyFault::StoreRowLock => {
+                let lasts = between(args.lease / 2, args.lease * 3 / 2);
+                let held = hold_record_rows(store, lasts).await?;
+                // Before the first request there is no row to hold: no fault.
+                if held.rows == 0 {
+                    continue;
+                }
+                held_rows = Some(held);
+                None
+            }
         };
         windows.push(FaultWindow {
             fault,
             instance,
             start_ns,
             end_ns: monotonic_ns(),
+            held_rows,
         });
         tokio::time::sleep(quiet).await;
     }
@@ -1594,6 +1622,90 @@ async fn redis_read_only(url: &str, read_only: bool) -> anyhow::Result<()> {
     }
     let () = command.query_async(&mut connection).await?;
     Ok(())
+}
+
+/// What a `store-row-lock` episode held.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+struct HeldRows {
+    /// Record rows held.
+    rows: usize,
+    /// Of them, claims in progress when the lock was taken: their renewals and (in the
+    /// lease mode) completions had to wait.
+    in_progress: usize,
+}
+
+/// Locks every record row no one else holds, from a transaction of its own, for
+/// `lasts`, then rolls back. It waits (up to 2 s) for a moment when a claim is in
+/// progress, so that renewals and completions meet the lock, not only new claims. The
+/// table is the store's default one (`turnstile_idempotency`; schema `public` on
+/// PostgreSQL), as the instances of a run open it.
+async fn hold_record_rows(store: &Store, lasts: Duration) -> anyhow::Result<HeldRows> {
+    use sqlx::Connection as _;
+    match store {
+        #[cfg(feature = "postgres")]
+        Store::Postgres(server, _) => {
+            hold_rows::<sqlx::Postgres>(
+                sqlx::PgConnection::connect(&server.url()).await?,
+                "SELECT state FROM \"public\".\"turnstile_idempotency\" FOR UPDATE SKIP LOCKED",
+                lasts,
+            )
+            .await
+        }
+        #[cfg(feature = "mysql")]
+        Store::MariaDb(_, url) => {
+            hold_rows::<sqlx::MySql>(
+                sqlx::MySqlConnection::connect(url).await?,
+                "SELECT state FROM turnstile_idempotency FOR UPDATE SKIP LOCKED",
+                lasts,
+            )
+            .await
+        }
+        _ => anyhow::bail!(
+            "store-row-lock needs a PostgreSQL or MariaDB server this command started, in a build with its support"
+        ),
+    }
+}
+
+/// [`hold_record_rows`] on one engine's connection; `select` locks the rows and
+/// returns each one's state.
+async fn hold_rows<DB>(
+    mut connection: DB::Connection,
+    select: &'static str,
+    lasts: Duration,
+) -> anyhow::Result<HeldRows>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    use sqlx::{Connection as _, Row as _};
+    let waiting_since = std::time::Instant::now();
+    loop {
+        let mut transaction = connection.begin().await?;
+        let states: Vec<String> = sqlx::query(select)
+            .fetch_all(&mut *transaction)
+            .await?
+            .iter()
+            .map(|row| row.try_get(0))
+            .collect::<Result<_, _>>()?;
+        let held = HeldRows {
+            rows: states.len(),
+            in_progress: states
+                .iter()
+                .filter(|state| *state == "in_progress")
+                .count(),
+        };
+        if held.in_progress == 0 && waiting_since.elapsed() < Duration::from_secs(2) {
+            transaction.rollback().await?;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            continue;
+        }
+        tokio::time::sleep(lasts).await;
+        transaction.rollback().await?;
+        return Ok(held);
+    }
 }
 
 /// Without Redis support there is no Redis store to make read-only.
@@ -1675,6 +1787,7 @@ mod tests {
             instance: Some(instance),
             start_ns: 2_000,
             end_ns: 3_000,
+            held_rows: None,
         };
         assert!(!passed(
             &super::check(&requests, &effects, &[kill(2)], &all),
@@ -1790,6 +1903,7 @@ mod tests {
             instance,
             start_ns,
             end_ns: start_ns + 1_000,
+            held_rows: None,
         };
         let explained = |windows: &[FaultWindow], explaining: &Explaining| {
             passed(
