@@ -1017,6 +1017,20 @@ pub(crate) fn cursor_step(last: i64, seq: i64) -> CursorStep {
     }
 }
 
+/// How [`RunningClaim::store_outcome`] retries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "axum"), allow(dead_code))]
+enum Retrying {
+    /// A completion: given up at once when the claim is lost, and after one lease
+    /// length of transient refusals while renewals get through (a refusal that lasts
+    /// that long is taken as caused by this outcome).
+    WhileHeld,
+    /// A cut-off handler's record: tried whether or not the claim is lost, each attempt
+    /// bounded by [`RECORD_ATTEMPT_LIMIT`], for one lease length after the first
+    /// failure (it must land before anyone claims the key again).
+    PastLoss,
+}
+
 /// What [`Idempotency::begin`] found.
 pub(crate) enum Begun {
     Started(RunningClaim),
@@ -1056,7 +1070,7 @@ impl RunningClaim {
         outcome: &[u8],
         not_stored: impl FnOnce(&Error) -> Vec<u8>,
     ) -> Result<()> {
-        let mut finished = self.store_outcome(outcome).await;
+        let mut finished = self.store_outcome(outcome, Retrying::WhileHeld).await;
         if let Err(error) = &finished
             && error.kind() != ErrorKind::LockLost
             && !self.lease.is_lost()
@@ -1065,7 +1079,9 @@ impl RunningClaim {
             // length while the lease held (a statement timeout the outcome itself
             // causes): a small marker tells repeats, instead of retrying for ever.
             telemetry::not_stored(&self.scope, &self.key, error);
-            finished = self.store_outcome(&not_stored(error)).await;
+            finished = self
+                .store_outcome(&not_stored(error), Retrying::WhileHeld)
+                .await;
         }
         self.keeper.stop();
         self.settled(finished)
@@ -1098,85 +1114,84 @@ impl RunningClaim {
     /// retry runs the handler a second time; a newer claim's record is never touched
     /// (the store fences this one). The keeper renews the claim until the record lands
     /// or the attempts end.
+    #[cfg(feature = "axum")]
     pub(crate) async fn complete_with_retries(mut self, outcome: &[u8]) -> Result<()> {
-        let finished = self.record_with_retries(outcome).await;
+        let finished = self.store_outcome(outcome, Retrying::PastLoss).await;
         self.keeper.stop();
         self.settled(finished)
     }
 
-    async fn record_with_retries(&self, outcome: &[u8]) -> Result<Finish> {
+    /// One outcome stored, a transient refusal (or, with [`Retrying::PastLoss`], an
+    /// attempt that does not answer within [`RECORD_ATTEMPT_LIMIT`]) tried again with a
+    /// growing pause while the keeper renews the lease, for one lease length at most.
+    async fn store_outcome(&self, outcome: &[u8], retrying: Retrying) -> Result<Finish> {
         let (scope, key) = (&self.scope, &self.key);
-        let mut deadline = None;
+        let while_held = retrying == Retrying::WhileHeld;
+        let lost = self.lease.lost_signal();
+        tokio::pin!(lost);
+        let window = self.lease.ttl;
+        // While the claim holds, the length counts from the first attempt; past its
+        // loss, from the first failure.
+        let mut deadline = while_held.then(|| Instant::now() + window);
+        let longest_pause = if while_held {
+            Duration::from_secs(1)
+        } else {
+            // Once the store is back, a retry of the request may claim the key at any
+            // moment, and the record must come first.
+            Duration::from_millis(200)
+        };
         let mut pause = Duration::from_millis(20);
         loop {
             let attempt = self
                 .store
                 .complete(scope, key, self.token, outcome, self.retention);
-            let error = match tokio::time::timeout(RECORD_ATTEMPT_LIMIT, attempt).await {
-                Ok(Err(error)) if error.kind() == ErrorKind::StoreUnavailable => error,
-                Ok(finished) => return finished,
-                Err(_) => Error::new(
-                    ErrorKind::StoreUnavailable,
-                    format!(
-                        "the store did not answer within {}",
-                        crate::lock::describe_wait(RECORD_ATTEMPT_LIMIT)
-                    ),
-                ),
+            let finished = if while_held {
+                attempt.await
+            } else {
+                tokio::time::timeout(RECORD_ATTEMPT_LIMIT, attempt)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(Error::new(
+                            ErrorKind::StoreUnavailable,
+                            format!(
+                                "the store did not answer within {}",
+                                crate::lock::describe_wait(RECORD_ATTEMPT_LIMIT)
+                            ),
+                        ))
+                    })
             };
-            let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.lease.ttl);
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(error);
-            }
-            telemetry::completion_retried(scope, key, &error);
-            tokio::time::sleep(pause.min(left)).await;
-            // Short pauses: once the store is back, a retry of the request may claim
-            // the key at any moment, and the record must come first.
-            pause = (pause * 2).min(Duration::from_millis(200));
-        }
-    }
-
-    /// One outcome stored, retrying a transient refusal with a growing pause while the
-    /// watchdog keeps the lease, for one lease length at most: a refusal that lasts
-    /// that long while renewals get through is taken as caused by this outcome. Gives
-    /// up at once when the claim is lost.
-    async fn store_outcome(&self, outcome: &[u8]) -> Result<Finish> {
-        let (scope, key) = (&self.scope, &self.key);
-        let lost = self.lease.lost_signal();
-        tokio::pin!(lost);
-        let window = self.lease.ttl;
-        let deadline = Instant::now() + window;
-        let mut pause = Duration::from_millis(20);
-        loop {
-            let error = match self
-                .store
-                .complete(scope, key, self.token, outcome, self.retention)
-                .await
-            {
+            let error = match finished {
                 Err(error) if error.kind() == ErrorKind::StoreUnavailable => error,
                 finished => return finished,
             };
-            if self.lease.is_lost() {
+            if while_held && self.lease.is_lost() {
                 return Err(not_stored_before_loss(&self.lease, error));
             }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + window);
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(Error::new(
-                    ErrorKind::StoreUnavailable,
-                    format!(
-                        "the store refused the outcome for {} while the claim was kept",
-                        crate::lock::describe_wait(window)
-                    ),
-                )
-                .with_source(error));
+                return Err(if while_held {
+                    Error::new(
+                        ErrorKind::StoreUnavailable,
+                        format!(
+                            "the store refused the outcome for {} while the claim was kept",
+                            crate::lock::describe_wait(window)
+                        ),
+                    )
+                    .with_source(error)
+                } else {
+                    error
+                });
             }
             telemetry::completion_retried(scope, key, &error);
             tokio::select! {
                 biased;
-                _ = &mut lost => return Err(not_stored_before_loss(&self.lease, error)),
+                _ = &mut lost, if while_held => {
+                    return Err(not_stored_before_loss(&self.lease, error));
+                }
                 () = tokio::time::sleep(pause.min(left)) => {}
             }
-            pause = (pause * 2).min(Duration::from_secs(1));
+            pause = (pause * 2).min(longest_pause);
         }
     }
 

@@ -38,6 +38,7 @@ pub mod sqlite;
 #[cfg(feature = "zookeeper")]
 pub mod zookeeper;
 
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) use crate::clock::ceil_millis;
 pub use crate::error::LossReason;
 pub use crate::future::BoxFuture;
