@@ -449,8 +449,8 @@ fn idempotency_on_redis_passes_when_the_store_freezes_or_turns_read_only() {
 }
 
 /// The transaction mode on PostgreSQL and MariaDB while another client's transaction
-/// holds every record row locked past the store's own lock timeout: claims, renewals
-/// and completions meet a transient error (55P03, 1205), and still every request has
+/// holds every record row locked past the store's own lock timeout: claims and
+/// renewals meet it (55P03, 1205; completions wait for the lock), and still every request has
 /// exactly one effect, its own answer, and an answer. (The lease mode under this fault
 /// runs in the campaign: there a second effect is the mode's documented cost.)
 #[test]

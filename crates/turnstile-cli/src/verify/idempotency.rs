@@ -74,11 +74,13 @@ pub(crate) enum IdempotencyFault {
     /// this command started made the replica of an address nobody answers at), for 0.5
     /// to 1.5 leases: renewals and completions meet a transient error.
     StoreReadOnly,
-    /// Lock every record row from another client's transaction (`SELECT … FOR UPDATE
-    /// SKIP LOCKED`; a PostgreSQL or MariaDB server this command started) for 0.5 to
-    /// 1.5 leases, then roll it back: claims, renewals and completions of those keys
-    /// wait out the store's own lock timeout (PostgreSQL 55P03, MariaDB 1205), a
-    /// transient error.
+    /// Lock every record row no one else holds from another client's transaction
+    /// (`SELECT … FOR UPDATE SKIP LOCKED`; a PostgreSQL or MariaDB server this command
+    /// started) for 0.5 to 1.5 leases, then roll it back: claims and renewals of those
+    /// keys wait out the store's own lock timeout (PostgreSQL 55P03 after 250 ms,
+    /// MariaDB 1205 after 1 s; a claim is answered "in progress", a renewal retried),
+    /// and so do the lease mode's completions; the transaction mode's completions, on
+    /// the application's own pool, wait for the lock to end.
     StoreRowLock,
 }
 
@@ -1524,7 +1526,7 @@ async fn nemesis(
         let fault = faults[turn % faults.len()];
         turn += 1;
         let target = (rand::random::<u64>() % instances.len() as u64) as usize;
-        let start_ns = monotonic_ns();
+        let mut start_ns = monotonic_ns();
         let mut held_rows = None;
         let instance = match fault {
             IdempotencyFault::KillInstance => {
@@ -1586,7 +1588,8 @@ async fn nemesis(
             }
             IdempotencyFault::StoreRowLock => {
                 let lasts = between(args.lease / 2, args.lease * 3 / 2);
-                let held = hold_record_rows(store, lasts).await?;
+                let (held, locked_at_ns) = hold_record_rows(store, lasts).await?;
+                start_ns = locked_at_ns;
                 // Before the first request there is no row to hold: no fault.
                 if held.rows == 0 {
                     continue;
@@ -1639,7 +1642,7 @@ struct HeldRows {
 /// progress, so that renewals and completions meet the lock, not only new claims. The
 /// table is the store's default one (`turnstile_idempotency`; schema `public` on
 /// PostgreSQL), as the instances of a run open it.
-async fn hold_record_rows(store: &Store, lasts: Duration) -> anyhow::Result<HeldRows> {
+async fn hold_record_rows(store: &Store, lasts: Duration) -> anyhow::Result<(HeldRows, u64)> {
     use sqlx::Connection as _;
     match store {
         #[cfg(feature = "postgres")]
@@ -1667,12 +1670,13 @@ async fn hold_record_rows(store: &Store, lasts: Duration) -> anyhow::Result<Held
 }
 
 /// [`hold_record_rows`] on one engine's connection; `select` locks the rows and
-/// returns each one's state.
+/// returns each one's state. Returns what it held and when the lock was taken (the
+/// fault's start: the wait before it only took locks for milliseconds).
 async fn hold_rows<DB>(
     mut connection: DB::Connection,
     select: &'static str,
     lasts: Duration,
-) -> anyhow::Result<HeldRows>
+) -> anyhow::Result<(HeldRows, u64)>
 where
     DB: sqlx::Database,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
@@ -1702,9 +1706,10 @@ where
             tokio::time::sleep(Duration::from_millis(5)).await;
             continue;
         }
+        let locked_at_ns = monotonic_ns();
         tokio::time::sleep(lasts).await;
         transaction.rollback().await?;
-        return Ok(held);
+        return Ok((held, locked_at_ns));
     }
 }
 
