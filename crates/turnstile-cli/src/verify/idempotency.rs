@@ -1504,6 +1504,12 @@ fn quiet(lease: Duration) -> Duration {
     (3 * lease).max(Duration::from_secs(2))
 }
 
+/// How long a fault of the store lasts: 0.5 to 1.5 leases, shorter than a lease in some
+/// episodes and longer in others.
+fn store_fault_length(lease: Duration) -> Duration {
+    between(lease / 2, lease * 3 / 2)
+}
+
 /// Injects faults in turn until the run's end, with quiet periods between.
 #[allow(clippy::too_many_arguments)]
 async fn nemesis(
@@ -1574,7 +1580,7 @@ async fn nemesis(
                 let Store::Redis(server) = store.as_ref() else {
                     anyhow::bail!("{} needs a Redis server this command started", fault.name());
                 };
-                let lasts = between(args.lease / 2, args.lease * 3 / 2);
+                let lasts = store_fault_length(args.lease);
                 if fault == IdempotencyFault::StorePause {
                     server.pause();
                     tokio::time::sleep(lasts).await;
@@ -1587,8 +1593,8 @@ async fn nemesis(
                 None
             }
             IdempotencyFault::StoreRowLock => {
-                let lasts = between(args.lease / 2, args.lease * 3 / 2);
-                let (held, locked_at_ns) = hold_record_rows(store, lasts).await?;
+                let (held, locked_at_ns) =
+                    hold_record_rows(store, store_fault_length(args.lease)).await?;
                 start_ns = locked_at_ns;
                 // Before the first request there is no row to hold: no fault.
                 if held.rows == 0 {
@@ -1625,6 +1631,12 @@ async fn redis_read_only(url: &str, read_only: bool) -> anyhow::Result<()> {
     }
     let () = command.query_async(&mut connection).await?;
     Ok(())
+}
+
+/// Without Redis support there is no Redis store to make read-only.
+#[cfg(not(feature = "redis"))]
+async fn redis_read_only(_url: &str, _read_only: bool) -> anyhow::Result<()> {
+    anyhow::bail!("store-read-only needs a build with Redis support")
 }
 
 /// What a `store-row-lock` episode held.
@@ -1711,12 +1723,6 @@ where
         transaction.rollback().await?;
         return Ok((held, locked_at_ns));
     }
-}
-
-/// Without Redis support there is no Redis store to make read-only.
-#[cfg(not(feature = "redis"))]
-async fn redis_read_only(_url: &str, _read_only: bool) -> anyhow::Result<()> {
-    anyhow::bail!("store-read-only needs a build with Redis support")
 }
 
 #[cfg(test)]
